@@ -1,0 +1,115 @@
+// Command sonard is the Sonar-MoE server: it owns the optimizer state of
+// expert tensors and applies AdamW to them when a client (the Python
+// sonar_moe package) hands it a gradient in shared memory.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"runtime"
+	"syscall"
+
+	"github.com/sonar-moe/sonar/ipc"
+	"github.com/sonar-moe/sonar/ipcbridge"
+	"github.com/sonar-moe/sonar/optimizer"
+	"github.com/sonar-moe/sonar/optimizer/vml"
+	"github.com/sonar-moe/sonar/server"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+// Exit codes.
+const (
+	exitOK    = 0
+	exitError = 1
+	exitUsage = 2
+)
+
+func main() { os.Exit(run()) }
+
+func run() int {
+	fs := flag.NewFlagSet("sonard", flag.ContinueOnError)
+	listen := fs.String("listen", "ipc:///tmp/sonard/sonard.sock", "ZeroMQ endpoint to bind: ipc:///path or tcp://host:port")
+	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
+	logFormat := fs.String("log-format", "console", "log format: console or json")
+	workers := fs.Int("workers", runtime.GOMAXPROCS(0), "goroutines per tensor update")
+	shmDir := fs.String("shm-dir", "/dev/shm", "directory of POSIX shared memory")
+	torchLib := fs.String("torch-lib", os.Getenv("SONAR_TORCH_LIB"), "libtorch_cpu.so whose float32 sqrt (MKL vmsSqrt) to use, for bit-for-bit equality with that torch (env SONAR_TORCH_LIB); empty: IEEE sqrt")
+	version := fs.Bool("version", false, "print the version and exit")
+	if err := fs.Parse(os.Args[1:]); err != nil {
+		return exitUsage
+	}
+	if *version {
+		fmt.Printf("sonard %s (protocol %d)\n", server.Version, ipc.Version)
+		return exitOK
+	}
+	log, err := newLogger(*logLevel, *logFormat)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "sonard:", err)
+		return exitUsage
+	}
+	defer log.Sync() //nolint:errcheck
+
+	engine := optimizer.NewEngine()
+	engine.Workers = *workers
+	if *torchLib != "" {
+		sq, err := vml.Load(*torchLib)
+		if err != nil {
+			log.Error("--torch-lib", zap.Error(err))
+			return exitError
+		}
+		engine.Sqrt = sq.Apply
+		engine.SqrtName = "mkl:" + sq.Path
+	}
+	srv := server.New(log, ipcbridge.ShmMapper{Dir: *shmDir, Unlink: true}, engine)
+	tr, err := ipc.Listen(*listen, log)
+	if err != nil {
+		log.Error("listen failed", zap.Error(err))
+		return exitError
+	}
+	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer cancel()
+	go func() {
+		select {
+		case <-srv.Done():
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	log.Info("sonard listening", zap.String("addr", *listen), zap.String("version", server.Version),
+		zap.Int("protocol", ipc.Version), zap.Int("workers", engine.Workers), zap.String("sqrt", engine.SqrtName), zap.Int("pid", os.Getpid()))
+	serveErr := tr.Serve(ctx, srv)
+	srv.Close()
+	if err := tr.Close(); err != nil {
+		log.Warn("closing socket", zap.Error(err))
+	}
+	if serveErr != nil {
+		log.Error("serve failed", zap.Error(serveErr))
+		return exitError
+	}
+	log.Info("sonard stopped")
+	return exitOK
+}
+
+func newLogger(level, format string) (*zap.Logger, error) {
+	lvl, err := zapcore.ParseLevel(level)
+	if err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	var cfg zap.Config
+	switch format {
+	case "json":
+		cfg = zap.NewProductionConfig()
+	case "console":
+		cfg = zap.NewDevelopmentConfig()
+		cfg.DisableStacktrace = true
+	default:
+		return nil, fmt.Errorf("--log-format %q: want console or json", format)
+	}
+	cfg.Level = zap.NewAtomicLevelAt(lvl)
+	cfg.OutputPaths = []string{"stderr"}
+	return cfg.Build()
+}

@@ -1,0 +1,14 @@
+module github.com/sonar-moe/sonar
+
+go 1.26.8
+
+require (
+	github.com/pebbe/zmq4 v1.4.0
+	github.com/vmihailenco/msgpack/v5 v5.4.1
+	go.uber.org/zap v1.28.0
+)
+
+require (
+	github.com/vmihailenco/tagparser/v2 v2.0.0 // indirect
+	go.uber.org/multierr v1.10.0 // indirect
+)

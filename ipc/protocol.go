@@ -1,0 +1,323 @@
+// Package ipc owns the wire protocol between the Python client and sonard:
+// msgpack-encoded messages (a versioned envelope around one body per
+// operation), their validation, and the ZeroMQ ROUTER transport that carries
+// them. docs/protocol.md is the human-readable specification.
+package ipc
+
+import (
+	"errors"
+	"fmt"
+	"math"
+
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// Version is the protocol version carried in every message. A server
+// answers a message of another version with an error reply.
+const Version = 1
+
+// Operations.
+const (
+	OpHello    = "hello"
+	OpAttach   = "attach"
+	OpRegister = "register"
+	OpStep     = "step"
+	OpExport   = "export"
+	OpImport   = "import"
+	OpDetach   = "detach"
+	OpStats    = "stats"
+	OpBye      = "bye"
+	OpShutdown = "shutdown"
+)
+
+// Limits on what one message may ask for.
+const (
+	MaxMessageBytes = 4 << 20 // one message (bodies carry references, not data)
+	MaxItems        = 4096    // tensors in one register or step
+	MaxDims         = 8
+	MaxNameLen      = 512
+)
+
+// Request is the envelope of every client message.
+type Request struct {
+	V    int                `msgpack:"v"`
+	Op   string             `msgpack:"op"`
+	ID   uint64             `msgpack:"id"`
+	Body msgpack.RawMessage `msgpack:"body"`
+}
+
+// Reply is the envelope of every server message. OK false carries Error; the
+// server did nothing for that request.
+type Reply struct {
+	V     int    `msgpack:"v"`
+	ID    uint64 `msgpack:"id"`
+	OK    bool   `msgpack:"ok"`
+	Error string `msgpack:"error,omitempty"`
+	Body  any    `msgpack:"body,omitempty"`
+}
+
+// MemRef names bytes [Offset, Offset+Bytes) of an attached segment.
+type MemRef struct {
+	Seg    uint32 `msgpack:"seg"`
+	Offset int64  `msgpack:"off"`
+	Bytes  int64  `msgpack:"nbytes"`
+}
+
+// Hello opens a session.
+type Hello struct {
+	Client     string `msgpack:"client"`
+	PID        int    `msgpack:"pid"`
+	Torch      string `msgpack:"torch"`
+	Threads    int    `msgpack:"threads"`
+	Capability string `msgpack:"capability"`
+}
+
+// HelloReply answers Hello.
+type HelloReply struct {
+	Server   string `msgpack:"server"`
+	Protocol int    `msgpack:"protocol"`
+	PID      int    `msgpack:"pid"`
+	Workers  int    `msgpack:"workers"`
+	Sqrt     string `msgpack:"sqrt"` // "ieee" or "mkl:<library>"
+}
+
+// Attach asks the server to map a shared-memory segment the client created.
+type Attach struct {
+	Shm  string `msgpack:"shm"`
+	Size int64  `msgpack:"size"`
+}
+
+// AttachReply gives the segment's id for MemRefs.
+type AttachReply struct {
+	Seg uint32 `msgpack:"seg"`
+}
+
+// HyperMsg are AdamW hyper-parameters at registration.
+type HyperMsg struct {
+	LR          float64 `msgpack:"lr"`
+	Beta1       float64 `msgpack:"beta1"`
+	Beta2       float64 `msgpack:"beta2"`
+	Eps         float64 `msgpack:"eps"`
+	WeightDecay float64 `msgpack:"weight_decay"`
+	Amsgrad     bool    `msgpack:"amsgrad"`
+	Maximize    bool    `msgpack:"maximize"`
+}
+
+// TensorSpec describes one tensor to register.
+type TensorSpec struct {
+	Name  string   `msgpack:"name"`
+	Shape []int64  `msgpack:"shape"`
+	DType string   `msgpack:"dtype"`
+	Param MemRef   `msgpack:"param"`
+	Hyper HyperMsg `msgpack:"hyper"`
+}
+
+// Register registers tensors; all or none.
+type Register struct {
+	Tensors []TensorSpec `msgpack:"tensors"`
+}
+
+// RegisterReply gives tensor ids, in request order.
+type RegisterReply struct {
+	IDs []uint32 `msgpack:"ids"`
+}
+
+// ScalarsMsg are one step's constants, computed by the client as torch does.
+type ScalarsMsg struct {
+	Decay       float64 `msgpack:"decay"`
+	ApplyDecay  bool    `msgpack:"apply_decay"`
+	Beta1W      float64 `msgpack:"beta1_w"`
+	Beta2       float64 `msgpack:"beta2"`
+	OneMinusB2  float64 `msgpack:"one_minus_beta2"`
+	NegStepSize float64 `msgpack:"neg_step_size"`
+	BC2Sqrt     float64 `msgpack:"bc2_sqrt"`
+	Eps         float64 `msgpack:"eps"`
+	Amsgrad     bool    `msgpack:"amsgrad"`
+	Maximize    bool    `msgpack:"maximize"`
+}
+
+// StepItem is one tensor's gradient. Apply false accumulates it (a
+// micro-batch of gradient accumulation); Apply true adds it to what was
+// accumulated and runs AdamW. Grad may be absent (Seg 0) with Apply true to
+// apply what was accumulated. Step is the tensor's step count after this
+// update as the client counts it (checked when Apply is set).
+type StepItem struct {
+	Tensor  uint32     `msgpack:"tensor"`
+	Grad    MemRef     `msgpack:"grad"`
+	Apply   bool       `msgpack:"apply"`
+	Step    int64      `msgpack:"step"`
+	Scalars ScalarsMsg `msgpack:"scalars"`
+}
+
+// Step carries the gradients of one group of tensors (a layer's experts).
+type Step struct {
+	Items []StepItem `msgpack:"items"`
+}
+
+// StepReply says the gradients' memory may be reused.
+type StepReply struct {
+	Applied     int   `msgpack:"applied"`
+	Accumulated int   `msgpack:"accumulated"`
+	Bytes       int64 `msgpack:"bytes"`
+	Micros      int64 `msgpack:"micros"`
+}
+
+// StateXfer moves one tensor's optimizer state through shared memory, in
+// the tensor's dtype: export copies the server's state into the referenced
+// memory (and returns the step in the reply), import copies it from there.
+// MaxExpAvgSq is used with amsgrad only (Seg 0 otherwise).
+type StateXfer struct {
+	Tensor      uint32 `msgpack:"tensor"`
+	Step        int64  `msgpack:"step"`
+	ExpAvg      MemRef `msgpack:"exp_avg"`
+	ExpAvgSq    MemRef `msgpack:"exp_avg_sq"`
+	MaxExpAvgSq MemRef `msgpack:"max_exp_avg_sq"`
+}
+
+// ExportReply answers an export.
+type ExportReply struct {
+	Step    int64 `msgpack:"step"`
+	Amsgrad bool  `msgpack:"amsgrad"`
+}
+
+// Detach unmaps a segment the session attached.
+type Detach struct {
+	Seg uint32 `msgpack:"seg"`
+}
+
+// Stats are the server's counters.
+type Stats struct {
+	Requests      int64            `msgpack:"requests"`
+	Errors        int64            `msgpack:"errors"`
+	StepItems     int64            `msgpack:"step_items"`
+	BytesUpdated  int64            `msgpack:"bytes_updated"`
+	Tensors       int              `msgpack:"tensors"`
+	StateBytes    int64            `msgpack:"state_bytes"`
+	Segments      int              `msgpack:"segments"`
+	SegmentBytes  int64            `msgpack:"segment_bytes"`
+	Sessions      int              `msgpack:"sessions"`
+	StepMicrosP50 int64            `msgpack:"step_us_p50"`
+	StepMicrosP99 int64            `msgpack:"step_us_p99"`
+	StepMicrosMax int64            `msgpack:"step_us_max"`
+	ByOp          map[string]int64 `msgpack:"by_op"`
+}
+
+// ErrProtocol marks malformed or unsupported messages.
+var ErrProtocol = errors.New("protocol error")
+
+// DecodeRequest decodes and checks the envelope. On error the returned
+// request may still carry the id, so the reply can name it.
+func DecodeRequest(b []byte) (Request, error) {
+	var r Request
+	if len(b) > MaxMessageBytes {
+		return r, fmt.Errorf("%w: message of %d bytes exceeds %d", ErrProtocol, len(b), MaxMessageBytes)
+	}
+	if err := msgpack.Unmarshal(b, &r); err != nil {
+		return Request{}, fmt.Errorf("%w: malformed msgpack envelope: %v", ErrProtocol, err)
+	}
+	if r.V != Version {
+		return r, fmt.Errorf("%w: unsupported protocol version %d (server speaks %d)", ErrProtocol, r.V, Version)
+	}
+	if r.Op == "" {
+		return r, fmt.Errorf("%w: missing op", ErrProtocol)
+	}
+	return r, nil
+}
+
+// DecodeBody decodes the request's body into v and validates it when v has
+// a Validate method.
+func DecodeBody(r Request, v any) error {
+	if len(r.Body) == 0 {
+		return fmt.Errorf("%w: %s: missing body", ErrProtocol, r.Op)
+	}
+	if err := msgpack.Unmarshal(r.Body, v); err != nil {
+		return fmt.Errorf("%w: %s: malformed body: %v", ErrProtocol, r.Op, err)
+	}
+	if val, ok := v.(interface{ Validate() error }); ok {
+		if err := val.Validate(); err != nil {
+			return fmt.Errorf("%w: %s: %v", ErrProtocol, r.Op, err)
+		}
+	}
+	return nil
+}
+
+// EncodeReply encodes a reply envelope.
+func EncodeReply(r Reply) ([]byte, error) {
+	r.V = Version
+	b, err := msgpack.Marshal(&r)
+	if err != nil {
+		return nil, fmt.Errorf("encode reply %d: %w", r.ID, err)
+	}
+	return b, nil
+}
+
+func finite(x float64) bool { return !math.IsNaN(x) && !math.IsInf(x, 0) }
+
+// Validate checks a Register body's shape (not memory: the server does that).
+func (r *Register) Validate() error {
+	if len(r.Tensors) == 0 || len(r.Tensors) > MaxItems {
+		return fmt.Errorf("%d tensors (want 1..%d)", len(r.Tensors), MaxItems)
+	}
+	for i, t := range r.Tensors {
+		if t.Name == "" || len(t.Name) > MaxNameLen {
+			return fmt.Errorf("tensor %d: name length %d (want 1..%d)", i, len(t.Name), MaxNameLen)
+		}
+		if len(t.Shape) == 0 || len(t.Shape) > MaxDims {
+			return fmt.Errorf("tensor %q: %d dims (want 1..%d)", t.Name, len(t.Shape), MaxDims)
+		}
+		n := int64(1)
+		for _, d := range t.Shape {
+			if d <= 0 || d > 1<<40 || n > (1<<40)/d {
+				return fmt.Errorf("tensor %q: shape %v out of range", t.Name, t.Shape)
+			}
+			n *= d
+		}
+		for _, x := range []float64{t.Hyper.LR, t.Hyper.Beta1, t.Hyper.Beta2, t.Hyper.Eps, t.Hyper.WeightDecay} {
+			if !finite(x) {
+				return fmt.Errorf("tensor %q: non-finite hyper-parameter", t.Name)
+			}
+		}
+	}
+	return nil
+}
+
+// Numel is the product of the spec's shape (valid after Validate).
+func (t TensorSpec) Numel() int64 {
+	n := int64(1)
+	for _, d := range t.Shape {
+		n *= d
+	}
+	return n
+}
+
+// Validate checks a Step body's shape.
+func (s *Step) Validate() error {
+	if len(s.Items) == 0 || len(s.Items) > MaxItems {
+		return fmt.Errorf("%d items (want 1..%d)", len(s.Items), MaxItems)
+	}
+	seen := make(map[uint32]bool, len(s.Items))
+	for i, it := range s.Items {
+		if seen[it.Tensor] {
+			return fmt.Errorf("item %d: tensor %d appears twice", i, it.Tensor)
+		}
+		seen[it.Tensor] = true
+		if it.Grad.Seg == 0 && !it.Apply {
+			return fmt.Errorf("item %d: no gradient and nothing to apply", i)
+		}
+		sc := it.Scalars
+		for _, x := range []float64{sc.Decay, sc.Beta1W, sc.Beta2, sc.OneMinusB2, sc.NegStepSize, sc.BC2Sqrt, sc.Eps} {
+			if it.Apply && !finite(x) {
+				return fmt.Errorf("item %d: non-finite scalar", i)
+			}
+		}
+	}
+	return nil
+}
+
+// Validate checks an Attach body.
+func (a *Attach) Validate() error {
+	if a.Shm == "" || a.Size <= 0 {
+		return fmt.Errorf("attach needs a name and a positive size")
+	}
+	return nil
+}

@@ -1,0 +1,157 @@
+package ipc
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	zmq "github.com/pebbe/zmq4"
+	"go.uber.org/zap"
+)
+
+// Handler serves one decoded request of one client (identified by its
+// ZeroMQ routing id) and returns the reply body or an error. Handle is only
+// ever called from the transport's goroutine.
+type Handler interface {
+	Handle(client string, req Request) (any, error)
+}
+
+// Transport is a ZeroMQ ROUTER socket serving a Handler. Clients use DEALER
+// sockets (requests may be pipelined) and send one frame per message.
+type Transport struct {
+	sock *zmq.Socket
+	log  *zap.Logger
+	addr string
+	// Shutdown is closed by the handler (or a signal) to stop Serve.
+	ipcPath string
+}
+
+// Listen binds a ROUTER socket to addr ("ipc:///path" or "tcp://host:port").
+// For ipc:// the socket file is created with mode 0600.
+func Listen(addr string, log *zap.Logger) (*Transport, error) {
+	sock, err := zmq.NewSocket(zmq.ROUTER)
+	if err != nil {
+		return nil, fmt.Errorf("zmq socket: %w", err)
+	}
+	if err := sock.SetLinger(0); err != nil {
+		sock.Close()
+		return nil, fmt.Errorf("zmq linger: %w", err)
+	}
+	// A reply to a client that went away is dropped, not an error.
+	if err := sock.SetRouterMandatory(0); err != nil {
+		sock.Close()
+		return nil, fmt.Errorf("zmq router mandatory: %w", err)
+	}
+	if err := sock.SetMaxmsgsize(MaxMessageBytes + 1024); err != nil {
+		sock.Close()
+		return nil, fmt.Errorf("zmq maxmsgsize: %w", err)
+	}
+	t := &Transport{sock: sock, log: log, addr: addr}
+	if p, ok := strings.CutPrefix(addr, "ipc://"); ok {
+		t.ipcPath = p
+		if err := os.MkdirAll(filepath.Dir(p), 0o700); err != nil {
+			sock.Close()
+			return nil, fmt.Errorf("socket dir: %w", err)
+		}
+	}
+	if err := sock.Bind(addr); err != nil {
+		sock.Close()
+		return nil, fmt.Errorf("bind %s: %w", addr, err)
+	}
+	if t.ipcPath != "" {
+		if err := os.Chmod(t.ipcPath, 0o600); err != nil {
+			sock.Close()
+			return nil, fmt.Errorf("chmod %s: %w", t.ipcPath, err)
+		}
+	}
+	return t, nil
+}
+
+// Serve receives requests and answers them until ctx is done. A message
+// that cannot be decoded gets an error reply (id 0 when unknown); the
+// server goes on serving.
+func (t *Transport) Serve(ctx context.Context, h Handler) error {
+	poller := zmq.NewPoller()
+	poller.Add(t.sock, zmq.POLLIN)
+	for ctx.Err() == nil {
+		ready, err := poller.Poll(100 * time.Millisecond)
+		if err != nil {
+			if errors.Is(err, zmq.Errno(4)) { // EINTR
+				continue
+			}
+			return fmt.Errorf("poll: %w", err)
+		}
+		if len(ready) == 0 {
+			continue
+		}
+		frames, err := t.sock.RecvMessageBytes(zmq.DONTWAIT)
+		if err != nil {
+			if zmq.AsErrno(err) == zmq.Errno(11) { // EAGAIN
+				continue
+			}
+			return fmt.Errorf("recv: %w", err)
+		}
+		t.serveOne(ctx, h, frames)
+	}
+	return nil
+}
+
+func (t *Transport) serveOne(ctx context.Context, h Handler, frames [][]byte) {
+	if len(frames) < 2 {
+		t.log.Warn("dropping message without routing id and payload", zap.Int("frames", len(frames)))
+		return
+	}
+	id := frames[0]
+	client := fmt.Sprintf("%x", id)
+	// REQ clients put an empty delimiter before the payload; keep it in replies.
+	head := [][]byte{id}
+	rest := frames[1:]
+	if len(rest) >= 2 && len(rest[0]) == 0 {
+		head = append(head, []byte{})
+		rest = rest[1:]
+	}
+	var rep Reply
+	if len(rest) != 1 {
+		rep.Error = fmt.Sprintf("%v: expected 1 payload frame, got %d", ErrProtocol, len(rest))
+	} else {
+		req, err := DecodeRequest(rest[0])
+		rep.ID = req.ID
+		if err == nil {
+			var body any
+			body, err = h.Handle(client, req)
+			rep.Body = body
+		}
+		if err != nil {
+			rep.Error = err.Error()
+			t.log.Debug("request failed", zap.String("client", client), zap.String("op", req.Op), zap.Uint64("id", req.ID), zap.Error(err))
+		} else {
+			rep.OK = true
+		}
+	}
+	b, err := EncodeReply(rep)
+	if err != nil {
+		t.log.Error("encode reply", zap.Error(err))
+		return
+	}
+	parts := make([]any, 0, len(head)+1)
+	for _, p := range head {
+		parts = append(parts, p)
+	}
+	parts = append(parts, b)
+	if _, err := t.sock.SendMessageDontwait(parts...); err != nil {
+		t.log.Warn("reply not sent", zap.String("client", client), zap.Error(err))
+	}
+}
+
+// Close closes the socket and removes an ipc:// socket file.
+func (t *Transport) Close() error {
+	err := t.sock.Close()
+	if t.ipcPath != "" {
+		_ = os.Remove(t.ipcPath)
+	}
+	return err
+}

@@ -1,0 +1,146 @@
+// Package ipcbridge turns the memory references a client sends into memory
+// the server can read and write. Backends sit behind the small Mapper and
+// Mapping interfaces; this file is the CPU backend: POSIX shared memory
+// (files under /dev/shm), checked by name, owner and size, mapped MAP_SHARED,
+// and bounds-checked on every access.
+package ipcbridge
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"syscall"
+)
+
+// Mapping is memory shared with a client.
+type Mapping interface {
+	// Name identifies the mapping (the shared-memory name).
+	Name() string
+	// Size is the mapping's length in bytes.
+	Size() int64
+	// Bytes returns [off, off+n) of the mapping, or an error when that range
+	// is not inside it or not aligned to align bytes.
+	Bytes(off, n int64, align int64) ([]byte, error)
+	// Close unmaps the memory. Slices returned by Bytes must not be used after.
+	Close() error
+}
+
+// Mapper attaches to memory a client names.
+type Mapper interface {
+	Map(name string, size int64) (Mapping, error)
+}
+
+// MaxSegmentBytes bounds a single shared-memory segment (1 TiB).
+const MaxSegmentBytes = int64(1) << 40
+
+var shmName = regexp.MustCompile(`^sonar-[A-Za-z0-9_.-]{1,200}$`)
+
+// ShmMapper maps POSIX shared-memory segments from Dir (default /dev/shm).
+// With Unlink set, each segment's name is removed once mapped: the server
+// then owns the memory, and nothing is left behind whichever process dies.
+type ShmMapper struct {
+	Dir    string
+	Unlink bool
+}
+
+// ErrName is returned for shared-memory names the server does not accept.
+var ErrName = errors.New("shared-memory name not allowed")
+
+// CheckName reports whether name is an acceptable segment name:
+// "sonar-" followed by 1-200 of [A-Za-z0-9_.-], no path separators.
+func CheckName(name string) error {
+	if !shmName.MatchString(name) || name == "sonar-." || name == "sonar-.." {
+		return fmt.Errorf("%w: %q (want sonar-[A-Za-z0-9_.-]{1,200})", ErrName, name)
+	}
+	return nil
+}
+
+// Map opens, checks and maps the segment. It must be a regular file owned by
+// this process's user, not a symlink, and exactly size bytes long.
+func (m ShmMapper) Map(name string, size int64) (Mapping, error) {
+	if err := CheckName(name); err != nil {
+		return nil, err
+	}
+	if size <= 0 || size > MaxSegmentBytes {
+		return nil, fmt.Errorf("segment %q: size %d out of range (1..%d)", name, size, MaxSegmentBytes)
+	}
+	dir := m.Dir
+	if dir == "" {
+		dir = "/dev/shm"
+	}
+	path := filepath.Join(dir, name)
+	fd, err := syscall.Open(path, syscall.O_RDWR|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open segment %q: %w", name, err)
+	}
+	defer syscall.Close(fd)
+	var st syscall.Stat_t
+	if err := syscall.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("stat segment %q: %w", name, err)
+	}
+	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+		return nil, fmt.Errorf("segment %q is not a regular file", name)
+	}
+	if int(st.Uid) != os.Getuid() {
+		return nil, fmt.Errorf("segment %q is owned by uid %d, not by the server's uid %d", name, st.Uid, os.Getuid())
+	}
+	if st.Mode&0o077 != 0 {
+		return nil, fmt.Errorf("segment %q has mode %o: group/other access not allowed", name, st.Mode&0o777)
+	}
+	if st.Size != size {
+		return nil, fmt.Errorf("segment %q is %d bytes, client said %d", name, st.Size, size)
+	}
+	data, err := syscall.Mmap(fd, 0, int(size), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("mmap segment %q: %w", name, err)
+	}
+	if m.Unlink {
+		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			_ = syscall.Munmap(data)
+			return nil, fmt.Errorf("unlink segment %q: %w", name, err)
+		}
+	}
+	return &shmMapping{name: name, data: data}, nil
+}
+
+type shmMapping struct {
+	name string
+	data []byte
+}
+
+func (s *shmMapping) Name() string { return s.name }
+func (s *shmMapping) Size() int64  { return int64(len(s.data)) }
+
+func (s *shmMapping) Bytes(off, n int64, align int64) ([]byte, error) {
+	return slice(s.data, s.name, off, n, align)
+}
+
+func (s *shmMapping) Close() error {
+	if s.data == nil {
+		return nil
+	}
+	err := syscall.Munmap(s.data)
+	s.data = nil
+	if err != nil {
+		return fmt.Errorf("munmap %q: %w", s.name, err)
+	}
+	return nil
+}
+
+// slice is the one bounds check every access goes through.
+func slice(data []byte, name string, off, n, align int64) ([]byte, error) {
+	size := int64(len(data))
+	switch {
+	case data == nil:
+		return nil, fmt.Errorf("segment %q is closed", name)
+	case off < 0 || n <= 0:
+		return nil, fmt.Errorf("segment %q: range [%d, +%d) invalid", name, off, n)
+	case off > size || n > size-off:
+		return nil, fmt.Errorf("segment %q: range [%d, %d) outside its %d bytes", name, off, off+n, size)
+	case align > 1 && off%align != 0:
+		return nil, fmt.Errorf("segment %q: offset %d not aligned to %d bytes", name, off, align)
+	}
+	return data[off : off+n : off+n], nil
+}

@@ -1,0 +1,204 @@
+package optimizer
+
+import (
+	"fmt"
+	"math"
+)
+
+// Scalars are the per-step constants of one AdamW update, computed by the
+// caller exactly as torch's _single_tensor_adam computes them in Python
+// float64 (see ScalarsFor). The kernels round each to the tensor's compute
+// type (float32) as torch does when it passes a Python scalar to an op.
+type Scalars struct {
+	Decay       float64 // 1 - lr*weight_decay (param.mul_)
+	ApplyDecay  bool    // weight_decay != 0
+	Beta1W      float64 // 1 - beta1 (exp_avg.lerp_ weight)
+	Beta2       float64 // exp_avg_sq.mul_(beta2)
+	OneMinusB2  float64 // 1 - beta2 (addcmul value)
+	NegStepSize float64 // -lr / bias_correction1 (addcdiv value)
+	BC2Sqrt     float64 // (1 - beta2**step) ** 0.5
+	Eps         float64
+	Amsgrad     bool
+	Maximize    bool
+}
+
+// Hyper are AdamW's hyper-parameters, as torch.optim.AdamW takes them.
+type Hyper struct {
+	LR          float64
+	Beta1       float64
+	Beta2       float64
+	Eps         float64
+	WeightDecay float64
+	Amsgrad     bool
+	Maximize    bool
+}
+
+// Validate rejects hyper-parameters torch.optim.AdamW rejects.
+func (h Hyper) Validate() error {
+	switch {
+	case !(h.LR >= 0) || math.IsInf(h.LR, 0):
+		return fmt.Errorf("invalid learning rate: %v", h.LR)
+	case !(h.Eps >= 0) || math.IsInf(h.Eps, 0):
+		return fmt.Errorf("invalid epsilon value: %v", h.Eps)
+	case !(h.Beta1 >= 0 && h.Beta1 < 1):
+		return fmt.Errorf("invalid beta parameter at index 0: %v", h.Beta1)
+	case !(h.Beta2 >= 0 && h.Beta2 < 1):
+		return fmt.Errorf("invalid beta parameter at index 1: %v", h.Beta2)
+	case !(h.WeightDecay >= 0) || math.IsInf(h.WeightDecay, 0):
+		return fmt.Errorf("invalid weight_decay value: %v", h.WeightDecay)
+	}
+	return nil
+}
+
+// ScalarsFor computes the scalars of step number step (1-based) in Go. Go's
+// math.Pow may differ from CPython's libm pow in the last bit, so clients
+// that must match torch bit for bit send their own Scalars instead; Go-native
+// training uses this.
+func ScalarsFor(h Hyper, step int64) Scalars {
+	s := float64(float32(step)) // torch keeps step as a float32 tensor
+	bc1 := 1 - math.Pow(h.Beta1, s)
+	bc2 := 1 - math.Pow(h.Beta2, s)
+	return Scalars{
+		Decay:       1 - h.LR*h.WeightDecay,
+		ApplyDecay:  h.WeightDecay != 0,
+		Beta1W:      1 - h.Beta1,
+		Beta2:       h.Beta2,
+		OneMinusB2:  1 - h.Beta2,
+		NegStepSize: -(h.LR / bc1),
+		BC2Sqrt:     math.Pow(bc2, 0.5),
+		Eps:         h.Eps,
+		Amsgrad:     h.Amsgrad,
+		Maximize:    h.Maximize,
+	}
+}
+
+// f32 is Scalars rounded to float32, as the kernels use them.
+type f32 struct {
+	decay, w, b2, omb2, negStep, bc2s, eps float32
+}
+
+func (s Scalars) f32() f32 {
+	return f32{float32(s.Decay), float32(s.Beta1W), float32(s.Beta2), float32(s.OneMinusB2),
+		float32(s.NegStepSize), float32(s.BC2Sqrt), float32(s.Eps)}
+}
+
+// VecSqrt computes dst[i] = sqrt(src[i]) for a block of float32 values. nil
+// means the IEEE (correctly rounded) square root. See package vml for why
+// torch's float32 square root may be another function.
+type VecSqrt func(dst, src []float32)
+
+func ieeeSqrt(dst, src []float32) {
+	for i, x := range src {
+		dst[i] = Sqrt32(x)
+	}
+}
+
+// block is the number of elements processed per pass; a block's data stays
+// in L1 between the two passes, so the tensor is still read once.
+const block = 512
+
+// StepF32 applies one AdamW step to float32 tensors, element for element as
+// torch.optim.AdamW (single-tensor path) does on CPU:
+//
+//	param.mul_(1 - lr*wd)
+//	exp_avg.lerp_(grad, 1 - beta1)                        # fma(w, g-m, m)
+//	exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)  # fma(value*g, g, v)
+//	denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)   # max_exp_avg_sq with amsgrad
+//	param.addcdiv_(exp_avg, denom, value=-step_size)      # p + (value*m)/denom
+//
+// vmax is used only when s.Amsgrad is set. All slices must have len(p).
+func StepF32(p, g, m, v, vmax []float32, s Scalars, sqrt VecSqrt) {
+	if sqrt == nil {
+		sqrt = ieeeSqrt
+	}
+	k := s.f32()
+	n := len(p)
+	g, m, v = g[:n], m[:n], v[:n]
+	if s.Amsgrad {
+		vmax = vmax[:n]
+	}
+	var in, out [block]float32
+	for base := 0; base < n; base += block {
+		end := min(base+block, n)
+		for i := base; i < end; i++ {
+			gi := g[i]
+			if s.Maximize {
+				gi = -gi
+			}
+			if s.ApplyDecay {
+				p[i] = float32(p[i] * k.decay)
+			}
+			m[i] = Lerp32(m[i], gi, k.w)
+			vi := float32(v[i] * k.b2)
+			vi = FMA32(float32(k.omb2*gi), gi, vi)
+			v[i] = vi
+			if s.Amsgrad {
+				vi = Max32(vmax[i], vi)
+				vmax[i] = vi
+			}
+			in[i-base] = vi
+		}
+		sqrt(out[:end-base], in[:end-base])
+		for i := base; i < end; i++ {
+			den := float32(out[i-base] / k.bc2s)
+			den = float32(den + k.eps)
+			p[i] = float32(p[i] + float32(float32(k.negStep*m[i])/den))
+		}
+	}
+}
+
+// StepBF16 is StepF32 for bfloat16 tensors (bit patterns in uint16): each op
+// computes in float32 and rounds to bfloat16 once, as torch's CPU kernels do
+// for reduced-precision types (whose square root is the IEEE one).
+//
+// One operand differs: torch's add_ converts its scalar to the tensor's
+// dtype, so eps is first rounded to bfloat16 (mul_, div and the add/addc*
+// values stay float32).
+func StepBF16(p, g, m, v, vmax []uint16, s Scalars) {
+	k := s.f32()
+	epsBF := BF16ToF32(F32ToBF16(k.eps))
+	n := len(p)
+	g, m, v = g[:n], m[:n], v[:n]
+	if s.Amsgrad {
+		vmax = vmax[:n]
+	}
+	for i := 0; i < n; i++ {
+		gi := BF16ToF32(g[i])
+		if s.Maximize {
+			gi = -gi
+		}
+		pi := BF16ToF32(p[i])
+		if s.ApplyDecay {
+			pi = BF16ToF32(F32ToBF16(float32(pi * k.decay)))
+		}
+		mh := F32ToBF16(Lerp32(BF16ToF32(m[i]), gi, k.w))
+		vi := BF16ToF32(F32ToBF16(float32(BF16ToF32(v[i]) * k.b2)))
+		vh := F32ToBF16(FMA32(float32(k.omb2*gi), gi, vi))
+		m[i], v[i] = mh, vh
+		vi = BF16ToF32(vh)
+		if s.Amsgrad {
+			vi = Max32(BF16ToF32(vmax[i]), vi)
+			vmax[i] = F32ToBF16(vi)
+		}
+		den := BF16ToF32(F32ToBF16(Sqrt32(vi)))
+		den = BF16ToF32(F32ToBF16(float32(den / k.bc2s)))
+		den = BF16ToF32(F32ToBF16(float32(den + epsBF)))
+		p[i] = F32ToBF16(float32(pi + float32(float32(k.negStep*BF16ToF32(mh))/den)))
+	}
+}
+
+// AddF32 accumulates src into dst (dst += src), as autograd accumulates .grad.
+func AddF32(dst, src []float32) {
+	src = src[:len(dst)]
+	for i := range dst {
+		dst[i] = float32(dst[i] + src[i])
+	}
+}
+
+// AddBF16 is AddF32 for bfloat16: the sum is computed in float32 and rounded once.
+func AddBF16(dst, src []uint16) {
+	src = src[:len(dst)]
+	for i := range dst {
+		dst[i] = F32ToBF16(float32(BF16ToF32(dst[i]) + BF16ToF32(src[i])))
+	}
+}

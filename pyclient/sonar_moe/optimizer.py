@@ -1,0 +1,484 @@
+"""SonarAdamW: torch.optim.AdamW with the expert tensors updated by sonard during backward."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import statistics
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._client import Connection, SonarError, start_private_server, torch_sqrt_is_ieee, torch_sqrt_library
+from ._detect import group_key, is_expert_param
+from ._shm import PAGE, Ring, Segment
+
+log = logging.getLogger("sonar_moe")
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def torch_scalars(group: dict[str, Any], step: float) -> dict[str, Any]:
+    """One step's AdamW constants, computed in Python float64 exactly as
+    torch.optim.adam._single_tensor_adam computes them."""
+    lr = float(group["lr"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    wd = float(group["weight_decay"])
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    return {
+        "decay": 1 - lr * wd,
+        "apply_decay": wd != 0,
+        "beta1_w": 1 - beta1,
+        "beta2": beta2,
+        "one_minus_beta2": 1 - beta2,
+        "neg_step_size": -step_size,
+        "bc2_sqrt": bias_correction2_sqrt,
+        "eps": float(group["eps"]),
+        "amsgrad": bool(group["amsgrad"]),
+        "maximize": bool(group["maximize"]),
+    }
+
+
+@dataclass
+class _Expert:
+    name: str
+    param: nn.Parameter
+    tid: int = 0
+    key: str = ""
+    offset: int = 0  # in the parameter segment
+    micro: int = 0  # micro-batch gradients sent since the last apply
+
+    @property
+    def nbytes(self) -> int:
+        return self.param.numel() * self.param.element_size()
+
+
+@dataclass
+class _Group:
+    size: int
+    items: list[dict[str, Any]] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+
+class SonarAdamW(torch.optim.Optimizer):
+    """AdamW whose expert tensors are updated by sonard the moment their gradient is final.
+
+    Bit-for-bit equal to ``torch.optim.AdamW`` over all parameters (with
+    ``max_grad_norm=c``: to ``clip_grad_norm_(dense_params, c)`` then AdamW).
+    See the README for usage and limits.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Iterable[tuple[str, nn.Parameter]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        max_grad_norm: float | None = None,
+        expert_params: Callable[[str, torch.Tensor], bool] | None = None,
+        server: str | None = None,
+        grad_accumulation_steps: int = 1,
+        *,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        timeout: float = 30.0,
+        ring_layers: int = 1,
+    ) -> None:
+        named = list(model.named_parameters()) if isinstance(model, nn.Module) else list(model)
+        seen: set[int] = set()
+        params: list[tuple[str, nn.Parameter]] = []
+        for name, p in named:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append((name, p))
+        if not params:
+            raise ValueError("SonarAdamW got no trainable parameters")
+        if grad_accumulation_steps < 1:
+            raise ValueError(f"grad_accumulation_steps must be >= 1, got {grad_accumulation_steps}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
+        if ring_layers < 1:
+            raise ValueError(f"ring_layers must be >= 1, got {ring_layers}")
+        pred = expert_params or is_expert_param
+        self._experts: dict[int, _Expert] = {}
+        dense: list[nn.Parameter] = []
+        for name, p in params:
+            if pred(name, p):
+                self._check_expert(name, p)
+                self._experts[id(p)] = _Expert(name, p, key=group_key(name))
+            else:
+                dense.append(p)
+        # Dense parameters keep standard AdamW; its defaults are this optimizer's defaults.
+        self._dense_params = dense
+        self._dense = torch.optim.AdamW(
+            dense or [nn.Parameter(torch.zeros(1))], lr=lr, betas=betas, eps=eps,
+            weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+        )
+        super().__init__([p for _, p in params], dict(self._dense.defaults))
+        self.max_grad_norm = max_grad_norm
+        self.grad_accumulation_steps = grad_accumulation_steps
+        self.last_dense_grad_norm: torch.Tensor | None = None
+        self._timeout = timeout
+        self._errors: list[str] = []
+        self._alive = 0
+        self._peak = 0
+        self._closed = False
+        self._conn: Connection | None = None
+        self._param_seg: Segment | None = None
+        self._ring: Ring | None = None
+        self._groups: dict[str, _Group] = {}
+        self._hooks: list[Any] = []
+        self._counts = {"step_requests": 0, "grads_sent": 0, "bytes_sent": 0}
+        if self._experts:
+            self._start(server, ring_layers)
+
+    @staticmethod
+    def _check_expert(name: str, p: torch.Tensor) -> None:
+        if p.device.type != "cpu":
+            raise NotImplementedError(f"expert tensor {name} is on {p.device}: only CPU tensors are supported so far")
+        if p.dtype not in _DTYPES:
+            raise TypeError(f"expert tensor {name} has dtype {p.dtype}: float32 and bfloat16 are supported")
+        if not p.is_leaf:
+            raise ValueError(f"expert tensor {name} is not a leaf tensor")
+
+    # ----------------------------------------------------------------- set-up
+    def _start(self, server: str | None, ring_layers: int) -> None:
+        self._conn = start_private_server(self._timeout) if server is None else Connection(server, self._timeout)
+        self._finalizer = weakref.finalize(self, _shutdown, self._conn)
+        rep = self._conn.call("hello", {
+            "client": "sonar_moe", "pid": os.getpid(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "capability": torch.backends.cpu.get_cpu_capability(),
+        }, timeout=max(self._timeout, 10.0))
+        log.info("connected to sonard %s (protocol %s, pid %s, sqrt %s)", rep.get("server"), rep.get("protocol"),
+                 rep.get("pid"), rep.get("sqrt"))
+        self._check_sqrt(str(rep.get("sqrt", "")))
+        experts = list(self._experts.values())
+        # Parameters move into one shared segment for good, each at a page boundary.
+        off = 0
+        for e in experts:
+            e.offset = off
+            off += -(-e.nbytes // PAGE) * PAGE
+        self._param_seg = Segment(off, "params")
+        try:
+            seg = self._attach(self._param_seg)
+        finally:
+            self._param_seg.unlink()
+        for e in experts:
+            view = self._param_seg.tensor(e.offset, e.param.dtype, e.param.shape)
+            with torch.no_grad():
+                view.copy_(e.param)
+            e.param.data = view
+        g = self.param_groups[0]
+        hyper = {"lr": float(g["lr"]), "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]),
+                 "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]),
+                 "amsgrad": bool(g["amsgrad"]), "maximize": bool(g["maximize"])}
+        rep = self._conn.call("register", {"tensors": [
+            {"name": e.name, "shape": list(e.param.shape), "dtype": _DTYPES[e.param.dtype],
+             "param": {"seg": seg, "off": e.offset, "nbytes": e.nbytes}, "hyper": hyper}
+            for e in experts]})
+        for e, tid in zip(experts, rep["ids"]):
+            e.tid = tid
+        # The gradient ring holds ring_layers of the largest layer's expert gradients.
+        per_group: dict[str, int] = {}
+        for e in experts:
+            per_group[e.key] = per_group.get(e.key, 0) + Ring.slot_bytes(e.nbytes)
+            self._groups.setdefault(e.key, _Group(0)).size += 1
+        layer: dict[str, int] = {}
+        for e in experts:  # batched tensors of one layer share the module prefix
+            lk = e.key.rsplit("experts", 1)[0]
+            layer[lk] = layer.get(lk, 0) + Ring.slot_bytes(e.nbytes)
+        self._ring = Ring(max(layer.values()) * ring_layers, "ring")
+        try:
+            self._ring_seg = self._attach(self._ring.segment)
+        finally:
+            self._ring.segment.unlink()
+        for e in experts:
+            self.state[e.param]["step"] = torch.tensor(0.0, dtype=torch.float32)
+            self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+
+    @staticmethod
+    def _check_sqrt(server_sqrt: str) -> None:
+        """The server must compute float32 sqrt as this process's torch does."""
+        lib = torch_sqrt_library()
+        if lib is None:
+            if server_sqrt != "ieee":
+                log.warning("sonard uses %s for float32 sqrt but this torch does not: updates may differ in the last bit", server_sqrt)
+            elif not torch_sqrt_is_ieee():
+                log.warning("this torch's float32 sqrt is neither IEEE nor MKL vmsSqrt: updates may differ in the last bit")
+            return
+        if server_sqrt == "ieee":
+            raise SonarError(
+                "this torch computes float32 sqrt with MKL's vmsSqrt, but sonard uses the IEEE sqrt: start it with "
+                f"`sonard --torch-lib {lib}` (or SONAR_TORCH_LIB) for bit-for-bit equality with torch.optim.AdamW")
+        if os.path.realpath(server_sqrt.removeprefix("mkl:")) != os.path.realpath(lib):
+            log.warning("sonard's float32 sqrt comes from %s, this torch's from %s", server_sqrt, lib)
+
+    def _attach(self, seg: Segment) -> int:
+        assert self._conn is not None
+        return int(self._conn.call("attach", {"shm": seg.name, "size": seg.size})["seg"])
+
+    # --------------------------------------------------------------- backward
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """post-accumulate-grad hook: copy the gradient into a slot, free it, send the layer."""
+        grad = p.grad
+        if grad is None or self._conn is None or self._ring is None:
+            return
+        if self._closed:
+            raise SonarError("SonarAdamW is closed")
+        e = self._experts[id(p)]
+        nbytes = e.nbytes
+        self._alive += nbytes
+        self._conn.poll(0)  # free the slots of finished requests
+        off = self._alloc(nbytes)
+        self._peak = max(self._peak, self._alive + self._ring.used)
+        with torch.no_grad():
+            self._ring.segment.tensor(off, p.dtype, p.shape).copy_(grad)
+        p.grad = None
+        del grad
+        self._alive -= nbytes
+        e.micro += 1
+        apply = e.micro >= self.grad_accumulation_steps
+        item: dict[str, Any] = {"tensor": e.tid, "grad": {"seg": self._ring_seg, "off": off, "nbytes": nbytes},
+                                "apply": apply, "step": 0, "scalars": {}}
+        if apply:
+            item["step"], item["scalars"] = self._next_step(e)
+        grp = self._groups[e.key]
+        grp.items.append(item)
+        grp.slots.append(off)
+        if len(grp.items) >= grp.size:
+            self._send(grp)
+
+    def _next_step(self, e: _Expert) -> tuple[int, dict[str, Any]]:
+        step_t = self.state[e.param]["step"]
+        step_t += 1
+        step = step_t.item()
+        e.micro = 0
+        return int(step), torch_scalars(self.param_groups[0], step)
+
+    def _send(self, grp: _Group) -> None:
+        assert self._conn is not None
+        items, slots = grp.items, grp.slots
+        grp.items, grp.slots = [], []
+        self._counts["step_requests"] += 1
+        self._counts["grads_sent"] += sum(1 for i in items if i["grad"]["seg"])
+        self._counts["bytes_sent"] += sum(i["grad"]["nbytes"] for i in items if i["grad"]["seg"])
+        self._conn.send("step", {"items": items}, functools.partial(self._on_step_reply, slots))
+
+    def _on_step_reply(self, slots: list[int], rep: dict[str, Any]) -> None:
+        assert self._ring is not None
+        for off in slots:
+            self._ring.free(off)
+        if not rep.get("ok"):
+            self._errors.append(str(rep.get("error")))
+
+    def _alloc(self, nbytes: int) -> int:
+        assert self._ring is not None and self._conn is not None
+        while True:
+            off = self._ring.try_alloc(nbytes)
+            if off is not None:
+                return off
+            if self._conn.in_flight:
+                self._conn.wait_any()
+            elif any(g.items for g in self._groups.values()):
+                for g in self._groups.values():
+                    if g.items:
+                        self._send(g)  # a layer whose other experts got no gradient
+            else:
+                raise SonarError(f"a gradient of {nbytes} bytes does not fit the {self._ring.capacity}-byte ring")
+
+    def _drain(self) -> None:
+        """Send what is pending, apply accumulated gradients, and wait for every reply."""
+        if self._conn is None:
+            return
+        for g in self._groups.values():
+            if g.items:
+                self._send(g)
+        leftovers = [e for e in self._experts.values() if e.micro > 0]
+        if leftovers:  # tensors that missed some of this step's micro-batches
+            items = []
+            for e in leftovers:
+                step, sc = self._next_step(e)
+                items.append({"tensor": e.tid, "grad": {"seg": 0, "off": 0, "nbytes": 0},
+                              "apply": True, "step": step, "scalars": sc})
+            self._conn.send("step", {"items": items}, functools.partial(self._on_step_reply, []))
+        self._conn.wait()
+        if self._errors:
+            errs, self._errors = self._errors, []
+            raise SonarError("sonard could not apply expert updates: " + "; ".join(errs))
+
+    # ------------------------------------------------------------ optimizer
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Wait for the expert updates, clip the dense gradients, step dense AdamW."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._closed:
+            raise SonarError("SonarAdamW is closed")
+        self._drain()
+        if self._dense_params:
+            dg = self._dense.param_groups[0]
+            for k, v in self.param_groups[0].items():
+                if k != "params":
+                    dg[k] = v
+            if self.max_grad_norm is not None:
+                self.last_dense_grad_norm = torch.nn.utils.clip_grad_norm_(self._dense_params, self.max_grad_norm)
+            self._dense.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim.AdamW's state_dict format, expert state fetched from the server."""
+        self._drain()
+        for p in self._dense_params:
+            if p in self._dense.state:
+                self.state[p] = self._dense.state[p]
+        xfer = self._xfer_segment()
+        try:
+            for e in self._experts.values():
+                st = self.state[e.param]
+                if st["step"].item() == 0:
+                    continue
+                views = self._xfer_views(xfer, e)
+                assert self._conn is not None
+                self._conn.call("export", self._xfer_body(xfer, e, 0))
+                st["exp_avg"] = views[0].clone()
+                st["exp_avg_sq"] = views[1].clone()
+                if self.param_groups[0]["amsgrad"]:
+                    st["max_exp_avg_sq"] = views[2].clone()
+            sd = super().state_dict()
+        finally:
+            self._release_xfer(xfer)
+            for e in self._experts.values():  # the server keeps the state; drop the copies
+                st = self.state[e.param]
+                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    st.pop(k, None)
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict of SonarAdamW or torch.optim.AdamW; expert state goes to the server."""
+        self._drain()
+        super().load_state_dict(state_dict)
+        for p in self._dense_params:
+            if p in self.state:
+                self._dense.state[p] = self.state[p]
+        xfer = self._xfer_segment()
+        try:
+            for e in self._experts.values():
+                st = self.state[e.param]
+                step_t = st.get("step")
+                step_t = torch.tensor(0.0) if step_t is None else step_t.detach().to(torch.float32).cpu().clone()
+                views = self._xfer_views(xfer, e)
+                for i, k in enumerate(("exp_avg", "exp_avg_sq", "max_exp_avg_sq")[: len(views)]):
+                    src = st.get(k)
+                    if src is None:
+                        views[i].zero_()
+                    elif src.shape != e.param.shape:
+                        raise ValueError(f"state {k} of {e.name} has shape {tuple(src.shape)}, want {tuple(e.param.shape)}")
+                    else:
+                        views[i].copy_(src)
+                assert self._conn is not None
+                self._conn.call("import", self._xfer_body(xfer, e, int(step_t.item())))
+                self.state[e.param] = {"step": step_t}
+        finally:
+            self._release_xfer(xfer)
+
+    def _xfer_segment(self) -> tuple[Segment, int] | None:
+        if not self._experts or self._conn is None:
+            return None
+        biggest = max(e.nbytes for e in self._experts.values())
+        seg = Segment(3 * (-(-biggest // PAGE) * PAGE + PAGE), "xfer")
+        try:
+            return seg, self._attach(seg)
+        finally:
+            seg.unlink()
+
+    def _xfer_views(self, xfer: tuple[Segment, int] | None, e: _Expert) -> list[torch.Tensor]:
+        assert xfer is not None
+        n = 3 if self.param_groups[0]["amsgrad"] else 2
+        stride = xfer[0].size // 3
+        return [xfer[0].tensor(i * stride + 1024 * (i + 1), e.param.dtype, e.param.shape) for i in range(n)]
+
+    def _xfer_body(self, xfer: tuple[Segment, int] | None, e: _Expert, step: int) -> dict[str, Any]:
+        assert xfer is not None
+        stride = xfer[0].size // 3
+        refs = [{"seg": xfer[1], "off": i * stride + 1024 * (i + 1), "nbytes": e.nbytes} for i in range(3)]
+        if not self.param_groups[0]["amsgrad"]:
+            refs[2] = {"seg": 0, "off": 0, "nbytes": 0}
+        return {"tensor": e.tid, "step": step, "exp_avg": refs[0], "exp_avg_sq": refs[1], "max_exp_avg_sq": refs[2]}
+
+    def _release_xfer(self, xfer: tuple[Segment, int] | None) -> None:
+        if xfer is None or self._conn is None:
+            return
+        self._conn.call("detach", {"seg": xfer[1]})
+        xfer[0].mm.close()
+
+    # ------------------------------------------------------------ reporting
+    def stats(self) -> dict[str, Any]:
+        """Client figures (peak expert-gradient bytes, requests, latencies) and the server's counters."""
+        lat = sorted(self._conn.latencies) if self._conn else []
+        out: dict[str, Any] = {
+            "peak_expert_grad_bytes": self._peak,
+            "ring_bytes": self._ring.capacity if self._ring else 0,
+            "expert_tensors": len(self._experts),
+            "dense_tensors": len(self._dense_params),
+            **self._counts,
+            "requests": len(lat),
+            "latency_ms_p50": 1e3 * lat[len(lat) // 2] if lat else 0.0,
+            "latency_ms_p99": 1e3 * lat[min(len(lat) - 1, len(lat) * 99 // 100)] if lat else 0.0,
+            "latency_ms_mean": 1e3 * statistics.fmean(lat) if lat else 0.0,
+        }
+        if self._conn is not None and not self._closed:
+            out["server"] = self._conn.call("stats", {})
+        return out
+
+    def reset_peak(self) -> None:
+        """Start a new peak measurement of expert-gradient bytes."""
+        self._peak = 0
+
+    # ------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Wait for outstanding updates, stop a private server (or leave a shared one)."""
+        if self._closed:
+            return
+        try:
+            if self._conn is not None and self._conn.in_flight:
+                self._drain()
+        finally:
+            self._closed = True
+            for h in self._hooks:
+                h.remove()
+            if self._conn is not None:
+                self._finalizer()
+
+    def __enter__(self) -> SonarAdamW:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _shutdown(conn: Connection) -> None:
+    """Say goodbye (a private server shuts down) and close the socket."""
+    try:
+        op = "shutdown" if conn.process is not None else "bye"
+        conn.call(op, {}, timeout=5.0)
+    except Exception as e:  # noqa: BLE001 - best effort at exit
+        log.warning("sonard did not acknowledge %s: %s", "shutdown", e)
+    finally:
+        if conn.process is not None:
+            try:
+                conn.process.wait(timeout=10)
+            except Exception:  # noqa: BLE001
+                conn.process.kill()
+                conn.process.wait()
+        conn.close()

@@ -1,0 +1,425 @@
+// Package server is sonard's service: it binds the ipc protocol to the
+// optimizer engine and the shared-memory bridge. It keeps one session per
+// client (its attached segments and registered tensors), validates every
+// request completely before touching memory, so a bad request changes no
+// parameter or state byte, and releases a session's memory when the client
+// says goodbye or the server stops.
+package server
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"sort"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/sonar-moe/sonar/ipc"
+	"github.com/sonar-moe/sonar/ipcbridge"
+	"github.com/sonar-moe/sonar/optimizer"
+	"go.uber.org/zap"
+)
+
+// Version is the server's release version.
+const Version = "0.1.0"
+
+type tensor struct {
+	*optimizer.Tensor
+	id    uint32
+	shape []int64
+	seg   uint32
+}
+
+type session struct {
+	client   string
+	hello    ipc.Hello
+	segments map[uint32]ipcbridge.Mapping
+	tensors  map[uint32]*tensor
+	lastSeen time.Time
+}
+
+// Server implements ipc.Handler.
+type Server struct {
+	log      *zap.Logger
+	mapper   ipcbridge.Mapper
+	engine   *optimizer.Engine
+	sessions map[string]*session
+	nextID   uint32
+	shutdown chan struct{}
+	closed   atomic.Bool
+
+	requests, errors, stepItems, bytesUpdated int64
+	byOp                                      map[string]int64
+	stepMicros                                []int64 // ring of recent step latencies
+	stepMicrosN                               int
+}
+
+// New returns a server using mapper for client memory.
+func New(log *zap.Logger, mapper ipcbridge.Mapper, engine *optimizer.Engine) *Server {
+	return &Server{log: log, mapper: mapper, engine: engine, sessions: map[string]*session{},
+		shutdown: make(chan struct{}), byOp: map[string]int64{}, stepMicros: make([]int64, 0, 4096)}
+}
+
+// Done is closed when a client asked the server to shut down.
+func (s *Server) Done() <-chan struct{} { return s.shutdown }
+
+func (s *Server) sess(client string) *session {
+	ss := s.sessions[client]
+	if ss == nil {
+		ss = &session{client: client, segments: map[uint32]ipcbridge.Mapping{}, tensors: map[uint32]*tensor{}}
+		s.sessions[client] = ss
+	}
+	ss.lastSeen = time.Now()
+	return ss
+}
+
+// Handle serves one request.
+func (s *Server) Handle(client string, req ipc.Request) (any, error) {
+	s.requests++
+	s.byOp[req.Op]++
+	body, err := s.handle(client, req)
+	if err != nil {
+		s.errors++
+		return nil, fmt.Errorf("%s (request %d): %w", req.Op, req.ID, err)
+	}
+	return body, nil
+}
+
+func (s *Server) handle(client string, req ipc.Request) (any, error) {
+	switch req.Op {
+	case ipc.OpHello:
+		var h ipc.Hello
+		if err := ipc.DecodeBody(req, &h); err != nil {
+			return nil, err
+		}
+		ss := s.sess(client)
+		ss.hello = h
+		s.log.Info("client connected", zap.String("client", client), zap.String("name", h.Client), zap.Int("pid", h.PID),
+			zap.String("torch", h.Torch), zap.Int("threads", h.Threads), zap.String("capability", h.Capability))
+		return ipc.HelloReply{Server: Version, Protocol: ipc.Version, PID: os.Getpid(), Workers: s.engine.Workers, Sqrt: s.engine.SqrtName}, nil
+	case ipc.OpAttach:
+		var a ipc.Attach
+		if err := ipc.DecodeBody(req, &a); err != nil {
+			return nil, err
+		}
+		return s.attach(s.sess(client), a)
+	case ipc.OpRegister:
+		var r ipc.Register
+		if err := ipc.DecodeBody(req, &r); err != nil {
+			return nil, err
+		}
+		return s.register(s.sess(client), r)
+	case ipc.OpStep:
+		var st ipc.Step
+		if err := ipc.DecodeBody(req, &st); err != nil {
+			return nil, err
+		}
+		return s.step(s.sess(client), st)
+	case ipc.OpExport, ipc.OpImport:
+		var x ipc.StateXfer
+		if err := ipc.DecodeBody(req, &x); err != nil {
+			return nil, err
+		}
+		if req.Op == ipc.OpExport {
+			return s.export(s.sess(client), x)
+		}
+		return s.importState(s.sess(client), x)
+	case ipc.OpDetach:
+		var d ipc.Detach
+		if err := ipc.DecodeBody(req, &d); err != nil {
+			return nil, err
+		}
+		return s.detach(s.sess(client), d)
+	case ipc.OpStats:
+		return s.Stats(), nil
+	case ipc.OpBye:
+		s.release(client)
+		return map[string]bool{"bye": true}, nil
+	case ipc.OpShutdown:
+		s.release(client)
+		if s.closed.CompareAndSwap(false, true) {
+			close(s.shutdown)
+		}
+		return map[string]bool{"shutdown": true}, nil
+	}
+	return nil, fmt.Errorf("%w: unknown op %q", ipc.ErrProtocol, req.Op)
+}
+
+func (s *Server) attach(ss *session, a ipc.Attach) (any, error) {
+	m, err := s.mapper.Map(a.Shm, a.Size)
+	if err != nil {
+		return nil, fmt.Errorf("attach: %w", err)
+	}
+	s.nextID++
+	id := s.nextID
+	ss.segments[id] = m
+	s.log.Debug("segment attached", zap.String("client", ss.client), zap.String("shm", a.Shm), zap.Int64("size", a.Size), zap.Uint32("seg", id))
+	return ipc.AttachReply{Seg: id}, nil
+}
+
+// memory resolves a MemRef of the session, checking range and alignment.
+func (ss *session) memory(ref ipc.MemRef, want int64, align int64) ([]byte, error) {
+	m := ss.segments[ref.Seg]
+	if m == nil {
+		return nil, fmt.Errorf("unknown segment %d", ref.Seg)
+	}
+	if ref.Bytes != want {
+		return nil, fmt.Errorf("reference is %d bytes, tensor needs %d", ref.Bytes, want)
+	}
+	return m.Bytes(ref.Offset, ref.Bytes, align)
+}
+
+func (s *Server) register(ss *session, r ipc.Register) (any, error) {
+	// Validate all first; register all or none.
+	made := make([]*tensor, 0, len(r.Tensors))
+	for _, spec := range r.Tensors {
+		d, err := optimizer.ParseDType(spec.DType)
+		if err != nil {
+			return nil, fmt.Errorf("tensor %q: %w", spec.Name, err)
+		}
+		numel := spec.Numel()
+		nb := numel * int64(d.Size())
+		mem, err := ss.memory(spec.Param, nb, int64(d.Size()))
+		if err != nil {
+			return nil, fmt.Errorf("tensor %q param: %w", spec.Name, err)
+		}
+		for _, t := range ss.tensors {
+			if t.Name == spec.Name {
+				return nil, fmt.Errorf("tensor %q already registered (id %d)", spec.Name, t.id)
+			}
+		}
+		for _, t := range made {
+			if t.Name == spec.Name {
+				return nil, fmt.Errorf("tensor %q appears twice", spec.Name)
+			}
+		}
+		h := optimizer.Hyper{LR: spec.Hyper.LR, Beta1: spec.Hyper.Beta1, Beta2: spec.Hyper.Beta2, Eps: spec.Hyper.Eps,
+			WeightDecay: spec.Hyper.WeightDecay, Amsgrad: spec.Hyper.Amsgrad, Maximize: spec.Hyper.Maximize}
+		ot, err := optimizer.NewTensor(spec.Name, d, int(numel), h, mem)
+		if err != nil {
+			return nil, err
+		}
+		made = append(made, &tensor{Tensor: ot, shape: spec.Shape, seg: spec.Param.Seg})
+	}
+	ids := make([]uint32, len(made))
+	for i, t := range made {
+		s.nextID++
+		t.id = s.nextID
+		ss.tensors[t.id] = t
+		ids[i] = t.id
+	}
+	s.log.Debug("tensors registered", zap.String("client", ss.client), zap.Int("count", len(ids)))
+	return ipc.RegisterReply{IDs: ids}, nil
+}
+
+type stepWork struct {
+	t    *tensor
+	grad []byte
+	it   ipc.StepItem
+}
+
+func (s *Server) step(ss *session, st ipc.Step) (any, error) {
+	start := time.Now()
+	work := make([]stepWork, 0, len(st.Items))
+	for i, it := range st.Items {
+		t := ss.tensors[it.Tensor]
+		if t == nil {
+			return nil, fmt.Errorf("item %d: unknown tensor %d", i, it.Tensor)
+		}
+		var grad []byte
+		if it.Grad.Seg != 0 {
+			g, err := ss.memory(it.Grad, int64(t.Bytes()), int64(t.DType.Size()))
+			if err != nil {
+				return nil, fmt.Errorf("item %d (%s) grad: %w", i, t.Name, err)
+			}
+			if overlaps(g, t.Param) {
+				return nil, fmt.Errorf("item %d (%s): gradient memory overlaps the parameter", i, t.Name)
+			}
+			grad = g
+		} else if t.Pending() == 0 {
+			return nil, fmt.Errorf("item %d (%s): nothing accumulated to apply", i, t.Name)
+		}
+		if it.Apply {
+			if it.Scalars.Amsgrad != t.Hyper.Amsgrad || it.Scalars.Maximize != t.Hyper.Maximize {
+				return nil, fmt.Errorf("item %d (%s): amsgrad/maximize differ from registration", i, t.Name)
+			}
+			if it.Step != t.Step+1 {
+				return nil, fmt.Errorf("item %d (%s): client step %d but server is at step %d", i, t.Name, it.Step, t.Step)
+			}
+		}
+		work = append(work, stepWork{t: t, grad: grad, it: it})
+	}
+	var rep ipc.StepReply
+	for _, w := range work {
+		var err error
+		if w.it.Apply {
+			sc := w.it.Scalars
+			err = s.engine.Apply(w.t.Tensor, w.grad, optimizer.Scalars{Decay: sc.Decay, ApplyDecay: sc.ApplyDecay,
+				Beta1W: sc.Beta1W, Beta2: sc.Beta2, OneMinusB2: sc.OneMinusB2, NegStepSize: sc.NegStepSize,
+				BC2Sqrt: sc.BC2Sqrt, Eps: sc.Eps, Amsgrad: sc.Amsgrad, Maximize: sc.Maximize})
+			rep.Applied++
+		} else {
+			err = s.engine.Accumulate(w.t.Tensor, w.grad)
+			rep.Accumulated++
+		}
+		if err != nil { // validated above: only reachable on an engine bug
+			return nil, fmt.Errorf("tensor %s: %w", w.t.Name, err)
+		}
+		rep.Bytes += int64(w.t.Bytes())
+	}
+	rep.Micros = time.Since(start).Microseconds()
+	s.stepItems += int64(len(work))
+	s.bytesUpdated += rep.Bytes
+	s.recordLatency(rep.Micros)
+	return rep, nil
+}
+
+func overlaps(a, b []byte) bool {
+	if len(a) == 0 || len(b) == 0 {
+		return false
+	}
+	a0, a1 := addr(a), addr(a)+uintptr(len(a))
+	b0, b1 := addr(b), addr(b)+uintptr(len(b))
+	return a0 < b1 && b0 < a1
+}
+
+func (s *Server) recordLatency(us int64) {
+	if len(s.stepMicros) < cap(s.stepMicros) {
+		s.stepMicros = append(s.stepMicros, us)
+	} else {
+		s.stepMicros[s.stepMicrosN%len(s.stepMicros)] = us
+	}
+	s.stepMicrosN++
+}
+
+// stateMem resolves the three state references of a transfer; all must be
+// distinct from each other and from the parameter.
+func (ss *session) stateMem(t *tensor, x ipc.StateXfer) ([3][]byte, error) {
+	var out [3][]byte
+	refs := []ipc.MemRef{x.ExpAvg, x.ExpAvgSq}
+	if t.Hyper.Amsgrad {
+		refs = append(refs, x.MaxExpAvgSq)
+	}
+	for i, r := range refs {
+		b, err := ss.memory(r, int64(t.Bytes()), int64(t.DType.Size()))
+		if err != nil {
+			return out, fmt.Errorf("tensor %s state part %d: %w", t.Name, i, err)
+		}
+		if overlaps(b, t.Param) {
+			return out, fmt.Errorf("tensor %s state part %d overlaps the parameter", t.Name, i)
+		}
+		for j := 0; j < i; j++ {
+			if overlaps(b, out[j]) {
+				return out, fmt.Errorf("tensor %s state parts %d and %d overlap", t.Name, j, i)
+			}
+		}
+		out[i] = b
+	}
+	return out, nil
+}
+
+func (s *Server) export(ss *session, x ipc.StateXfer) (any, error) {
+	t := ss.tensors[x.Tensor]
+	if t == nil {
+		return nil, fmt.Errorf("unknown tensor %d", x.Tensor)
+	}
+	if t.Pending() > 0 {
+		return nil, fmt.Errorf("tensor %s has %d accumulated gradients not yet applied", t.Name, t.Pending())
+	}
+	mem, err := ss.stateMem(t, x)
+	if err != nil {
+		return nil, err
+	}
+	copy(mem[0], t.ExpAvg)
+	copy(mem[1], t.ExpAvgSq)
+	if t.Hyper.Amsgrad {
+		copy(mem[2], t.MaxExpAvgSq)
+	}
+	return ipc.ExportReply{Step: t.Step, Amsgrad: t.Hyper.Amsgrad}, nil
+}
+
+func (s *Server) importState(ss *session, x ipc.StateXfer) (any, error) {
+	t := ss.tensors[x.Tensor]
+	if t == nil {
+		return nil, fmt.Errorf("unknown tensor %d", x.Tensor)
+	}
+	mem, err := ss.stateMem(t, x)
+	if err != nil {
+		return nil, err
+	}
+	if err := t.ImportState(x.Step, mem[0], mem[1], mem[2]); err != nil {
+		return nil, err
+	}
+	return ipc.ExportReply{Step: t.Step, Amsgrad: t.Hyper.Amsgrad}, nil
+}
+
+func (s *Server) detach(ss *session, d ipc.Detach) (any, error) {
+	m := ss.segments[d.Seg]
+	if m == nil {
+		return nil, fmt.Errorf("unknown segment %d", d.Seg)
+	}
+	for _, t := range ss.tensors {
+		if t.seg == d.Seg {
+			return nil, fmt.Errorf("segment %d holds tensor %s: cannot detach", d.Seg, t.Name)
+		}
+	}
+	delete(ss.segments, d.Seg)
+	if err := m.Close(); err != nil {
+		return nil, err
+	}
+	return map[string]uint32{"seg": d.Seg}, nil
+}
+
+// Stats returns the server's counters.
+func (s *Server) Stats() ipc.Stats {
+	st := ipc.Stats{Requests: s.requests, Errors: s.errors, StepItems: s.stepItems, BytesUpdated: s.bytesUpdated,
+		Sessions: len(s.sessions), ByOp: map[string]int64{}}
+	for k, v := range s.byOp {
+		st.ByOp[k] = v
+	}
+	for _, ss := range s.sessions {
+		st.Tensors += len(ss.tensors)
+		st.Segments += len(ss.segments)
+		for _, t := range ss.tensors {
+			st.StateBytes += int64(t.StateBytes())
+		}
+		for _, m := range ss.segments {
+			st.SegmentBytes += m.Size()
+		}
+	}
+	if n := len(s.stepMicros); n > 0 {
+		l := append([]int64(nil), s.stepMicros...)
+		sort.Slice(l, func(i, j int) bool { return l[i] < l[j] })
+		st.StepMicrosP50 = l[n/2]
+		st.StepMicrosP99 = l[(n*99)/100]
+		st.StepMicrosMax = l[n-1]
+	}
+	return st
+}
+
+// release frees a client's tensors and unmaps its segments.
+func (s *Server) release(client string) {
+	ss := s.sessions[client]
+	if ss == nil {
+		return
+	}
+	var errs []error
+	for _, m := range ss.segments {
+		errs = append(errs, m.Close())
+	}
+	if err := errors.Join(errs...); err != nil {
+		s.log.Warn("releasing session", zap.String("client", client), zap.Error(err))
+	}
+	delete(s.sessions, client)
+	s.log.Info("client released", zap.String("client", client), zap.Int("tensors", len(ss.tensors)), zap.Int("segments", len(ss.segments)))
+}
+
+// Close releases every session.
+func (s *Server) Close() {
+	for c := range s.sessions {
+		s.release(c)
+	}
+}
+
+func addr(b []byte) uintptr { return uintptr(unsafe.Pointer(&b[0])) }
