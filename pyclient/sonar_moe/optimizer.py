@@ -252,6 +252,8 @@ class SonarAdamW(torch.optim.Optimizer):
         if apply:
             item["step"], item["scalars"] = self._next_step(e)
         grp = self._groups[e.key]
+        if any(i["tensor"] == e.tid for i in grp.items):
+            self._send(grp)  # an earlier backward left this layer incomplete (experts without tokens)
         grp.items.append(item)
         grp.slots.append(off)
         if len(grp.items) >= grp.size:
@@ -358,10 +360,8 @@ class SonarAdamW(torch.optim.Optimizer):
             sd = super().state_dict()
         finally:
             self._release_xfer(xfer)
-            for e in self._experts.values():  # the server keeps the state; drop the copies
-                st = self.state[e.param]
-                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                    st.pop(k, None)
+            for e in self._experts.values():  # the server keeps the state; sd keeps the copies
+                self.state[e.param] = {"step": self.state[e.param]["step"]}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
