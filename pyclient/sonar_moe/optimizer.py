@@ -428,7 +428,7 @@ class SonarAdamW(torch.optim.Optimizer):
         lat = sorted(self._conn.latencies) if self._conn else []
         out: dict[str, Any] = {
             "peak_expert_grad_bytes": self._peak,
-            "ring_bytes": self._ring.capacity if self._ring else 0,
+            "ring_bytes": self._ring.capacity if self._ring is not None else 0,
             "expert_tensors": len(self._experts),
             "dense_tensors": len(self._dense_params),
             **self._counts,
