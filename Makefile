@@ -1,0 +1,46 @@
+# Sonar-MoE: `make demo` runs the demo, `make test` runs every test (both set up what they need).
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+GO      ?= go
+export SONARD := $(CURDIR)/bin/sonard
+
+.PHONY: all setup system-deps venv build demo test test-go test-py lint clean
+
+all: build
+
+setup: system-deps venv
+
+system-deps:
+	@scripts/install-system-deps
+
+# The venv is rebuilt when the pinned requirements change.
+$(VENV)/.installed: requirements.txt pyclient/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -e pyclient
+	touch $@
+
+venv: $(VENV)/.installed
+
+build: system-deps
+	$(GO) build -o bin/sonard ./cmd/sonard
+
+demo: setup build
+	$(PY) examples/demo.py
+
+lint: system-deps
+	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+
+test-go: system-deps
+	$(GO) test -count=1 ./...
+
+test-py: setup build
+	$(PY) -m pytest -q --timeout=600 tests
+
+test: lint test-go test-py
+
+clean:
+	rm -rf bin
