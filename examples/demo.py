@@ -144,7 +144,7 @@ def print_table(results: list[Result]) -> None:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8)
