@@ -11,4 +11,5 @@ require (
 require (
 	github.com/vmihailenco/tagparser/v2 v2.0.0 // indirect
 	go.uber.org/multierr v1.10.0 // indirect
+	golang.org/x/sys v0.50.0 // indirect
 )

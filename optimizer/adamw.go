@@ -88,8 +88,8 @@ func (s Scalars) f32() f32 {
 type VecSqrt func(dst, src []float32)
 
 func ieeeSqrt(dst, src []float32) {
-	for i, x := range src {
-		dst[i] = Sqrt32(x)
+	for i := sqrtVec(dst, src); i < len(src); i++ {
+		dst[i] = Sqrt32(src[i])
 	}
 }
 
@@ -120,29 +120,33 @@ func StepF32(p, g, m, v, vmax []float32, s Scalars, sqrt VecSqrt) {
 	var in, out [block]float32
 	for base := 0; base < n; base += block {
 		end := min(base+block, n)
-		for i := base; i < end; i++ {
-			gi := g[i]
+		pb, gb, mb, vb := p[base:end], g[base:end], m[base:end], v[base:end]
+		nb := end - base
+		// Pass 1: decay, exp_avg, exp_avg_sq (assembly for the head where available).
+		for i := stepF32Vec(pb, gb, mb, vb, in[:nb], s, k); i < nb; i++ {
+			gi := gb[i]
 			if s.Maximize {
 				gi = -gi
 			}
 			if s.ApplyDecay {
-				p[i] = float32(p[i] * k.decay)
+				pb[i] = float32(pb[i] * k.decay)
 			}
-			m[i] = Lerp32(m[i], gi, k.w)
-			vi := float32(v[i] * k.b2)
+			mb[i] = Lerp32(mb[i], gi, k.w)
+			vi := float32(vb[i] * k.b2)
 			vi = FMA32(float32(k.omb2*gi), gi, vi)
-			v[i] = vi
+			vb[i] = vi
 			if s.Amsgrad {
-				vi = Max32(vmax[i], vi)
-				vmax[i] = vi
+				vi = Max32(vmax[base+i], vi)
+				vmax[base+i] = vi
 			}
-			in[i-base] = vi
+			in[i] = vi
 		}
-		sqrt(out[:end-base], in[:end-base])
-		for i := base; i < end; i++ {
-			den := float32(out[i-base] / k.bc2s)
+		sqrt(out[:nb], in[:nb])
+		// Pass 2: denom and the parameter update.
+		for i := pass2Vec(pb, mb, out[:nb], k); i < nb; i++ {
+			den := float32(out[i] / k.bc2s)
 			den = float32(den + k.eps)
-			p[i] = float32(p[i] + float32(float32(k.negStep*m[i])/den))
+			pb[i] = float32(pb[i] + float32(float32(k.negStep*mb[i])/den))
 		}
 	}
 }

@@ -1,0 +1,68 @@
+package optimizer
+
+import (
+	"math"
+
+	"golang.org/x/sys/cpu"
+)
+
+// useAVX2 selects the assembly passes (amd64 with AVX2 and FMA).
+var useAVX2 = cpu.X86.HasAVX2 && cpu.X86.HasFMA
+
+type pass1Consts struct {
+	decay, c, b2, omb2 float32
+	sign, baseMask     uint32
+}
+
+type pass2Consts struct{ bc2s, eps, negStep float32 }
+
+//go:noescape
+func pass1AVX2(pp, gg, mm, vv, out *float32, n int, k *pass1Consts)
+
+//go:noescape
+func pass2AVX2(pp, mm, sq *float32, n int, k *pass2Consts)
+
+//go:noescape
+func sqrtAVX(dst, src *float32, n int)
+
+// stepF32Vec runs the vectorizable head of one block (a multiple of 8
+// elements) in assembly and returns how many elements it did; the caller
+// finishes the rest with the scalar code.
+func stepF32Vec(p, g, m, v, out []float32, s Scalars, k f32) int {
+	n := len(p) &^ 7
+	if !useAVX2 || n == 0 || s.Amsgrad {
+		return 0
+	}
+	c1 := pass1Consts{decay: 1, c: k.w, b2: k.b2, omb2: k.omb2}
+	if s.ApplyDecay {
+		c1.decay = k.decay
+	}
+	if s.Maximize {
+		c1.sign = 0x80000000
+	}
+	if !(k.w < 0.5 && k.w > -0.5) {
+		c1.c = k.w - 1
+		c1.baseMask = math.MaxUint32
+	}
+	pass1AVX2(&p[0], &g[0], &m[0], &v[0], &out[0], n, &c1)
+	return n
+}
+
+func pass2Vec(p, m, sq []float32, k f32) int {
+	n := len(p) &^ 7
+	if !useAVX2 || n == 0 {
+		return 0
+	}
+	c2 := pass2Consts{bc2s: k.bc2s, eps: k.eps, negStep: k.negStep}
+	pass2AVX2(&p[0], &m[0], &sq[0], n, &c2)
+	return n
+}
+
+func sqrtVec(dst, src []float32) int {
+	n := len(src) &^ 7
+	if !useAVX2 || n == 0 {
+		return 0
+	}
+	sqrtAVX(&dst[0], &src[0], n)
+	return n
+}

@@ -1,0 +1,98 @@
+#include "textflag.h"
+
+// AVX2+FMA passes of the float32 AdamW step. They perform, lane for lane, the
+// same IEEE single-precision operations as torch's vectorized CPU kernels
+// (see StepF32), so the results are bitwise those of the scalar Go code.
+//
+// The constants block k (see pass1Consts and pass2Consts) holds broadcastable
+// float32 values and masks.
+
+// func pass1AVX2(pp, gg, mm, vv, out *float32, n int, k *pass1Consts)
+// n must be a multiple of 8.
+TEXT ·pass1AVX2(SB), NOSPLIT, $0-56
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ out+32(FP), R10
+	MOVQ n+40(FP), CX
+	MOVQ k+48(FP), AX
+	VBROADCASTSS 0(AX), Y8   // decay
+	VBROADCASTSS 4(AX), Y9   // lerp coefficient: w, or w-1
+	VBROADCASTSS 8(AX), Y10  // beta2
+	VBROADCASTSS 12(AX), Y11 // 1-beta2
+	VBROADCASTSS 16(AX), Y12 // sign mask (maximize)
+	VBROADCASTSS 20(AX), Y13 // base mask: all ones when the lerp base is the gradient
+	XORQ BX, BX
+loop1:
+	CMPQ BX, CX
+	JGE done1
+	VMOVUPS (SI)(BX*4), Y0
+	VXORPS Y12, Y0, Y0        // g = maximize ? -g : g
+	VMOVUPS (DI)(BX*4), Y1
+	VMULPS Y8, Y1, Y1         // p *= decay
+	VMOVUPS Y1, (DI)(BX*4)
+	VMOVUPS (R8)(BX*4), Y2    // m
+	VSUBPS Y2, Y0, Y3         // d = g - m
+	VANDPS Y13, Y0, Y4
+	VANDNPS Y2, Y13, Y5
+	VORPS Y5, Y4, Y4          // base = mask ? g : m
+	VFMADD231PS Y3, Y9, Y4    // m' = fma(c, d, base)
+	VMOVUPS Y4, (R8)(BX*4)
+	VMOVUPS (R9)(BX*4), Y5
+	VMULPS Y10, Y5, Y5        // v *= beta2
+	VMULPS Y11, Y0, Y6        // (1-beta2)*g
+	VFMADD231PS Y0, Y6, Y5    // v = fma((1-beta2)*g, g, v)
+	VMOVUPS Y5, (R9)(BX*4)
+	VMOVUPS Y5, (R10)(BX*4)
+	ADDQ $8, BX
+	JMP loop1
+done1:
+	VZEROUPPER
+	RET
+
+// func pass2AVX2(pp, mm, sq *float32, n int, k *pass2Consts)
+TEXT ·pass2AVX2(SB), NOSPLIT, $0-40
+	MOVQ pp+0(FP), DI
+	MOVQ mm+8(FP), SI
+	MOVQ sq+16(FP), R8
+	MOVQ n+24(FP), CX
+	MOVQ k+32(FP), AX
+	VBROADCASTSS 0(AX), Y8  // bias_correction2_sqrt
+	VBROADCASTSS 4(AX), Y9  // eps
+	VBROADCASTSS 8(AX), Y10 // -step_size
+	XORQ BX, BX
+loop2:
+	CMPQ BX, CX
+	JGE done2
+	VMOVUPS (R8)(BX*4), Y0
+	VDIVPS Y8, Y0, Y0         // sqrt(v) / bc2s
+	VADDPS Y9, Y0, Y0         // + eps
+	VMOVUPS (SI)(BX*4), Y1
+	VMULPS Y10, Y1, Y1        // value * m
+	VDIVPS Y0, Y1, Y1         // / denom
+	VMOVUPS (DI)(BX*4), Y2
+	VADDPS Y1, Y2, Y2         // p + ...
+	VMOVUPS Y2, (DI)(BX*4)
+	ADDQ $8, BX
+	JMP loop2
+done2:
+	VZEROUPPER
+	RET
+
+// func sqrtAVX(dst, src *float32, n int)
+TEXT ·sqrtAVX(SB), NOSPLIT, $0-24
+	MOVQ dst+0(FP), DI
+	MOVQ src+8(FP), SI
+	MOVQ n+16(FP), CX
+	XORQ BX, BX
+loop3:
+	CMPQ BX, CX
+	JGE done3
+	VSQRTPS (SI)(BX*4), Y0
+	VMOVUPS Y0, (DI)(BX*4)
+	ADDQ $8, BX
+	JMP loop3
+done3:
+	VZEROUPPER
+	RET

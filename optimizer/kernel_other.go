@@ -1,0 +1,7 @@
+//go:build !amd64
+
+package optimizer
+
+func stepF32Vec(p, g, m, v, out []float32, s Scalars, k f32) int { return 0 }
+func pass2Vec(p, m, sq []float32, k f32) int                     { return 0 }
+func sqrtVec(dst, src []float32) int                             { return 0 }
