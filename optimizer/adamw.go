@@ -166,7 +166,7 @@ func StepBF16(p, g, m, v, vmax []uint16, s Scalars) {
 	if s.Amsgrad {
 		vmax = vmax[:n]
 	}
-	for i := 0; i < n; i++ {
+	for i := stepBF16Vec(p, g, m, v, s, k, epsBF); i < n; i++ {
 		gi := BF16ToF32(g[i])
 		if s.Maximize {
 			gi = -gi

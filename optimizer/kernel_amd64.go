@@ -66,3 +66,39 @@ func sqrtVec(dst, src []float32) int {
 	sqrtAVX(&dst[0], &src[0], n)
 	return n
 }
+
+// bf16Consts is read by stepBF16AVX2 at fixed offsets: keep the layout.
+type bf16Consts struct {
+	one, r7fff, hiMask, nan [8]uint32 // 0, 32, 64, 96
+	decay, c, b2, omb2      float32   // 128..
+	sign, baseMask          uint32    // 144, 148
+	bc2s, eps, negStep      float32   // 152, 156, 160
+}
+
+//go:noescape
+func stepBF16AVX2(pp, gg, mm, vv *uint16, n int, k *bf16Consts)
+
+// stepBF16Vec runs the head of a bfloat16 step (a multiple of 8 elements)
+// in assembly and returns how many elements it did.
+func stepBF16Vec(p, g, m, v []uint16, s Scalars, k f32, epsBF float32) int {
+	n := len(p) &^ 7
+	if !useAVX2 || n == 0 || s.Amsgrad {
+		return 0
+	}
+	c := bf16Consts{decay: 1, c: k.w, b2: k.b2, omb2: k.omb2, bc2s: k.bc2s, eps: epsBF, negStep: k.negStep}
+	for i := range c.one {
+		c.one[i], c.r7fff[i], c.hiMask[i], c.nan[i] = 1, 0x7FFF, 0xFFFF0000, 0x7FC00000
+	}
+	if s.ApplyDecay {
+		c.decay = k.decay
+	}
+	if s.Maximize {
+		c.sign = 0x80000000
+	}
+	if !(k.w < 0.5 && k.w > -0.5) {
+		c.c = k.w - 1
+		c.baseMask = math.MaxUint32
+	}
+	stepBF16AVX2(&p[0], &g[0], &m[0], &v[0], n, &c)
+	return n
+}

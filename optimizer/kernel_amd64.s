@@ -96,3 +96,86 @@ loop3:
 done3:
 	VZEROUPPER
 	RET
+
+// RNDBF rounds the float32 lanes of x to bfloat16 precision in place
+// (round to nearest even; NaN becomes 0x7FC0), as c10::BFloat16 does. AX
+// points at bf16Consts.
+#define RNDBF(x, t1, t2) \
+	VPSRLD $16, x, t1; \
+	VPAND 0(AX), t1, t1; \
+	VPADDD 32(AX), t1, t1; \
+	VPADDD x, t1, t1; \
+	VPAND 64(AX), t1, t1; \
+	VCMPPS $3, x, x, t2; \
+	VBLENDVPS t2, 96(AX), t1, x
+
+// LOADBF widens 8 bfloat16 values at addr to float32 lanes of x.
+#define LOADBF(addr, x) \
+	VPMOVZXWD addr, x; \
+	VPSLLD $16, x, x
+
+// STOREBF stores the 8 lanes of x (already rounded by RNDBF) as bfloat16.
+#define STOREBF(x, t, tx, addr) \
+	VPSRLD $16, x, t; \
+	VPACKUSDW t, t, t; \
+	VPERMQ $0x08, t, t; \
+	VMOVDQU tx, addr
+
+// func stepBF16AVX2(pp, gg, mm, vv *uint16, n int, k *bf16Consts)
+// n must be a multiple of 8.
+TEXT ·stepBF16AVX2(SB), NOSPLIT, $0-48
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ n+32(FP), CX
+	MOVQ k+40(FP), AX
+	VBROADCASTSS 128(AX), Y8  // decay
+	VBROADCASTSS 132(AX), Y9  // lerp coefficient
+	VBROADCASTSS 136(AX), Y10 // beta2
+	VBROADCASTSS 140(AX), Y11 // 1-beta2
+	VBROADCASTSS 144(AX), Y12 // sign mask
+	VBROADCASTSS 148(AX), Y13 // base mask
+	VBROADCASTSS 152(AX), Y14 // bias_correction2_sqrt
+	VBROADCASTSS 156(AX), Y15 // eps rounded to bfloat16
+	XORQ BX, BX
+loopb:
+	CMPQ BX, CX
+	JGE doneb
+	LOADBF((SI)(BX*2), Y0)
+	VXORPS Y12, Y0, Y0        // g
+	LOADBF((DI)(BX*2), Y1)
+	VMULPS Y8, Y1, Y1
+	RNDBF(Y1, Y6, Y7)         // p = bf16(p * decay)
+	LOADBF((R8)(BX*2), Y2)
+	VSUBPS Y2, Y0, Y3
+	VANDPS Y13, Y0, Y4
+	VANDNPS Y2, Y13, Y5
+	VORPS Y5, Y4, Y4
+	VFMADD231PS Y3, Y9, Y4
+	RNDBF(Y4, Y6, Y7)         // m = bf16(lerp(m, g, w))
+	STOREBF(Y4, Y5, X5, (R8)(BX*2))
+	LOADBF((R9)(BX*2), Y5)
+	VMULPS Y10, Y5, Y5
+	RNDBF(Y5, Y6, Y7)         // v = bf16(v * beta2)
+	VMULPS Y11, Y0, Y3
+	VFMADD231PS Y0, Y3, Y5
+	RNDBF(Y5, Y6, Y7)         // v = bf16(fma((1-beta2)*g, g, v))
+	STOREBF(Y5, Y3, X3, (R9)(BX*2))
+	VSQRTPS Y5, Y3
+	RNDBF(Y3, Y6, Y7)
+	VDIVPS Y14, Y3, Y3
+	RNDBF(Y3, Y6, Y7)
+	VADDPS Y15, Y3, Y3
+	RNDBF(Y3, Y6, Y7)         // denom
+	VBROADCASTSS 160(AX), Y2
+	VMULPS Y4, Y2, Y2
+	VDIVPS Y3, Y2, Y2
+	VADDPS Y2, Y1, Y1
+	RNDBF(Y1, Y6, Y7)         // p = bf16(p + (value*m)/denom)
+	STOREBF(Y1, Y2, X2, (DI)(BX*2))
+	ADDQ $8, BX
+	JMP loopb
+doneb:
+	VZEROUPPER
+	RET

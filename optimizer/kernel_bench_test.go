@@ -39,3 +39,22 @@ func BenchmarkFMA32(b *testing.B) {
 	}
 	_ = x
 }
+
+func BenchmarkStepBF16(b *testing.B) {
+	const n = 1 << 22
+	p32, g32, m32, v32 := benchBufs(n)
+	conv := func(x []float32, off int) []uint16 {
+		o := u16s(staggered(2*n, off))
+		for i := range o {
+			o[i] = F32ToBF16(x[i])
+		}
+		return o
+	}
+	p, g, m, v := conv(p32, 0), conv(g32, 512), conv(m32, offExpAvg), conv(v32, offExpAvgSq)
+	s := ScalarsFor(Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}, 3)
+	b.SetBytes(14 * n)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		StepBF16(p, g, m, v, nil, s)
+	}
+}

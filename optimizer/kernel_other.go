@@ -5,3 +5,5 @@ package optimizer
 func stepF32Vec(p, g, m, v, out []float32, s Scalars, k f32) int { return 0 }
 func pass2Vec(p, m, sq []float32, k f32) int                     { return 0 }
 func sqrtVec(dst, src []float32) int                             { return 0 }
+
+func stepBF16Vec(p, g, m, v []uint16, s Scalars, k f32, epsBF float32) int { return 0 }
