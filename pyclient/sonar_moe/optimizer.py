@@ -90,6 +90,7 @@ class SonarAdamW(torch.optim.Optimizer):
         *,
         amsgrad: bool = False,
         maximize: bool = False,
+        max_expert_grad_norm: float | None = None,
         timeout: float = 30.0,
         ring_layers: int = 1,
     ) -> None:
@@ -106,6 +107,12 @@ class SonarAdamW(torch.optim.Optimizer):
             raise ValueError(f"grad_accumulation_steps must be >= 1, got {grad_accumulation_steps}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
+        if max_expert_grad_norm is not None:
+            if not max_expert_grad_norm > 0:
+                raise ValueError(f"max_expert_grad_norm must be positive or None, got {max_expert_grad_norm}")
+            if grad_accumulation_steps > 1:
+                raise ValueError("max_expert_grad_norm clips each expert tensor's gradient as it arrives, which with "
+                                 "grad_accumulation_steps > 1 would clip micro-batches, not their sum: not supported")
         if ring_layers < 1:
             raise ValueError(f"ring_layers must be >= 1, got {ring_layers}")
         pred = expert_params or is_expert_param
@@ -125,6 +132,7 @@ class SonarAdamW(torch.optim.Optimizer):
         )
         super().__init__([p for _, p in params], dict(self._dense.defaults))
         self.max_grad_norm = max_grad_norm
+        self.max_expert_grad_norm = max_expert_grad_norm
         self.grad_accumulation_steps = grad_accumulation_steps
         self.last_dense_grad_norm: torch.Tensor | None = None
         self._timeout = timeout
@@ -235,6 +243,9 @@ class SonarAdamW(torch.optim.Optimizer):
         if self._closed:
             raise SonarError("SonarAdamW is closed")
         e = self._experts[id(p)]
+        if self.max_expert_grad_norm is not None:
+            # Per-tensor clipping, exactly clip_grad_norm_([p], c): NOT global-norm clipping.
+            torch.nn.utils.clip_grad_norm_([p], self.max_expert_grad_norm)
         nbytes = e.nbytes
         self._alive += nbytes
         self._conn.poll(0)  # free the slots of finished requests
@@ -423,8 +434,9 @@ class SonarAdamW(torch.optim.Optimizer):
         xfer[0].mm.close()
 
     # ------------------------------------------------------------ reporting
-    def stats(self) -> dict[str, Any]:
-        """Client figures (peak expert-gradient bytes, requests, latencies) and the server's counters."""
+    def stats(self, server: bool = True) -> dict[str, Any]:
+        """Client figures (peak expert-gradient bytes, requests, latencies) and, with server=True,
+        the server's counters."""
         lat = sorted(self._conn.latencies) if self._conn else []
         out: dict[str, Any] = {
             "peak_expert_grad_bytes": self._peak,
@@ -437,7 +449,7 @@ class SonarAdamW(torch.optim.Optimizer):
             "latency_ms_p99": 1e3 * lat[min(len(lat) - 1, len(lat) * 99 // 100)] if lat else 0.0,
             "latency_ms_mean": 1e3 * statistics.fmean(lat) if lat else 0.0,
         }
-        if self._conn is not None and not self._closed:
+        if server and self._conn is not None and not self._closed:
             out["server"] = self._conn.call("stats", {})
         return out
 

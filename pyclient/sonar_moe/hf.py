@@ -1,0 +1,92 @@
+"""Hugging Face Trainer integration: ``SonarTrainer`` is ``transformers.Trainer`` with SonarAdamW.
+
+One line changes in a training script::
+
+    trainer = SonarTrainer(model=model, args=args, train_dataset=ds)   # was: Trainer(...)
+
+The optimizer is built from the ``TrainingArguments`` (learning_rate, adam_beta1/2,
+adam_epsilon, weight_decay, max_grad_norm, gradient_accumulation_steps). Trainer's own
+clipping would run after backward, when the expert gradients are already applied and freed,
+so it would silently clip (and log the norm of) the dense parameters only. SonarTrainer turns
+it off and lets SonarAdamW clip the dense parameters with ``args.max_grad_norm`` instead, and
+logs that norm as ``dense_grad_norm`` together with Sonar's figures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, Trainer
+
+from .optimizer import SonarAdamW
+
+
+def unwrap_sonar(optimizer: Any) -> SonarAdamW | None:
+    """The SonarAdamW inside an optimizer wrapper (accelerate's AcceleratedOptimizer), if any."""
+    seen = 0
+    while optimizer is not None and seen < 4:
+        if isinstance(optimizer, SonarAdamW):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+        seen += 1
+    return None
+
+
+class SonarTrainer(Trainer):
+    """``transformers.Trainer`` whose optimizer is SonarAdamW (see the module docstring).
+
+    ``sonar_kwargs`` are passed on to SonarAdamW (e.g. ``server=``, ``max_expert_grad_norm=``,
+    ``expert_params=``).
+    """
+
+    def __init__(self, *args: Any, sonar_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sonar_kwargs = dict(sonar_kwargs or {})
+        clip = self.args.max_grad_norm
+        self.sonar_max_grad_norm = float(clip) if clip is not None and clip > 0 else None
+        # Trainer must not clip: SonarAdamW clips the dense parameters itself.
+        self.args.max_grad_norm = 0.0
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            a = self.args
+            self.optimizer = SonarAdamW(
+                model if model is not None else self.model,
+                lr=a.learning_rate,
+                betas=(a.adam_beta1, a.adam_beta2),
+                eps=a.adam_epsilon,
+                weight_decay=a.weight_decay,
+                max_grad_norm=self.sonar_max_grad_norm,
+                grad_accumulation_steps=a.gradient_accumulation_steps,
+                **self.sonar_kwargs,
+            )
+        return self.optimizer
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        opt = unwrap_sonar(self.optimizer)
+        if opt is not None and "loss" in logs:
+            if opt.last_dense_grad_norm is not None:
+                logs["dense_grad_norm"] = float(opt.last_dense_grad_norm)
+            st = opt.stats(server=False)
+            logs["sonar_peak_expert_grad_bytes"] = st["peak_expert_grad_bytes"]
+            logs["sonar_update_ms_p50"] = round(st["latency_ms_p50"], 3)
+        super().log(logs, *args, **kwargs)
+
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        """Trainer's loader, plus a reload through ``from_pretrained``.
+
+        transformers 5.x saves batched expert tensors (OLMoE ``mlp.experts.gate_up_proj``) in the
+        per-expert checkpoint layout, and ``Trainer._load_from_checkpoint`` loads with
+        ``strict=False`` without converting back, so the experts silently keep their current
+        values on resume. ``from_pretrained`` applies the conversion; its weights are copied in
+        place, so parameters living in Sonar's shared memory stay where they are.
+        """
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        target = model if model is not None else self.model
+        if isinstance(target, PreTrainedModel):
+            fresh = type(target).from_pretrained(resume_from_checkpoint, dtype=target.dtype)
+            with torch.no_grad():
+                target.load_state_dict(fresh.state_dict(), strict=True)
+            del fresh

@@ -1,0 +1,162 @@
+"""Hugging Face Trainer with SonarAdamW: the optimizers tuple, SonarTrainer vs a manual loop,
+checkpoint resume, and per-tensor expert clipping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch.utils.data import Dataset
+from transformers import OlmoeConfig, OlmoeForCausalLM, Trainer, TrainingArguments
+
+import sonar_moe
+import tiny_moe as tm
+from sonar_moe.hf import SonarTrainer, unwrap_sonar
+
+transformers.logging.set_verbosity_error()
+
+
+def olmoe(seed: int = 0) -> OlmoeForCausalLM:
+    cfg = OlmoeConfig(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                      max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    return OlmoeForCausalLM(cfg)
+
+
+class Windows(Dataset):
+    """Byte windows of real text (Python stdlib sources)."""
+
+    def __init__(self, n: int = 64, seq: int = 24, seed: int = 0) -> None:
+        data = torch.frombuffer(bytearray(tm.load_corpus(200_000)), dtype=torch.uint8).long()
+        g = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, len(data) - seq, (n,), generator=g)
+        self.rows = [data[s: s + seq].clone() for s in starts]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def args(tmp: Path, **kw: Any) -> TrainingArguments:
+    base = dict(output_dir=str(tmp), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6,
+                learning_rate=2e-3, weight_decay=0.01, logging_steps=1, save_strategy="no", report_to=[],
+                use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def experts(model: torch.nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if sonar_moe.is_expert_param(n, p)}
+
+
+def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (n, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(x, y), f"{n} differs by up to {(x - y).abs().max().item():.3e}"
+
+
+def test_trainer_with_optimizers_tuple_matches_torch_adamw(tmp_path: Path) -> None:
+    """Plain Trainer(optimizers=(SonarAdamW, sched)) == Trainer with torch.optim.AdamW."""
+    a = args(tmp_path, max_grad_norm=0.0)
+    ref, mine = olmoe(), olmoe()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=a.learning_rate, weight_decay=a.weight_decay)
+    rs = transformers.get_cosine_schedule_with_warmup(ropt, 2, a.max_steps)
+    Trainer(model=ref, args=a, train_dataset=Windows(), optimizers=(ropt, rs)).train()
+    with sonar_moe.SonarAdamW(mine, lr=a.learning_rate, weight_decay=a.weight_decay,
+                              grad_accumulation_steps=a.gradient_accumulation_steps) as opt:
+        s = transformers.get_cosine_schedule_with_warmup(opt, 2, a.max_steps)
+        Trainer(model=mine, args=a, train_dataset=Windows(), optimizers=(opt, s)).train()
+        assert opt.stats()["server"]["errors"] == 0
+    assert_same(ref, mine)
+
+
+class Recording(SonarTrainer):
+    """Records every micro-batch exactly as Trainer feeds it to the model."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.calls: list[tuple[dict[str, torch.Tensor], Any]] = []
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        self.calls.append(({k: v.clone() for k, v in inputs.items()}, num_items_in_batch))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def test_sonar_trainer_equals_manual_loop_with_dense_clipping(tmp_path: Path) -> None:
+    a = args(tmp_path, max_grad_norm=0.5, lr_scheduler_type="cosine", warmup_steps=2)
+    mine, ref = olmoe(), olmoe()
+    tr = Recording(model=mine, args=a, train_dataset=Windows())
+    tr.train()
+    assert a.max_grad_norm == 0.0 and tr.sonar_max_grad_norm == 0.5  # Trainer's own clipping is off
+    opt = unwrap_sonar(tr.optimizer)
+    assert opt is not None and opt.max_grad_norm == 0.5
+    logged = [h["dense_grad_norm"] for h in tr.state.log_history if "dense_grad_norm" in h]
+    assert len(logged) == a.max_steps
+    assert all("sonar_peak_expert_grad_bytes" in h for h in tr.state.log_history if "loss" in h)
+    opt.close()
+
+    # The manual loop: torch.optim.AdamW over all params, clip_grad_norm_ over dense params.
+    ref.train()
+    dense = [p for n, p in ref.named_parameters() if n not in experts(ref)]
+    ropt = torch.optim.AdamW(ref.parameters(), lr=a.learning_rate, weight_decay=a.weight_decay)
+    sched = transformers.get_scheduler("cosine", ropt, num_warmup_steps=2, num_training_steps=a.max_steps)
+    k = a.gradient_accumulation_steps
+    assert len(tr.calls) == k * a.max_steps
+    norms = []
+    for step in range(a.max_steps):
+        for inputs, n in tr.calls[step * k:(step + 1) * k]:
+            out = ref(**inputs, num_items_in_batch=n)  # Trainer's loss: normalized by the step's token count
+            out.loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(dense, 0.5)))
+        ropt.step()
+        sched.step()
+        ropt.zero_grad()
+    assert_same(ref, mine)
+    assert logged == pytest.approx(norms, rel=0, abs=0)
+
+
+def test_sonar_trainer_resume_from_checkpoint_is_bitwise(tmp_path: Path) -> None:
+    full = olmoe()
+    SonarTrainer(model=full, args=args(tmp_path / "full", max_steps=6), train_dataset=Windows()).train()
+    first = olmoe()
+    a = args(tmp_path / "ck", max_steps=6, save_strategy="steps", save_steps=3)
+    t1 = SonarTrainer(model=first, args=a, train_dataset=Windows())
+    # A run with the same schedule saves at step 3; a fresh trainer (new optimizer, new sonard)
+    # resumes from that checkpoint.
+    t1.train()
+    unwrap_sonar(t1.optimizer).close()
+    ck = tmp_path / "ck" / "checkpoint-3"
+    assert (ck / "optimizer.pt").exists()
+    resumed = olmoe(seed=123)  # different init: everything must come from the checkpoint
+    t2 = SonarTrainer(model=resumed, args=args(tmp_path / "ck", max_steps=6), train_dataset=Windows())
+    t2.train(resume_from_checkpoint=str(ck))
+    assert_same(full, resumed)
+
+
+def test_max_expert_grad_norm_is_per_tensor_clipping() -> None:
+    """max_expert_grad_norm == clip_grad_norm_([p], c) for each expert tensor: not global clipping."""
+    ref, mine = olmoe(3), olmoe(3)
+    ex = experts(ref)
+    dense = [p for n, p in ref.named_parameters() if n not in ex]
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    data = Windows(n=8)
+    with sonar_moe.SonarAdamW(mine, lr=1e-3, max_grad_norm=1.0, max_expert_grad_norm=0.01) as opt:
+        for i in range(4):
+            batch = {k: v.unsqueeze(0) for k, v in data[i].items()}
+            ref(**batch).loss.backward()
+            clipped = [float(torch.nn.utils.clip_grad_norm_([p], 0.01)) for n, p in ref.named_parameters() if n in ex]
+            torch.nn.utils.clip_grad_norm_(dense, 1.0)
+            ropt.step()
+            ropt.zero_grad()
+            mine(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert_same(ref, mine)
+        assert max(clipped) > 0.01  # the clipping was active
+    with pytest.raises(ValueError, match="grad_accumulation_steps"):
+        sonar_moe.SonarAdamW(olmoe(), max_expert_grad_norm=1.0, grad_accumulation_steps=2)
