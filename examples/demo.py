@@ -1,8 +1,9 @@
-"""Train the same tiny MoE twice: with torch.optim.AdamW and with SonarAdamW.
+"""Fine-tune the same small MoE twice: with torch.optim.AdamW and with SonarAdamW.
 
 Run from the repository root:
 
-    python examples/demo.py --steps 150
+    python examples/demo.py --steps 150              # a small Hugging Face OLMoE (default)
+    python examples/demo.py --model tiny             # this repo's dependency-free TinyMoE
 
 Both runs start from identical weights and see identical batches. The table at
 the end compares held-out loss, median step time and the peak memory held by
@@ -30,7 +31,7 @@ except ImportError:
     sys.path.insert(0, str(EXAMPLES.parent / "pyclient"))
     import sonar_moe
 
-from tiny_moe import MoEConfig, TinyMoE, batches, build, expert_param_names, load_corpus, split_corpus
+from tiny_moe import MoEConfig, batches, build, load_corpus, split_corpus
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -51,17 +52,43 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The demo's model, from a config (random init: nothing is downloaded)."""
+    dtype = DTYPES[args.dtype]
+    if args.model == "tiny":
+        cfg = MoEConfig(hidden=args.hidden, intermediate=3 * args.hidden // 2, num_layers=args.layers,
+                        num_experts=args.experts, seq_len=args.seq_len, dtype=dtype)
+        return build(cfg, args.seed)
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    cfg = OlmoeConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.hidden,
+                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
+                      num_experts=args.experts, num_experts_per_tok=2, max_position_embeddings=max(256, args.seq_len),
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(args.seed)
+    return OlmoeForCausalLM(cfg).to(dtype)
+
+
+def lm_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=x, labels=x)
+    return out.loss if hasattr(out, "loss") else out[0]
+
+
+def expert_param_names(model: torch.nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if sonar_moe.is_expert_param(n, p)]
+
+
 @torch.no_grad()
-def evaluate(model: TinyMoE, eval_batches: list[torch.Tensor]) -> float:
+def evaluate(model: torch.nn.Module, eval_batches: list[torch.Tensor]) -> float:
     model.eval()
-    losses = [model(x, labels=x)[0].item() for x in eval_batches]
+    losses = [lm_loss(model, x).item() for x in eval_batches]
     model.train()
     return sum(losses) / len(losses)
 
 
 def train(
     name: str,
-    model: TinyMoE,
+    model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     train_data: bytes,
     args: argparse.Namespace,
@@ -77,7 +104,7 @@ def train(
     bar = tqdm(data, total=args.steps, desc=name, dynamic_ncols=True)
     for x in bar:
         start = time.perf_counter()
-        loss, _ = model(x, labels=x)
+        loss = lm_loss(model, x)
         loss.backward()
         before_step()
         optimizer.step()
@@ -88,9 +115,9 @@ def train(
 
 
 def run_reference(
-    cfg: MoEConfig, train_data: bytes, eval_batches: list[torch.Tensor], args: argparse.Namespace
-) -> tuple[Result, TinyMoE]:
-    model = build(cfg, args.seed)
+    train_data: bytes, eval_batches: list[torch.Tensor], args: argparse.Namespace
+) -> tuple[Result, torch.nn.Module]:
+    model = build_model(args)
     experts = set(expert_param_names(model))
     dense = [p for n, p in model.named_parameters() if n not in experts]
     expert_params = [p for n, p in model.named_parameters() if n in experts]
@@ -110,9 +137,9 @@ def run_reference(
 
 
 def run_sonar(
-    cfg: MoEConfig, train_data: bytes, eval_batches: list[torch.Tensor], args: argparse.Namespace
-) -> tuple[Result, TinyMoE]:
-    model = build(cfg, args.seed)
+    train_data: bytes, eval_batches: list[torch.Tensor], args: argparse.Namespace
+) -> tuple[Result, torch.nn.Module]:
+    model = build_model(args)
     opt = sonar_moe.SonarAdamW(
         model, lr=args.lr, max_grad_norm=args.max_grad_norm, weight_decay=0.01
     )
@@ -143,6 +170,7 @@ def print_table(results: list[Result]) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["olmoe", "tiny"], default="olmoe")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
@@ -159,25 +187,21 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    cfg = MoEConfig(
-        hidden=args.hidden,
-        intermediate=3 * args.hidden // 2,
-        num_layers=args.layers,
-        num_experts=args.experts,
-        seq_len=args.seq_len,
-        dtype=DTYPES[args.dtype],
-    )
     train_data, held_out = split_corpus(load_corpus())
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
     eval_batches = list(batches(held_out, args.batch_size, args.seq_len, eval_gen, count=args.eval_batches))
-    n_params = sum(p.numel() for p in build(cfg, args.seed).parameters())
+    probe = build_model(args)
+    n_params = sum(p.numel() for p in probe.parameters())
+    n_expert = sum(p.numel() for n, p in probe.named_parameters() if sonar_moe.is_expert_param(n, p))
+    del probe
     print(
-        f"corpus: {len(train_data):,} train / {len(held_out):,} held-out bytes; "
-        f"model: {n_params:,} params, {cfg.num_layers} layers x {cfg.num_experts} experts, {args.dtype}"
+        f"corpus: {len(train_data):,} train / {len(held_out):,} held-out bytes of Python stdlib sources; "
+        f"model: {args.model}, {n_params:,} params ({100 * n_expert / n_params:.0f}% in experts), "
+        f"{args.layers} layers x {args.experts} experts, {args.dtype}"
     )
 
-    ref, ref_model = run_reference(cfg, train_data, eval_batches, args)
-    sonar, sonar_model = run_sonar(cfg, train_data, eval_batches, args)
+    ref, ref_model = run_reference(train_data, eval_batches, args)
+    sonar, sonar_model = run_sonar(train_data, eval_batches, args)
 
     print()
     print_table([ref, sonar])

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
@@ -26,7 +27,7 @@ type Transport struct {
 	sock *zmq.Socket
 	log  *zap.Logger
 	addr string
-	// Shutdown is closed by the handler (or a signal) to stop Serve.
+	// ipcPath is the socket file of an ipc:// endpoint, removed on Close.
 	ipcPath string
 }
 
@@ -53,9 +54,9 @@ func Listen(addr string, log *zap.Logger) (*Transport, error) {
 	t := &Transport{sock: sock, log: log, addr: addr}
 	if p, ok := strings.CutPrefix(addr, "ipc://"); ok {
 		t.ipcPath = p
-		if err := os.MkdirAll(filepath.Dir(p), 0o700); err != nil {
+		if err := privateDir(filepath.Dir(p)); err != nil {
 			sock.Close()
-			return nil, fmt.Errorf("socket dir: %w", err)
+			return nil, err
 		}
 	}
 	if err := sock.Bind(addr); err != nil {
@@ -154,4 +155,27 @@ func (t *Transport) Close() error {
 		_ = os.Remove(t.ipcPath)
 	}
 	return err
+}
+
+// privateDir makes dir (mode 0700) or checks that an existing one is a real
+// directory owned by this user and closed to others, so that no other local
+// user can replace the socket.
+func privateDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("socket dir: %w", err)
+	}
+	st, err := os.Lstat(dir)
+	if err != nil {
+		return fmt.Errorf("socket dir: %w", err)
+	}
+	sys, ok := st.Sys().(*syscall.Stat_t)
+	switch {
+	case !st.IsDir():
+		return fmt.Errorf("socket dir %s is not a directory (symlink?)", dir)
+	case !ok || int(sys.Uid) != os.Getuid():
+		return fmt.Errorf("socket dir %s is not owned by this user", dir)
+	case st.Mode().Perm()&0o077 != 0:
+		return fmt.Errorf("socket dir %s has mode %o: want no group/other access", dir, st.Mode().Perm())
+	}
+	return nil
 }

@@ -3,6 +3,7 @@ package optimizer
 import (
 	"fmt"
 	"math"
+	"math/big"
 )
 
 // Scalars are the per-step constants of one AdamW update, computed by the
@@ -50,14 +51,14 @@ func (h Hyper) Validate() error {
 	return nil
 }
 
-// ScalarsFor computes the scalars of step number step (1-based) in Go. Go's
-// math.Pow may differ from CPython's libm pow in the last bit, so clients
-// that must match torch bit for bit send their own Scalars instead; Go-native
-// training uses this.
+// ScalarsFor computes the scalars of step number step (1-based) in Go, for
+// Go-native training. beta**step is computed correctly rounded (as glibc's
+// pow is in practice; Go's math.Pow can be tens of ulps away), but clients
+// that must match torch bit for bit send the Scalars their Python computed.
 func ScalarsFor(h Hyper, step int64) Scalars {
-	s := float64(float32(step)) // torch keeps step as a float32 tensor
-	bc1 := 1 - math.Pow(h.Beta1, s)
-	bc2 := 1 - math.Pow(h.Beta2, s)
+	s := int64(float32(step)) // torch keeps step as a float32 tensor
+	bc1 := 1 - PowInt(h.Beta1, s)
+	bc2 := 1 - PowInt(h.Beta2, s)
 	return Scalars{
 		Decay:       1 - h.LR*h.WeightDecay,
 		ApplyDecay:  h.WeightDecay != 0,
@@ -65,11 +66,30 @@ func ScalarsFor(h Hyper, step int64) Scalars {
 		Beta2:       h.Beta2,
 		OneMinusB2:  1 - h.Beta2,
 		NegStepSize: -(h.LR / bc1),
-		BC2Sqrt:     math.Pow(bc2, 0.5),
+		BC2Sqrt:     math.Sqrt(bc2), // pow(x, 0.5) is the correctly rounded sqrt
 		Eps:         h.Eps,
 		Amsgrad:     h.Amsgrad,
 		Maximize:    h.Maximize,
 	}
+}
+
+// PowInt returns x**n (n >= 0) correctly rounded to float64, computed by
+// repeated squaring in 512-bit binary floating point.
+func PowInt(x float64, n int64) float64 {
+	if n < 0 {
+		return math.NaN()
+	}
+	const prec = 512
+	r := new(big.Float).SetPrec(prec).SetFloat64(1)
+	b := new(big.Float).SetPrec(prec).SetFloat64(x)
+	for ; n > 0; n >>= 1 {
+		if n&1 == 1 {
+			r.Mul(r, b)
+		}
+		b.Mul(b, b)
+	}
+	f, _ := r.Float64()
+	return f
 }
 
 // f32 is Scalars rounded to float32, as the kernels use them.

@@ -364,8 +364,13 @@ func TestScalarsFor(t *testing.T) {
 		t.Errorf("ScalarsFor(flags) = %+v, want %+v", s, want)
 	}
 	// torch keeps the step count in a float32 tensor: 2^24+1 reads as 2^24.
-	if a, b := ScalarsFor(h, 1<<24+1), ScalarsFor(h, 1<<24); a != b {
+	// (Betas this close to 1 keep beta**step away from 0.)
+	hl := Hyper{LR: 1e-3, Beta1: 1 - 1e-9, Beta2: 1 - 1e-10}
+	if a, b := ScalarsFor(hl, 1<<24+1), ScalarsFor(hl, 1<<24); a != b {
 		t.Errorf("step 2^24+1 gives %+v, want the scalars of step 2^24 %+v", a, b)
+	}
+	if a, b := ScalarsFor(hl, 1<<24+2), ScalarsFor(hl, 1<<24); a == b {
+		t.Error("steps 2^24+2 and 2^24 give the same scalars")
 	}
 	if a, b := ScalarsFor(Hyper{LR: 1, Beta1: 0.5, Beta2: 0.5}, 3), ScalarsFor(Hyper{LR: 1, Beta1: 0.5, Beta2: 0.5}, 4); a == b {
 		t.Error("steps 3 and 4 give the same scalars")

@@ -64,7 +64,15 @@ func FMA32(a, b, c float32) float32 {
 	if lo > hi {
 		lo, hi = hi, lo
 	}
-	mid := (float64(lo) + float64(hi)) / 2 // exact in float64
+	lo64, hi64 := float64(lo), float64(hi)
+	// Beyond MaxFloat32 the next "float32" is 2^128 (where rounding overflows).
+	if math.IsInf(hi64, 1) {
+		hi64 = 0x1p128
+	}
+	if math.IsInf(lo64, -1) {
+		lo64 = -0x1p128
+	}
+	mid := (lo64 + hi64) / 2 // exact in float64
 	switch {
 	case s != mid:
 		return r // not a tie: float32(s) already correctly rounded

@@ -344,6 +344,9 @@ func (s *Server) importState(ss *session, x ipc.StateXfer) (any, error) {
 	if t == nil {
 		return nil, fmt.Errorf("unknown tensor %d", x.Tensor)
 	}
+	if t.Pending() > 0 {
+		return nil, fmt.Errorf("tensor %s has %d accumulated gradients not yet applied", t.Name, t.Pending())
+	}
 	mem, err := ss.stateMem(t, x)
 	if err != nil {
 		return nil, err
