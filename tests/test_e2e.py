@@ -187,3 +187,24 @@ def test_modulelist_layer_is_one_request() -> None:
         st = opt.stats()
     assert st["grads_sent"] == 2 * 4 * 2  # layers x experts x (gate_up, down)
     assert st["step_requests"] == 2  # one per layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_experts_is_the_same_update(dtype: torch.dtype) -> None:
+    """split_experts=True (one request per expert slice, the per-expert baseline) changes
+    nothing but the number of requests."""
+    cfg = tm.MoEConfig(dtype=dtype, num_experts=4)
+    ref, mine = tm.build(cfg, 12), tm.build(cfg, 12)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=2e-3, amsgrad=True)
+    with sonar_moe.SonarAdamW(mine, lr=2e-3, amsgrad=True, max_grad_norm=0.5, split_experts=True) as opt:
+        for step, x in zip(range(4), data(2)):
+            ref_step(ref, ropt, x, 0.5)
+            sonar_step(mine, opt, x)
+            assert_same(ref, mine, f"step {step + 1}")
+        st = opt.stats()
+        sd = opt.state_dict()
+    assert st["step_requests"] == 4 * 2 * 2 * 4  # steps x layers x tensors x experts
+    rsd = ropt.state_dict()
+    for i, s in rsd["state"].items():
+        for k, v in s.items():
+            assert torch.equal(sd["state"][i][k], v), (i, k)

@@ -51,7 +51,8 @@ def torch_scalars(group: dict[str, Any], step: float) -> dict[str, Any]:
 class _Expert:
     name: str
     param: nn.Parameter
-    tid: int = 0
+    tids: list[int] = field(default_factory=list)  # one server tensor, or one per expert slice
+    parts: int = 1
     key: str = ""
     offset: int = 0  # in the parameter segment
     micro: int = 0  # micro-batch gradients sent since the last apply
@@ -59,6 +60,10 @@ class _Expert:
     @property
     def nbytes(self) -> int:
         return self.param.numel() * self.param.element_size()
+
+    @property
+    def part_bytes(self) -> int:
+        return self.nbytes // self.parts
 
 
 @dataclass
@@ -91,6 +96,7 @@ class SonarAdamW(torch.optim.Optimizer):
         amsgrad: bool = False,
         maximize: bool = False,
         max_expert_grad_norm: float | None = None,
+        split_experts: bool = False,
         timeout: float = 30.0,
         ring_layers: int = 1,
     ) -> None:
@@ -133,6 +139,9 @@ class SonarAdamW(torch.optim.Optimizer):
         super().__init__([p for _, p in params], dict(self._dense.defaults))
         self.max_grad_norm = max_grad_norm
         self.max_expert_grad_norm = max_expert_grad_norm
+        # split_experts: one server tensor and one request per expert slice of a batched tensor.
+        # Same updates, more requests: the per-expert baseline of the benchmarks.
+        self.split_experts = split_experts
         self.grad_accumulation_steps = grad_accumulation_steps
         self.last_dense_grad_norm: torch.Tensor | None = None
         self._timeout = timeout
@@ -189,12 +198,18 @@ class SonarAdamW(torch.optim.Optimizer):
         hyper = {"lr": float(g["lr"]), "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]),
                  "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]),
                  "amsgrad": bool(g["amsgrad"]), "maximize": bool(g["maximize"])}
-        rep = self._conn.call("register", {"tensors": [
-            {"name": e.name, "shape": list(e.param.shape), "dtype": _DTYPES[e.param.dtype],
-             "param": {"seg": seg, "off": e.offset, "nbytes": e.nbytes}, "hyper": hyper}
-            for e in experts]})
-        for e, tid in zip(experts, rep["ids"]):
-            e.tid = tid
+        specs = []
+        for e in experts:
+            if self.split_experts and e.param.dim() >= 3:
+                e.parts = e.param.shape[0]
+            shape = list(e.param.shape[1:]) if e.parts > 1 else list(e.param.shape)
+            for i in range(e.parts):
+                specs.append({"name": e.name if e.parts == 1 else f"{e.name}.{i}", "shape": shape,
+                              "dtype": _DTYPES[e.param.dtype], "hyper": hyper,
+                              "param": {"seg": seg, "off": e.offset + i * e.part_bytes, "nbytes": e.part_bytes}})
+        ids = iter(self._conn.call("register", {"tensors": specs})["ids"])
+        for e in experts:
+            e.tids = [next(ids) for _ in range(e.parts)]
         # The gradient ring holds ring_layers of the largest layer's expert gradients.
         per_group: dict[str, int] = {}
         for e in experts:
@@ -258,12 +273,16 @@ class SonarAdamW(torch.optim.Optimizer):
         self._alive -= nbytes
         e.micro += 1
         apply = e.micro >= self.grad_accumulation_steps
-        item: dict[str, Any] = {"tensor": e.tid, "grad": {"seg": self._ring_seg, "off": off, "nbytes": nbytes},
-                                "apply": apply, "step": 0, "scalars": {}}
-        if apply:
-            item["step"], item["scalars"] = self._next_step(e)
+        step, scalars = self._next_step(e) if apply else (0, {})
+        items = [{"tensor": tid, "grad": {"seg": self._ring_seg, "off": off + i * e.part_bytes, "nbytes": e.part_bytes},
+                  "apply": apply, "step": step, "scalars": scalars} for i, tid in enumerate(e.tids)]
+        if e.parts > 1:  # one request per expert slice; the last reply frees the slot
+            for i, it in enumerate(items):
+                self._send_items([it], [off] if i == len(items) - 1 else [])
+            return
+        item = items[0]
         grp = self._groups[e.key]
-        if any(i["tensor"] == e.tid for i in grp.items):
+        if any(i["tensor"] == item["tensor"] for i in grp.items):
             self._send(grp)  # an earlier backward left this layer incomplete (experts without tokens)
         grp.items.append(item)
         grp.slots.append(off)
@@ -278,9 +297,12 @@ class SonarAdamW(torch.optim.Optimizer):
         return int(step), torch_scalars(self.param_groups[0], step)
 
     def _send(self, grp: _Group) -> None:
-        assert self._conn is not None
         items, slots = grp.items, grp.slots
         grp.items, grp.slots = [], []
+        self._send_items(items, slots)
+
+    def _send_items(self, items: list[dict[str, Any]], slots: list[int]) -> None:
+        assert self._conn is not None
         self._counts["step_requests"] += 1
         self._counts["grads_sent"] += sum(1 for i in items if i["grad"]["seg"])
         self._counts["bytes_sent"] += sum(i["grad"]["nbytes"] for i in items if i["grad"]["seg"])
@@ -320,8 +342,8 @@ class SonarAdamW(torch.optim.Optimizer):
             items = []
             for e in leftovers:
                 step, sc = self._next_step(e)
-                items.append({"tensor": e.tid, "grad": {"seg": 0, "off": 0, "nbytes": 0},
-                              "apply": True, "step": step, "scalars": sc})
+                items += [{"tensor": tid, "grad": {"seg": 0, "off": 0, "nbytes": 0},
+                           "apply": True, "step": step, "scalars": sc} for tid in e.tids]
             self._conn.send("step", {"items": items}, functools.partial(self._on_step_reply, []))
         self._conn.wait()
         if self._errors:
@@ -363,7 +385,8 @@ class SonarAdamW(torch.optim.Optimizer):
                     continue
                 views = self._xfer_views(xfer, e)
                 assert self._conn is not None
-                self._conn.call("export", self._xfer_body(xfer, e, 0))
+                for i in range(e.parts):
+                    self._conn.call("export", self._xfer_body(xfer, e, 0, i))
                 st["exp_avg"] = views[0].clone()
                 st["exp_avg_sq"] = views[1].clone()
                 if self.param_groups[0]["amsgrad"]:
@@ -398,7 +421,8 @@ class SonarAdamW(torch.optim.Optimizer):
                     else:
                         views[i].copy_(src)
                 assert self._conn is not None
-                self._conn.call("import", self._xfer_body(xfer, e, int(step_t.item())))
+                for i in range(e.parts):
+                    self._conn.call("import", self._xfer_body(xfer, e, int(step_t.item()), i))
                 self.state[e.param] = {"step": step_t}
         finally:
             self._release_xfer(xfer)
@@ -419,13 +443,14 @@ class SonarAdamW(torch.optim.Optimizer):
         stride = xfer[0].size // 3
         return [xfer[0].tensor(i * stride + 1024 * (i + 1), e.param.dtype, e.param.shape) for i in range(n)]
 
-    def _xfer_body(self, xfer: tuple[Segment, int] | None, e: _Expert, step: int) -> dict[str, Any]:
+    def _xfer_body(self, xfer: tuple[Segment, int] | None, e: _Expert, step: int, part: int) -> dict[str, Any]:
         assert xfer is not None
         stride = xfer[0].size // 3
-        refs = [{"seg": xfer[1], "off": i * stride + 1024 * (i + 1), "nbytes": e.nbytes} for i in range(3)]
+        refs = [{"seg": xfer[1], "off": i * stride + 1024 * (i + 1) + part * e.part_bytes, "nbytes": e.part_bytes}
+                for i in range(3)]
         if not self.param_groups[0]["amsgrad"]:
             refs[2] = {"seg": 0, "off": 0, "nbytes": 0}
-        return {"tensor": e.tid, "step": step, "exp_avg": refs[0], "exp_avg_sq": refs[1], "max_exp_avg_sq": refs[2]}
+        return {"tensor": e.tids[part], "step": step, "exp_avg": refs[0], "exp_avg_sq": refs[1], "max_exp_avg_sq": refs[2]}
 
     def _release_xfer(self, xfer: tuple[Segment, int] | None) -> None:
         if xfer is None or self._conn is None:
