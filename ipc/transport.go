@@ -21,6 +21,13 @@ type Handler interface {
 	Handle(client string, req Request) (any, error)
 }
 
+// Ticker is implemented by handlers that want to run housekeeping (such as
+// releasing the sessions of dead clients) about once a second, on the
+// transport's goroutine.
+type Ticker interface {
+	Tick(now time.Time)
+}
+
 // Transport is a ZeroMQ ROUTER socket serving a Handler. Clients use DEALER
 // sockets (requests may be pipelined) and send one frame per message.
 type Transport struct {
@@ -78,7 +85,13 @@ func Listen(addr string, log *zap.Logger) (*Transport, error) {
 func (t *Transport) Serve(ctx context.Context, h Handler) error {
 	poller := zmq.NewPoller()
 	poller.Add(t.sock, zmq.POLLIN)
+	ticker, _ := h.(Ticker)
+	lastTick := time.Now()
 	for ctx.Err() == nil {
+		if now := time.Now(); ticker != nil && now.Sub(lastTick) >= time.Second {
+			ticker.Tick(now)
+			lastTick = now
+		}
 		ready, err := poller.Poll(100 * time.Millisecond)
 		if err != nil {
 			if errors.Is(err, zmq.Errno(4)) { // EINTR
@@ -96,12 +109,12 @@ func (t *Transport) Serve(ctx context.Context, h Handler) error {
 			}
 			return fmt.Errorf("recv: %w", err)
 		}
-		t.serveOne(ctx, h, frames)
+		t.serveOne(h, frames)
 	}
 	return nil
 }
 
-func (t *Transport) serveOne(ctx context.Context, h Handler, frames [][]byte) {
+func (t *Transport) serveOne(h Handler, frames [][]byte) {
 	if len(frames) < 2 {
 		t.log.Warn("dropping message without routing id and payload", zap.Int("frames", len(frames)))
 		return

@@ -19,6 +19,7 @@ import (
 	"github.com/sonar-moe/sonar/ipcbridge"
 	"github.com/sonar-moe/sonar/optimizer"
 	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
 )
 
 // Version is the server's release version.
@@ -37,6 +38,7 @@ type session struct {
 	segments map[uint32]ipcbridge.Mapping
 	tensors  map[uint32]*tensor
 	lastSeen time.Time
+	pidfd    int // the client process (pidfd_open), -1 when unknown
 }
 
 // Server implements ipc.Handler.
@@ -48,6 +50,9 @@ type Server struct {
 	nextID   uint32
 	shutdown chan struct{}
 	closed   atomic.Bool
+	// IdleTimeout releases sessions without a watchable client process
+	// after this long without a request (0: never).
+	IdleTimeout time.Duration
 
 	requests, errors, stepItems, bytesUpdated int64
 	byOp                                      map[string]int64
@@ -67,7 +72,7 @@ func (s *Server) Done() <-chan struct{} { return s.shutdown }
 func (s *Server) sess(client string) *session {
 	ss := s.sessions[client]
 	if ss == nil {
-		ss = &session{client: client, segments: map[uint32]ipcbridge.Mapping{}, tensors: map[uint32]*tensor{}}
+		ss = &session{client: client, segments: map[uint32]ipcbridge.Mapping{}, tensors: map[uint32]*tensor{}, pidfd: -1}
 		s.sessions[client] = ss
 	}
 	ss.lastSeen = time.Now()
@@ -95,6 +100,7 @@ func (s *Server) handle(client string, req ipc.Request) (any, error) {
 		}
 		ss := s.sess(client)
 		ss.hello = h
+		ss.watch(h.PID)
 		s.log.Info("client connected", zap.String("client", client), zap.String("name", h.Client), zap.Int("pid", h.PID),
 			zap.String("torch", h.Torch), zap.Int("threads", h.Threads), zap.String("capability", h.Capability))
 		return ipc.HelloReply{Server: Version, Protocol: ipc.Version, PID: os.Getpid(), Workers: s.engine.Workers, Sqrt: s.engine.SqrtName}, nil
@@ -401,6 +407,50 @@ func (s *Server) Stats() ipc.Stats {
 	return st
 }
 
+// watch ties the session to the client process, so that its memory is freed
+// as soon as that process exits (see Tick).
+func (ss *session) watch(pid int) {
+	if ss.pidfd >= 0 {
+		_ = unix.Close(ss.pidfd)
+		ss.pidfd = -1
+	}
+	if pid <= 0 {
+		return
+	}
+	if fd, err := unix.PidfdOpen(pid, 0); err == nil {
+		ss.pidfd = fd
+	}
+}
+
+// exited reports whether the session's client process has exited.
+func (ss *session) exited() bool {
+	if ss.pidfd < 0 {
+		return false
+	}
+	fds := []unix.PollFd{{Fd: int32(ss.pidfd), Events: unix.POLLIN}}
+	n, err := unix.Poll(fds, 0)
+	return err == nil && n > 0 && fds[0].Revents&unix.POLLIN != 0
+}
+
+// Tick releases the sessions of clients that exited (their process is gone)
+// and of clients not on this host (no process to watch) that have been
+// silent for longer than IdleTimeout. The transport calls it about once a
+// second.
+func (s *Server) Tick(now time.Time) {
+	for c, ss := range s.sessions {
+		switch {
+		case ss.exited():
+			s.log.Warn("client process exited without saying goodbye: releasing its session",
+				zap.String("client", c), zap.Int("pid", ss.hello.PID))
+			s.release(c)
+		case ss.pidfd < 0 && s.IdleTimeout > 0 && now.Sub(ss.lastSeen) > s.IdleTimeout:
+			s.log.Warn("client silent for too long: releasing its session", zap.String("client", c),
+				zap.Duration("idle", now.Sub(ss.lastSeen)))
+			s.release(c)
+		}
+	}
+}
+
 // release frees a client's tensors and unmaps its segments.
 func (s *Server) release(client string) {
 	ss := s.sessions[client]
@@ -413,6 +463,9 @@ func (s *Server) release(client string) {
 	}
 	if err := errors.Join(errs...); err != nil {
 		s.log.Warn("releasing session", zap.String("client", client), zap.Error(err))
+	}
+	if ss.pidfd >= 0 {
+		_ = unix.Close(ss.pidfd)
 	}
 	delete(s.sessions, client)
 	s.log.Info("client released", zap.String("client", client), zap.Int("tensors", len(ss.tensors)), zap.Int("segments", len(ss.segments)))

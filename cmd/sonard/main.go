@@ -11,6 +11,7 @@ import (
 	"os/signal"
 	"runtime"
 	"syscall"
+	"time"
 
 	"github.com/sonar-moe/sonar/ipc"
 	"github.com/sonar-moe/sonar/ipcbridge"
@@ -38,6 +39,7 @@ func run() int {
 	workers := fs.Int("workers", runtime.GOMAXPROCS(0), "goroutines per tensor update")
 	shmDir := fs.String("shm-dir", "/dev/shm", "directory of POSIX shared memory")
 	torchLib := fs.String("torch-lib", os.Getenv("SONAR_TORCH_LIB"), "libtorch_cpu.so whose float32 sqrt (MKL vmsSqrt) to use, for bit-for-bit equality with that torch (env SONAR_TORCH_LIB); empty: IEEE sqrt")
+	idle := fs.Duration("idle-timeout", 10*time.Minute, "release the state of a client not on this host after this long without a request (clients on this host are released when their process exits); 0: never")
 	version := fs.Bool("version", false, "print the version and exit")
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		return exitUsage
@@ -65,6 +67,7 @@ func run() int {
 		engine.SqrtName = "mkl:" + sq.Path
 	}
 	srv := server.New(log, ipcbridge.ShmMapper{Dir: *shmDir, Unlink: true}, engine)
+	srv.IdleTimeout = *idle
 	tr, err := ipc.Listen(*listen, log)
 	if err != nil {
 		log.Error("listen failed", zap.Error(err))

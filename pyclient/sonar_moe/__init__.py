@@ -8,10 +8,14 @@ global-norm clipping.
 
 from ._client import PROTOCOL_VERSION, SonarError, SonarServerDied, find_sonard
 from ._detect import group_key, is_expert_param
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .optimizer import SonarAdamW, torch_scalars
 
 __version__ = "0.1.0"
 __all__ = [
+    "CheckpointError",
+    "load_checkpoint",
+    "save_checkpoint",
     "PROTOCOL_VERSION",
     "SonarAdamW",
     "SonarError",

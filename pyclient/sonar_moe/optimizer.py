@@ -97,7 +97,7 @@ class SonarAdamW(torch.optim.Optimizer):
         maximize: bool = False,
         max_expert_grad_norm: float | None = None,
         split_experts: bool = False,
-        timeout: float = 30.0,
+        timeout: float = 10.0,
         ring_layers: int = 1,
     ) -> None:
         named = list(model.named_parameters()) if isinstance(model, nn.Module) else list(model)

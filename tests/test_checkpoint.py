@@ -1,0 +1,88 @@
+"""Atomic, checksummed checkpoints: round trip with a resume that is bit for bit, and clear
+errors for truncated, corrupted and foreign files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import sonar_moe
+import tiny_moe as tm
+from sonar_moe import CheckpointError, load_checkpoint, save_checkpoint
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    data = tm.batches(tm.load_corpus(50_000), 2, 16, torch.Generator().manual_seed(seed))
+    for _ in range(steps):
+        x = next(data)
+        loss, _ = model(x, labels=x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_round_trip_and_resume(tmp_path: Path) -> None:
+    cfg = tm.MoEConfig(num_layers=2, num_experts=4)
+    full, part = tm.build(cfg, 1), tm.build(cfg, 1)
+    with sonar_moe.SonarAdamW(full, lr=1e-3) as opt:
+        _train(full, opt, 3, seed=1)
+        _train(full, opt, 3, seed=2)
+    path = tmp_path / "ck.pt"
+    with sonar_moe.SonarAdamW(part, lr=1e-3) as opt:
+        _train(part, opt, 3, seed=1)
+        save_checkpoint(path, {"model": part.state_dict(), "opt": opt.state_dict()})
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]  # no temporary left behind
+    ck = load_checkpoint(path)
+    resumed = tm.build(cfg, 77)
+    resumed.load_state_dict(ck["model"])
+    with sonar_moe.SonarAdamW(resumed, lr=1e-3) as opt:  # a new sonard
+        opt.load_state_dict(ck["opt"])
+        _train(resumed, opt, 3, seed=2)
+    for a, b in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("truncate", "truncated|too short"),
+    ("flip", "checksum"),
+    ("extend", "extended|truncated"),
+    ("empty", "too short"),
+    ("foreign", "not a Sonar checkpoint"),
+])
+def test_damaged_checkpoint_gives_a_clear_error(tmp_path: Path, damage: str, match: str) -> None:
+    path = tmp_path / "ck.pt"
+    save_checkpoint(path, {"w": torch.randn(1000)})
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) - 100]
+    elif damage == "flip":
+        data[len(data) // 2] ^= 0x40
+    elif damage == "extend":
+        data += b"\0" * 10
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        import io
+        buf = io.BytesIO()
+        torch.save({"w": 1}, buf)
+        data = bytearray(buf.getvalue())
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(path)
+
+
+def test_failed_save_keeps_the_old_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "ck.pt"
+    save_checkpoint(path, {"v": 1})
+
+    class Unpicklable:
+        def __reduce__(self):  # noqa: D105
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        save_checkpoint(path, {"v": Unpicklable()})
+    assert load_checkpoint(path) == {"v": 1}
+    assert sorted(os.listdir(tmp_path)) == ["ck.pt"]
