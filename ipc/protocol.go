@@ -212,6 +212,9 @@ func DecodeRequest(b []byte) (Request, error) {
 	if len(b) > MaxMessageBytes {
 		return r, fmt.Errorf("%w: message of %d bytes exceeds %d", ErrProtocol, len(b), MaxMessageBytes)
 	}
+	if err := CheckMsgpack(b); err != nil {
+		return Request{}, fmt.Errorf("%w: malformed msgpack: %v", ErrProtocol, err)
+	}
 	if err := msgpack.Unmarshal(b, &r); err != nil {
 		return Request{}, fmt.Errorf("%w: malformed msgpack envelope: %v", ErrProtocol, err)
 	}
