@@ -97,6 +97,7 @@ class SonarAdamW(torch.optim.Optimizer):
         maximize: bool = False,
         max_expert_grad_norm: float | None = None,
         split_experts: bool = False,
+        nonfinite: str = "propagate",
         timeout: float = 10.0,
         ring_layers: int = 1,
     ) -> None:
@@ -119,6 +120,8 @@ class SonarAdamW(torch.optim.Optimizer):
             if grad_accumulation_steps > 1:
                 raise ValueError("max_expert_grad_norm clips each expert tensor's gradient as it arrives, which with "
                                  "grad_accumulation_steps > 1 would clip micro-batches, not their sum: not supported")
+        if nonfinite not in ("propagate", "skip"):
+            raise ValueError(f"nonfinite must be 'propagate' or 'skip', got {nonfinite!r}")
         if ring_layers < 1:
             raise ValueError(f"ring_layers must be >= 1, got {ring_layers}")
         pred = expert_params or is_expert_param
@@ -142,6 +145,10 @@ class SonarAdamW(torch.optim.Optimizer):
         # split_experts: one server tensor and one request per expert slice of a batched tensor.
         # Same updates, more requests: the per-expert baseline of the benchmarks.
         self.split_experts = split_experts
+        # nonfinite="propagate": NaN/Inf gradients update as in torch (the parameter becomes NaN).
+        # "skip": a tensor whose gradient is not finite is not updated (nor its step advanced);
+        # the dense step is skipped when any dense gradient is not finite.
+        self.nonfinite = nonfinite
         self.grad_accumulation_steps = grad_accumulation_steps
         self.last_dense_grad_norm: torch.Tensor | None = None
         self._timeout = timeout
@@ -154,7 +161,7 @@ class SonarAdamW(torch.optim.Optimizer):
         self._ring: Ring | None = None
         self._groups: dict[str, _Group] = {}
         self._hooks: list[Any] = []
-        self._counts = {"step_requests": 0, "grads_sent": 0, "bytes_sent": 0}
+        self._counts = {"step_requests": 0, "grads_sent": 0, "bytes_sent": 0, "skipped_nonfinite": 0}
         if self._experts:
             self._start(server, ring_layers)
 
@@ -258,6 +265,11 @@ class SonarAdamW(torch.optim.Optimizer):
         if self._closed:
             raise SonarError("SonarAdamW is closed")
         e = self._experts[id(p)]
+        if self.nonfinite == "skip" and not bool(torch.isfinite(grad).all()):
+            p.grad = None
+            self._counts["skipped_nonfinite"] += 1
+            log.warning("skipping the update of %s: its gradient is not finite", e.name)
+            return
         if self.max_expert_grad_norm is not None:
             # Per-tensor clipping, exactly clip_grad_norm_([p], c): NOT global-norm clipping.
             torch.nn.utils.clip_grad_norm_([p], self.max_expert_grad_norm)
@@ -366,6 +378,11 @@ class SonarAdamW(torch.optim.Optimizer):
             for k, v in self.param_groups[0].items():
                 if k != "params":
                     dg[k] = v
+            if self.nonfinite == "skip" and not all(
+                    bool(torch.isfinite(p.grad).all()) for p in self._dense_params if p.grad is not None):
+                self._counts["skipped_nonfinite"] += 1
+                log.warning("skipping the dense step: a dense gradient is not finite")
+                return loss
             if self.max_grad_norm is not None:
                 self.last_dense_grad_norm = torch.nn.utils.clip_grad_norm_(self._dense_params, self.max_grad_norm)
             self._dense.step()
