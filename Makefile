@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 GO      ?= go
 export SONARD := $(CURDIR)/bin/sonard
 
-.PHONY: all setup system-deps venv build demo test test-go test-py lint clean
+.PHONY: all setup system-deps venv build demo test test-go test-py lint fuzz soak quality clean
 
 all: build
 
@@ -41,6 +41,20 @@ test-py: setup build
 	$(PY) -m pytest -q --timeout=600 tests
 
 test: lint test-go test-py
+
+# Coverage-guided fuzzing of message decoding and request handling (the corpus is committed).
+FUZZTIME ?= 10m
+fuzz: system-deps
+	$(GO) test -run XXX -fuzz=FuzzDecode -fuzztime=$(FUZZTIME) ./ipc/
+	$(GO) test -run XXX -fuzz=FuzzHandle -fuzztime=$(FUZZTIME) ./server/
+
+# Several trainers on one sonard for many steps; prints memory/fd/shm figures.
+soak: setup build
+	$(PY) scripts/soak.py --clients 4 --steps 2000
+
+# Held-out loss of Sonar vs standard AdamW with and without clipping (writes docs/quality.md).
+quality: setup build
+	$(PY) scripts/quality.py
 
 clean:
 	rm -rf bin
