@@ -9,7 +9,8 @@ import torch
 # ...experts.<i>.... : per-expert ModuleList layouts (Mixtral-style, this repo's tiny model).
 _PER_EXPERT = re.compile(r"^(.*?(?:^|\.)experts)\.(\d+)\.")
 # Batched [E, ...] tensors: HF v5 OLMoE/Qwen/Mixtral `mlp.experts.gate_up_proj`/`down_proj`,
-# GraniteMoe `block_sparse_moe.input_linear.weight`/`output_linear.weight`.
+# GraniteMoe `block_sparse_moe.experts.gate_up_proj`/`down_proj` (transformers 5.x renames the
+# checkpoint names `block_sparse_moe.input_linear.weight`/`output_linear.weight`, also accepted).
 _BATCHED = re.compile(r"(^|\.)experts\.[^.]+$|(^|\.)block_sparse_moe\.(input|output)_linear\.weight$")
 
 
