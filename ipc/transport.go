@@ -38,12 +38,36 @@ type Transport struct {
 	ipcPath string
 }
 
+// Curve configures ZeroMQ CURVE authentication and encryption: the server's
+// secret key and the public keys of the clients allowed to connect (Z85).
+type Curve struct {
+	ServerSecret string
+	ClientKeys   []string
+}
+
 // Listen binds a ROUTER socket to addr ("ipc:///path" or "tcp://host:port").
-// For ipc:// the socket file is created with mode 0600.
-func Listen(addr string, log *zap.Logger) (*Transport, error) {
+// For ipc:// the socket file is created with mode 0600 in a private
+// directory. tcp:// requires curve: only clients holding an allowed key
+// can connect.
+func Listen(addr string, log *zap.Logger, curve *Curve) (*Transport, error) {
+	if strings.HasPrefix(addr, "tcp://") && (curve == nil || curve.ServerSecret == "" || len(curve.ClientKeys) == 0) {
+		return nil, fmt.Errorf("listen %s: tcp:// needs CURVE authentication (a server secret key and allowed client keys)", addr)
+	}
 	sock, err := zmq.NewSocket(zmq.ROUTER)
 	if err != nil {
 		return nil, fmt.Errorf("zmq socket: %w", err)
+	}
+	if curve != nil && curve.ServerSecret != "" {
+		zmq.AuthSetVerbose(false)
+		if err := zmq.AuthStart(); err != nil {
+			sock.Close()
+			return nil, fmt.Errorf("zmq auth: %w", err)
+		}
+		zmq.AuthCurveAdd("sonar", curve.ClientKeys...)
+		if err := sock.ServerAuthCurve("sonar", curve.ServerSecret); err != nil {
+			sock.Close()
+			return nil, fmt.Errorf("zmq curve: %w", err)
+		}
 	}
 	if err := sock.SetLinger(0); err != nil {
 		sock.Close()

@@ -55,7 +55,7 @@ func serve(t *testing.T, h Handler) (addr, path string) {
 	t.Helper()
 	path = filepath.Join(t.TempDir(), "run", "s.sock") // Listen creates run/ with mode 0700
 	addr = "ipc://" + path
-	tr, err := Listen(addr, zap.NewNop())
+	tr, err := Listen(addr, zap.NewNop(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -258,15 +258,16 @@ func TestListenErrors(t *testing.T) {
 	for _, addr := range []string{
 		"ipc://" + filepath.Join(blocker, "sub", "s.sock"), // a file where a directory must be
 		"bogus://nowhere",
+		"tcp://127.0.0.1:0", // tcp:// without CURVE keys
 	} {
-		if tr, err := Listen(addr, zap.NewNop()); err == nil {
+		if tr, err := Listen(addr, zap.NewNop(), nil); err == nil {
 			tr.Close()
 			t.Errorf("Listen(%q) succeeded", addr)
 		}
 	}
 	// The socket directory is created, private.
 	sub := filepath.Join(dir, "new", "dir")
-	tr, err := Listen("ipc://"+filepath.Join(sub, "s.sock"), zap.NewNop())
+	tr, err := Listen("ipc://"+filepath.Join(sub, "s.sock"), zap.NewNop(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -285,7 +286,7 @@ func TestListenRefusesSharedSocketDir(t *testing.T) {
 	if err := os.Chmod(dir, 0o777); err != nil {
 		t.Fatal(err)
 	}
-	if tr, err := Listen("ipc://"+filepath.Join(dir, "s.sock"), zap.NewNop()); err == nil {
+	if tr, err := Listen("ipc://"+filepath.Join(dir, "s.sock"), zap.NewNop(), nil); err == nil {
 		tr.Close()
 		t.Fatal("Listen accepted a world-writable socket directory")
 	}
@@ -293,7 +294,7 @@ func TestListenRefusesSharedSocketDir(t *testing.T) {
 	if err := os.Symlink(dir, link); err != nil {
 		t.Fatal(err)
 	}
-	if tr, err := Listen("ipc://"+filepath.Join(link, "s.sock"), zap.NewNop()); err == nil {
+	if tr, err := Listen("ipc://"+filepath.Join(link, "s.sock"), zap.NewNop(), nil); err == nil {
 		tr.Close()
 		t.Fatal("Listen accepted a symlinked socket directory")
 	}

@@ -10,9 +10,11 @@ import (
 	"os"
 	"os/signal"
 	"runtime"
+	"strings"
 	"syscall"
 	"time"
 
+	zmq "github.com/pebbe/zmq4"
 	"github.com/sonar-moe/sonar/ipc"
 	"github.com/sonar-moe/sonar/ipcbridge"
 	"github.com/sonar-moe/sonar/optimizer"
@@ -40,6 +42,9 @@ func run() int {
 	shmDir := fs.String("shm-dir", "/dev/shm", "directory of POSIX shared memory")
 	torchLib := fs.String("torch-lib", os.Getenv("SONAR_TORCH_LIB"), "libtorch_cpu.so whose float32 sqrt (MKL vmsSqrt) to use, for bit-for-bit equality with that torch (env SONAR_TORCH_LIB); empty: IEEE sqrt")
 	idle := fs.Duration("idle-timeout", 10*time.Minute, "release the state of a client not on this host after this long without a request (clients on this host are released when their process exits); 0: never")
+	curveSecret := fs.String("curve-secret-file", os.Getenv("SONAR_CURVE_SECRET_FILE"), "file holding the server's CURVE secret key (Z85, mode 0600); required for tcp:// (env SONAR_CURVE_SECRET_FILE)")
+	curveClients := fs.String("curve-clients-file", os.Getenv("SONAR_CURVE_CLIENTS_FILE"), "file of allowed client CURVE public keys, one Z85 key per line; required for tcp:// (env SONAR_CURVE_CLIENTS_FILE)")
+	genKeys := fs.String("gen-curve-keys", "", "write a new CURVE key pair to PREFIX.secret (mode 0600) and PREFIX.public, then exit")
 	version := fs.Bool("version", false, "print the version and exit")
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		return exitUsage
@@ -47,6 +52,22 @@ func run() int {
 	if *version {
 		fmt.Printf("sonard %s (protocol %d)\n", server.Version, ipc.Version)
 		return exitOK
+	}
+	if *genKeys != "" {
+		if err := writeKeyPair(*genKeys); err != nil {
+			fmt.Fprintln(os.Stderr, "sonard:", err)
+			return exitError
+		}
+		return exitOK
+	}
+	curve, err := loadCurve(*curveSecret, *curveClients)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "sonard:", err)
+		return exitUsage
+	}
+	if strings.HasPrefix(*listen, "tcp://") && curve == nil {
+		fmt.Fprintln(os.Stderr, "sonard: --listen tcp:// needs --curve-secret-file and --curve-clients-file (see --gen-curve-keys)")
+		return exitUsage
 	}
 	log, err := newLogger(*logLevel, *logFormat)
 	if err != nil {
@@ -68,7 +89,7 @@ func run() int {
 	}
 	srv := server.New(log, ipcbridge.ShmMapper{Dir: *shmDir, Unlink: true}, engine)
 	srv.IdleTimeout = *idle
-	tr, err := ipc.Listen(*listen, log)
+	tr, err := ipc.Listen(*listen, log, curve)
 	if err != nil {
 		log.Error("listen failed", zap.Error(err))
 		return exitError
@@ -115,4 +136,61 @@ func newLogger(level, format string) (*zap.Logger, error) {
 	cfg.Level = zap.NewAtomicLevelAt(lvl)
 	cfg.OutputPaths = []string{"stderr"}
 	return cfg.Build()
+}
+
+// writeKeyPair writes a CURVE key pair: PREFIX.secret (0600) and PREFIX.public.
+func writeKeyPair(prefix string) error {
+	pub, sec, err := zmq.NewCurveKeypair()
+	if err != nil {
+		return fmt.Errorf("generate CURVE keys: %w", err)
+	}
+	if err := os.WriteFile(prefix+".secret", []byte(sec+"\n"), 0o600); err != nil {
+		return fmt.Errorf("write secret key: %w", err)
+	}
+	if err := os.WriteFile(prefix+".public", []byte(pub+"\n"), 0o644); err != nil {
+		return fmt.Errorf("write public key: %w", err)
+	}
+	return nil
+}
+
+// loadCurve reads the server secret key and the allowed client keys; nil
+// when neither file is given.
+func loadCurve(secretFile, clientsFile string) (*ipc.Curve, error) {
+	if secretFile == "" && clientsFile == "" {
+		return nil, nil
+	}
+	if secretFile == "" || clientsFile == "" {
+		return nil, fmt.Errorf("CURVE needs both --curve-secret-file and --curve-clients-file")
+	}
+	st, err := os.Stat(secretFile)
+	if err != nil {
+		return nil, fmt.Errorf("curve secret: %w", err)
+	}
+	if st.Mode().Perm()&0o077 != 0 {
+		return nil, fmt.Errorf("curve secret %s has mode %o: want 0600", secretFile, st.Mode().Perm())
+	}
+	sec, err := os.ReadFile(secretFile)
+	if err != nil {
+		return nil, fmt.Errorf("curve secret: %w", err)
+	}
+	c := &ipc.Curve{ServerSecret: strings.TrimSpace(string(sec))}
+	if len(c.ServerSecret) != 40 {
+		return nil, fmt.Errorf("curve secret %s: want a 40-character Z85 key", secretFile)
+	}
+	keys, err := os.ReadFile(clientsFile)
+	if err != nil {
+		return nil, fmt.Errorf("curve clients: %w", err)
+	}
+	for _, line := range strings.Split(string(keys), "\n") {
+		if k := strings.TrimSpace(line); k != "" && !strings.HasPrefix(k, "#") {
+			if len(k) != 40 {
+				return nil, fmt.Errorf("curve clients %s: %q is not a 40-character Z85 key", clientsFile, k)
+			}
+			c.ClientKeys = append(c.ClientKeys, k)
+		}
+	}
+	if len(c.ClientKeys) == 0 {
+		return nil, fmt.Errorf("curve clients %s: no keys", clientsFile)
+	}
+	return c, nil
 }

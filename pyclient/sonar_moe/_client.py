@@ -73,7 +73,25 @@ class Connection:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if self.address.startswith("tcp://"):
+            self._use_curve()
         self._sock.connect(self.address)
+
+    def _use_curve(self) -> None:
+        """tcp:// servers authenticate clients with ZeroMQ CURVE (sonard --gen-curve-keys)."""
+        server_pub = os.environ.get("SONAR_CURVE_SERVER_PUBLIC_FILE")
+        prefix = os.environ.get("SONAR_CURVE_CLIENT_KEYS")
+        if not server_pub or not prefix:
+            raise SonarError(
+                "a tcp:// sonard requires CURVE keys: set SONAR_CURVE_SERVER_PUBLIC_FILE to the server's "
+                "PREFIX.public and SONAR_CURVE_CLIENT_KEYS to the PREFIX of this client's key pair "
+                "(both made by `sonard --gen-curve-keys PREFIX`)")
+        def key(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read().strip()
+        self._sock.curve_serverkey = key(server_pub)
+        self._sock.curve_publickey = key(prefix + ".public")
+        self._sock.curve_secretkey = key(prefix + ".secret")
 
     @property
     def in_flight(self) -> int:

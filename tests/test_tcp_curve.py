@@ -1,0 +1,65 @@
+"""tcp:// needs CURVE: a client with an allowed key trains bit for bit; others get nothing."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sonar_moe import SonarError
+from sonar_moe._client import Connection, torch_sqrt_library
+
+WORKER = str(Path(__file__).with_name("worker.py"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def curve_server(sonard_binary: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    for who in ("server", "client", "stranger"):
+        subprocess.run([sonard_binary, "--gen-curve-keys", str(tmp_path / who)], check=True)
+    assert (tmp_path / "server.secret").stat().st_mode & 0o777 == 0o600
+    (tmp_path / "allowed").write_text((tmp_path / "client.public").read_text())
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    args = [sonard_binary, "--listen", addr, "--curve-secret-file", str(tmp_path / "server.secret"),
+            "--curve-clients-file", str(tmp_path / "allowed"), "--log-level", "warn"]
+    lib = torch_sqrt_library()
+    if lib:
+        args += ["--torch-lib", lib]
+    proc = subprocess.Popen(args)
+    yield addr, tmp_path
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0
+
+
+def test_tcp_without_keys_is_refused(sonard_binary: str) -> None:
+    r = subprocess.run([sonard_binary, "--listen", f"tcp://127.0.0.1:{free_port()}"], capture_output=True, text=True)
+    assert r.returncode == 2 and "curve" in r.stderr.lower()
+
+
+def test_allowed_client_trains_and_stranger_is_ignored(curve_server: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    addr, keys = curve_server
+    env = dict(os.environ, SONAR_CURVE_SERVER_PUBLIC_FILE=str(keys / "server.public"),
+               SONAR_CURVE_CLIENT_KEYS=str(keys / "client"))
+    r = subprocess.run([sys.executable, WORKER, addr, "4", "3"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK seed 4" in r.stdout, r.stdout + r.stderr
+    # A client whose key is not allowed: the handshake fails, no request is ever served.
+    monkeypatch.setenv("SONAR_CURVE_SERVER_PUBLIC_FILE", str(keys / "server.public"))
+    monkeypatch.setenv("SONAR_CURVE_CLIENT_KEYS", str(keys / "stranger"))
+    conn = Connection(addr, timeout=2.0)
+    with pytest.raises(SonarError, match="did not answer"):
+        conn.call("stats", {})
+    conn.close()
+    # Without keys the client refuses to connect in the clear.
+    monkeypatch.delenv("SONAR_CURVE_CLIENT_KEYS")
+    with pytest.raises(SonarError, match="CURVE"):
+        Connection(addr, timeout=2.0)
