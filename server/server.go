@@ -22,7 +22,8 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Version is the server's release version.
+// Version is the release version of sonard and of the Python package (the
+// repository's VERSION file; a test keeps them equal).
 const Version = "0.1.0"
 
 type tensor struct {

@@ -11,7 +11,7 @@ from ._detect import group_key, is_expert_param
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .optimizer import SonarAdamW, torch_scalars
 
-__version__ = "0.1.0"
+from ._version import __version__
 __all__ = [
     "CheckpointError",
     "load_checkpoint",
