@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"os"
 	"sort"
+	"sync"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -51,6 +52,8 @@ type Server struct {
 	nextID   uint32
 	shutdown chan struct{}
 	closed   atomic.Bool
+	mu       sync.Mutex // guards the sessions against metrics scrapes
+	m        *metrics
 	// IdleTimeout releases sessions without a watchable client process
 	// after this long without a request (0: never).
 	IdleTimeout time.Duration
@@ -64,7 +67,7 @@ type Server struct {
 // New returns a server using mapper for client memory.
 func New(log *zap.Logger, mapper ipcbridge.Mapper, engine *optimizer.Engine) *Server {
 	return &Server{log: log, mapper: mapper, engine: engine, sessions: map[string]*session{},
-		shutdown: make(chan struct{}), byOp: map[string]int64{}, stepMicros: make([]int64, 0, 4096)}
+		shutdown: make(chan struct{}), byOp: map[string]int64{}, stepMicros: make([]int64, 0, 4096), m: newMetrics()}
 }
 
 // Done is closed when a client asked the server to shut down.
@@ -82,14 +85,34 @@ func (s *Server) sess(client string) *session {
 
 // Handle serves one request.
 func (s *Server) Handle(client string, req ipc.Request) (any, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	start := time.Now()
+	op := knownOp(req.Op)
 	s.requests++
-	s.byOp[req.Op]++
+	s.byOp[op]++
 	body, err := s.handle(client, req)
+	var nb int64
+	if rep, ok := body.(ipc.StepReply); ok {
+		nb = rep.Bytes
+	}
+	s.observe(client, op, err, start, nb)
 	if err != nil {
 		s.errors++
 		return nil, fmt.Errorf("%s (request %d): %w", req.Op, req.ID, err)
 	}
 	return body, nil
+}
+
+// knownOp is op when it is one of the protocol's operations, else "unknown":
+// counters and metric labels never take arbitrary client strings.
+func knownOp(op string) string {
+	switch op {
+	case ipc.OpHello, ipc.OpAttach, ipc.OpRegister, ipc.OpStep, ipc.OpExport, ipc.OpImport,
+		ipc.OpDetach, ipc.OpStats, ipc.OpBye, ipc.OpShutdown:
+		return op
+	}
+	return "unknown"
 }
 
 func (s *Server) handle(client string, req ipc.Request) (any, error) {
@@ -139,7 +162,7 @@ func (s *Server) handle(client string, req ipc.Request) (any, error) {
 		}
 		return s.detach(s.sess(client), d)
 	case ipc.OpStats:
-		return s.Stats(), nil
+		return s.stats(), nil
 	case ipc.OpBye:
 		s.release(client)
 		return map[string]bool{"bye": true}, nil
@@ -383,6 +406,12 @@ func (s *Server) detach(ss *session, d ipc.Detach) (any, error) {
 
 // Stats returns the server's counters.
 func (s *Server) Stats() ipc.Stats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.stats()
+}
+
+func (s *Server) stats() ipc.Stats {
 	st := ipc.Stats{Requests: s.requests, Errors: s.errors, StepItems: s.stepItems, BytesUpdated: s.bytesUpdated,
 		Sessions: len(s.sessions), ByOp: map[string]int64{}}
 	for k, v := range s.byOp {
@@ -438,6 +467,8 @@ func (ss *session) exited() bool {
 // silent for longer than IdleTimeout. The transport calls it about once a
 // second.
 func (s *Server) Tick(now time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	for c, ss := range s.sessions {
 		switch {
 		case ss.exited():
@@ -474,6 +505,8 @@ func (s *Server) release(client string) {
 
 // Close releases every session.
 func (s *Server) Close() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	for c := range s.sessions {
 		s.release(c)
 	}

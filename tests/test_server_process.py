@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -78,3 +79,73 @@ def test_dead_server_raises_quickly_instead_of_hanging() -> None:
         opt._closed = True  # the server is gone; nothing to say goodbye to
         opt._finalizer.detach()
         opt._conn.close()
+
+
+def test_help_documents_every_flag_and_exit_codes(sonard_binary: str) -> None:
+    r = subprocess.run([sonard_binary, "--help"], capture_output=True, text=True)
+    assert r.returncode == 0
+    for flag in ("listen", "log-level", "log-format", "workers", "shm-dir", "torch-lib", "idle-timeout",
+                 "metrics-addr", "curve-secret-file", "curve-clients-file", "gen-curve-keys", "version"):
+        assert f"-{flag}" in r.stdout, flag
+    assert "Exit codes" in r.stdout and "(env SONAR_LISTEN)" in r.stdout
+
+
+def test_one_version_for_binary_and_package(sonard_binary: str) -> None:
+    version = (Path(__file__).resolve().parents[1] / "VERSION").read_text().strip()
+    assert sonar_moe.__version__ == version
+    out = subprocess.run([sonard_binary, "--version"], capture_output=True, text=True, check=True).stdout
+    assert out.split()[1] == version
+
+
+def test_flags_from_environment_and_json_logs(sonard_binary: str, tmp_path: Path) -> None:
+    sock = tmp_path / "envrun" / "s.sock"
+    env = dict(os.environ, SONAR_LISTEN=f"ipc://{sock}", SONAR_LOG_FORMAT="json", SONAR_LOG_LEVEL="info")
+    proc = subprocess.Popen([sonard_binary], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 10
+    while not sock.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0
+    first = proc.stderr.readline()
+    assert json.loads(first)["msg"] == "sonard listening"
+
+
+def test_metrics_endpoint(sonard_binary: str, tmp_path: Path) -> None:
+    import socket
+    import urllib.request
+
+    from sonar_moe._client import torch_sqrt_library
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sock = tmp_path / "m" / "s.sock"
+    args = [sonard_binary, "--listen", f"ipc://{sock}", "--metrics-addr", f"127.0.0.1:{port}"]
+    if torch_sqrt_library():
+        args += ["--torch-lib", torch_sqrt_library()]
+    proc = subprocess.Popen(args, stderr=subprocess.DEVNULL)
+    try:
+        model = tm.build(tm.MoEConfig(), 0)
+        with sonar_moe.SonarAdamW(model, server=f"ipc://{sock}") as opt:
+            for _ in range(2):
+                x = torch.randint(0, 256, (2, 16))
+                loss, _ = model(x, labels=x)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        assert values['sonard_requests_total{op="step"}'] == 8  # 2 steps x 2 layers x 2 tensors
+        assert values["sonard_step_seconds_count"] == 8
+        assert values["sonard_bytes_updated_total"] > 0
+        assert values["sonard_tensors"] == 4 and values["sonard_state_bytes"] > 0
+        assert any(k.startswith("sonard_client_state_bytes{") for k in values)
+        assert any(k.startswith('sonard_client_requests_total{client="') for k in values)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -5,11 +5,15 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
+	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"runtime"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -31,22 +35,51 @@ const (
 	exitUsage = 2
 )
 
+const usageHeader = `sonard: the Sonar-MoE server. It owns the AdamW state of Mixture-of-Experts expert tensors
+and updates them when a client (the Python sonar_moe package) hands it a gradient in shared
+memory. SonarAdamW starts a private sonard by itself; run one yourself to share it between
+trainer processes (SonarAdamW(..., server="ipc:///path/to/sonard.sock")).
+
+Usage: sonard [flags]
+
+Flags (each also settable by the environment variable named in its help):
+`
+
+const usageFooter = `
+Exit codes: 0 clean shutdown (SIGINT, SIGTERM or a client's shutdown message) or --help/--version;
+1 runtime failure (cannot bind, cannot load --torch-lib, serve error); 2 bad flags or arguments.
+`
+
 func main() { os.Exit(run()) }
 
 func run() int {
 	fs := flag.NewFlagSet("sonard", flag.ContinueOnError)
-	listen := fs.String("listen", "ipc:///tmp/sonard/sonard.sock", "ZeroMQ endpoint to bind: ipc:///path or tcp://host:port")
-	logLevel := fs.String("log-level", "info", "log level: debug, info, warn, error")
-	logFormat := fs.String("log-format", "console", "log format: console or json")
-	workers := fs.Int("workers", runtime.GOMAXPROCS(0), "goroutines per tensor update")
-	shmDir := fs.String("shm-dir", "/dev/shm", "directory of POSIX shared memory")
+	listen := fs.String("listen", envOr("SONAR_LISTEN", "ipc:///tmp/sonard/sonard.sock"), "ZeroMQ endpoint to bind: ipc:///path (socket dir 0700, socket 0600) or tcp://host:port (needs CURVE keys) (env SONAR_LISTEN)")
+	logLevel := fs.String("log-level", envOr("SONAR_LOG_LEVEL", "info"), "log level: debug, info, warn, error (env SONAR_LOG_LEVEL)")
+	logFormat := fs.String("log-format", envOr("SONAR_LOG_FORMAT", "console"), "log format: console or json (env SONAR_LOG_FORMAT)")
+	workers := fs.Int("workers", envInt("SONAR_WORKERS", runtime.GOMAXPROCS(0)), "goroutines per tensor update (env SONAR_WORKERS)")
+	shmDir := fs.String("shm-dir", envOr("SONAR_SHM_DIR", "/dev/shm"), "directory of POSIX shared memory (env SONAR_SHM_DIR)")
 	torchLib := fs.String("torch-lib", os.Getenv("SONAR_TORCH_LIB"), "libtorch_cpu.so whose float32 sqrt (MKL vmsSqrt) to use, for bit-for-bit equality with that torch (env SONAR_TORCH_LIB); empty: IEEE sqrt")
-	idle := fs.Duration("idle-timeout", 10*time.Minute, "release the state of a client not on this host after this long without a request (clients on this host are released when their process exits); 0: never")
+	idle := fs.Duration("idle-timeout", envDuration("SONAR_IDLE_TIMEOUT", 10*time.Minute), "release the state of a client not on this host after this long without a request (clients on this host are released when their process exits); 0: never (env SONAR_IDLE_TIMEOUT)")
 	curveSecret := fs.String("curve-secret-file", os.Getenv("SONAR_CURVE_SECRET_FILE"), "file holding the server's CURVE secret key (Z85, mode 0600); required for tcp:// (env SONAR_CURVE_SECRET_FILE)")
 	curveClients := fs.String("curve-clients-file", os.Getenv("SONAR_CURVE_CLIENTS_FILE"), "file of allowed client CURVE public keys, one Z85 key per line; required for tcp:// (env SONAR_CURVE_CLIENTS_FILE)")
 	genKeys := fs.String("gen-curve-keys", "", "write a new CURVE key pair to PREFIX.secret (mode 0600) and PREFIX.public, then exit")
+	metricsAddr := fs.String("metrics-addr", os.Getenv("SONAR_METRICS_ADDR"), "serve Prometheus metrics over HTTP at this host:port (e.g. 127.0.0.1:9464); empty: off (env SONAR_METRICS_ADDR)")
 	version := fs.Bool("version", false, "print the version and exit")
+	fs.SetOutput(os.Stdout)
+	fs.Usage = func() {
+		fmt.Fprint(fs.Output(), usageHeader)
+		fs.PrintDefaults()
+		fmt.Fprint(fs.Output(), usageFooter)
+	}
 	if err := fs.Parse(os.Args[1:]); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return exitOK
+		}
+		return exitUsage
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "sonard: unexpected arguments %q (see --help)\n", fs.Args())
 		return exitUsage
 	}
 	if *version {
@@ -103,6 +136,19 @@ func run() int {
 		case <-ctx.Done():
 		}
 	}()
+	if *metricsAddr != "" {
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", srv.MetricsHandler())
+		hs := &http.Server{Addr: *metricsAddr, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		ln, err := net.Listen("tcp", *metricsAddr)
+		if err != nil {
+			log.Error("metrics listen failed", zap.Error(err))
+			return exitError
+		}
+		go func() { _ = hs.Serve(ln) }()
+		defer hs.Close()
+		log.Info("metrics", zap.String("url", "http://"+ln.Addr().String()+"/metrics"))
+	}
 	log.Info("sonard listening", zap.String("addr", *listen), zap.String("version", server.Version),
 		zap.Int("protocol", ipc.Version), zap.Int("workers", engine.Workers), zap.String("sqrt", engine.SqrtName), zap.Int("pid", os.Getpid()))
 	serveErr := tr.Serve(ctx, srv)
@@ -193,4 +239,25 @@ func loadCurve(secretFile, clientsFile string) (*ipc.Curve, error) {
 		return nil, fmt.Errorf("curve clients %s: no keys", clientsFile)
 	}
 	return c, nil
+}
+
+func envOr(key, def string) string {
+	if v, ok := os.LookupEnv(key); ok && v != "" {
+		return v
+	}
+	return def
+}
+
+func envInt(key string, def int) int {
+	if v, err := strconv.Atoi(os.Getenv(key)); err == nil {
+		return v
+	}
+	return def
+}
+
+func envDuration(key string, def time.Duration) time.Duration {
+	if v, err := time.ParseDuration(os.Getenv(key)); err == nil {
+		return v
+	}
+	return def
 }

@@ -1,0 +1,240 @@
+// Command sonar-bench measures the Go AdamW engine in-process: one
+// optimizer.Engine.Apply over a whole tensor, for float32 and bfloat16, with
+// the IEEE square root and (float32, with -torch-lib) torch's MKL vmsSqrt,
+// next to the machine's copy bandwidth measured in the same run. It prints
+// one JSON document; bench/run.py turns it into docs/benchmarks.md.
+//
+//	sonar-bench -sizes 1M,16M,64M -dtypes float32,bfloat16 -reps 7 -torch-lib .../libtorch_cpu.so
+//
+// Timings are reported, never asserted: medians over -reps repeats after
+// one untimed warm-up (which faults the pages in and fills the state).
+package main
+
+import (
+	"encoding/json"
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"runtime"
+	"runtime/debug"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/sonar-moe/sonar/optimizer"
+	"github.com/sonar-moe/sonar/optimizer/vml"
+)
+
+// Result is one kernel measurement.
+type Result struct {
+	DType      string    `json:"dtype"`
+	Numel      int       `json:"numel"`
+	Sqrt       string    `json:"sqrt"` // "ieee" or "mkl"
+	Workers    int       `json:"workers"`
+	BytesPerEl int       `json:"bytes_per_element"`
+	MedianS    float64   `json:"median_s"`
+	MinS       float64   `json:"min_s"`
+	TimesS     []float64 `json:"times_s"`
+	ElemsPerS  float64   `json:"elements_per_s"`
+	GBps       float64   `json:"gb_per_s"`
+}
+
+// Copy is the copy-bandwidth measurement (read+write bytes per second).
+type Copy struct {
+	Bytes   int       `json:"bytes"`
+	Workers int       `json:"workers"`
+	MedianS float64   `json:"median_s"`
+	TimesS  []float64 `json:"times_s"`
+	GBps    float64   `json:"gb_per_s_read_write"`
+}
+
+// Report is the whole output.
+type Report struct {
+	GoVersion  string   `json:"go_version"`
+	GOMAXPROCS int      `json:"gomaxprocs"`
+	NumCPU     int      `json:"num_cpu"`
+	Reps       int      `json:"reps"`
+	TorchLib   string   `json:"torch_lib,omitempty"`
+	Copy       []Copy   `json:"copy"`
+	Kernels    []Result `json:"kernels"`
+}
+
+func main() {
+	sizes := flag.String("sizes", "1M,16M,64M", "tensor sizes in elements (K/M suffixes), comma separated")
+	dtypes := flag.String("dtypes", "float32,bfloat16", "dtypes, comma separated")
+	reps := flag.Int("reps", 7, "timed repeats per case (median reported)")
+	workers := flag.Int("workers", runtime.NumCPU(), "engine workers (goroutines per tensor)")
+	copyMB := flag.Int("copy-mb", 256, "size of the copy-bandwidth buffer in MiB")
+	torchLib := flag.String("torch-lib", "", "libtorch_cpu.so whose MKL vmsSqrt to measure as well (float32)")
+	flag.Parse()
+
+	ns, err := parseSizes(*sizes)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "sonar-bench:", err)
+		os.Exit(2)
+	}
+	var sq *vml.Sqrt
+	if *torchLib != "" {
+		if sq, err = vml.Load(*torchLib); err != nil {
+			fmt.Fprintln(os.Stderr, "sonar-bench:", err)
+			os.Exit(1)
+		}
+	}
+	rep := Report{GoVersion: runtime.Version(), GOMAXPROCS: runtime.GOMAXPROCS(0), NumCPU: runtime.NumCPU(),
+		Reps: *reps, TorchLib: *torchLib}
+	rep.Copy = append(rep.Copy, copyBandwidth(*copyMB<<20, *workers, *reps))
+	for _, ds := range strings.Split(*dtypes, ",") {
+		d, err := optimizer.ParseDType(strings.TrimSpace(ds))
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "sonar-bench:", err)
+			os.Exit(2)
+		}
+		for _, n := range ns {
+			rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *reps, nil))
+			if d == optimizer.Float32 && sq != nil {
+				rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *reps, sq))
+			}
+			runtime.GC()
+			debug.FreeOSMemory()
+		}
+	}
+	// The copy again at the end: the machine's load may drift during the run.
+	rep.Copy = append(rep.Copy, copyBandwidth(*copyMB<<20, *workers, *reps))
+	enc := json.NewEncoder(os.Stdout)
+	enc.SetIndent("", "  ")
+	if err := enc.Encode(rep); err != nil {
+		fmt.Fprintln(os.Stderr, "sonar-bench:", err)
+		os.Exit(1)
+	}
+}
+
+func parseSizes(s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		f = strings.TrimSpace(f)
+		mult := 1
+		switch {
+		case strings.HasSuffix(f, "M"):
+			mult, f = 1<<20, strings.TrimSuffix(f, "M")
+		case strings.HasSuffix(f, "K"):
+			mult, f = 1<<10, strings.TrimSuffix(f, "K")
+		}
+		v, err := strconv.Atoi(f)
+		if err != nil || v <= 0 {
+			return nil, fmt.Errorf("bad size %q", f)
+		}
+		out = append(out, v*mult)
+	}
+	return out, nil
+}
+
+// staggered returns n zeroed bytes starting at offset off mod 4 KiB, as the
+// engine places its state and the client its gradient slots (parameters in
+// shared memory sit at offset 0).
+func staggered(n, off int) []byte {
+	buf := make([]byte, n+8192)
+	base := int(uintptr(unsafe.Pointer(&buf[0])) % 4096)
+	start := (off - base + 8192) % 4096
+	return buf[start : start+n : start+n]
+}
+
+func median(xs []float64) float64 {
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+// parallel runs fn over [0, n) split into one contiguous chunk per worker.
+func parallel(n, workers int, fn func(lo, hi int)) {
+	chunk := (n + workers - 1) / workers
+	chunk = (chunk + 4095) &^ 4095
+	var wg sync.WaitGroup
+	for lo := 0; lo < n; lo += chunk {
+		hi := min(lo+chunk, n)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			fn(lo, hi)
+		}()
+	}
+	wg.Wait()
+}
+
+func copyBandwidth(nb, workers, reps int) Copy {
+	src, dst := staggered(nb, 0), staggered(nb, 512)
+	for i := range src {
+		src[i] = byte(i)
+	}
+	run := func() float64 {
+		t := time.Now()
+		parallel(nb, workers, func(lo, hi int) { copy(dst[lo:hi], src[lo:hi]) })
+		return time.Since(t).Seconds()
+	}
+	run() // fault dst in
+	c := Copy{Bytes: nb, Workers: workers}
+	for range reps {
+		c.TimesS = append(c.TimesS, run())
+	}
+	c.MedianS = median(c.TimesS)
+	c.GBps = 2 * float64(nb) / c.MedianS / 1e9
+	return c
+}
+
+func kernel(d optimizer.DType, n, workers, reps int, sq *vml.Sqrt) Result {
+	r := rand.New(rand.NewPCG(1, uint64(n)))
+	sz := d.Size()
+	param := staggered(n*sz, 0)
+	grad := staggered(n*sz, 512)
+	fill := func(b []byte, scale float64) {
+		switch d {
+		case optimizer.Float32:
+			f := optimizer.F32s(b)
+			for i := range f {
+				f[i] = float32(r.NormFloat64() * scale)
+			}
+		case optimizer.BFloat16:
+			h := optimizer.U16s(b)
+			for i := range h {
+				h[i] = optimizer.F32ToBF16(float32(r.NormFloat64() * scale))
+			}
+		}
+	}
+	fill(param, 0.02)
+	fill(grad, 0.01)
+	h := optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}
+	t, err := optimizer.NewTensor("bench", d, n, h, param)
+	if err != nil {
+		panic(err)
+	}
+	eng := optimizer.NewEngine()
+	eng.Workers = workers
+	name := "ieee"
+	if sq != nil {
+		eng.Sqrt, eng.SqrtName, name = sq.Apply, "mkl:"+sq.Path, "mkl"
+	}
+	step := func() float64 {
+		s := optimizer.ScalarsFor(h, t.Step+1)
+		start := time.Now()
+		if err := eng.Apply(t, grad, s); err != nil {
+			panic(err)
+		}
+		return time.Since(start).Seconds()
+	}
+	step() // warm-up: faults the state in, step 1
+	res := Result{DType: d.String(), Numel: n, Sqrt: name, Workers: workers, BytesPerEl: 7 * sz}
+	for range reps {
+		res.TimesS = append(res.TimesS, step())
+	}
+	res.MedianS = median(res.TimesS)
+	res.MinS = slices.Min(res.TimesS)
+	res.ElemsPerS = float64(n) / res.MedianS
+	res.GBps = res.ElemsPerS * float64(res.BytesPerEl) / 1e9
+	return res
+}

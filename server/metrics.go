@@ -1,0 +1,101 @@
+package server
+
+import (
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// metrics are the server's Prometheus instruments. Counters and the latency
+// histogram are updated as requests are served; the gauges (tensors, state
+// bytes, per client) are read from the sessions at scrape time.
+type metrics struct {
+	requests *prometheus.CounterVec
+	errors   *prometheus.CounterVec
+	bytes    prometheus.Counter
+	latency  prometheus.Histogram
+	perReq   *prometheus.CounterVec
+
+	tensors, stateBytes, segments, segBytes, sessions *prometheus.Desc
+	clientTensors, clientState                        *prometheus.Desc
+}
+
+func newMetrics() *metrics {
+	return &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "sonard_requests_total",
+			Help: "Requests served, by operation."}, []string{"op"}),
+		errors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "sonard_request_errors_total",
+			Help: "Requests answered with an error, by operation."}, []string{"op"}),
+		bytes: prometheus.NewCounter(prometheus.CounterOpts{Name: "sonard_bytes_updated_total",
+			Help: "Parameter bytes updated or accumulated by step requests."}),
+		latency: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "sonard_step_seconds",
+			Help:    "Time to validate and apply one step request.",
+			Buckets: prometheus.ExponentialBuckets(10e-6, 2, 18)}),
+		perReq: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "sonard_client_requests_total",
+			Help: "Requests served, by client process."}, []string{"client", "pid"}),
+		tensors:       prometheus.NewDesc("sonard_tensors", "Registered tensors.", nil, nil),
+		stateBytes:    prometheus.NewDesc("sonard_state_bytes", "Bytes of optimizer state held.", nil, nil),
+		segments:      prometheus.NewDesc("sonard_segments", "Attached shared-memory segments.", nil, nil),
+		segBytes:      prometheus.NewDesc("sonard_segment_bytes", "Bytes of attached shared memory.", nil, nil),
+		sessions:      prometheus.NewDesc("sonard_sessions", "Connected client sessions.", nil, nil),
+		clientTensors: prometheus.NewDesc("sonard_client_tensors", "Registered tensors, by client process.", []string{"client", "pid"}, nil),
+		clientState:   prometheus.NewDesc("sonard_client_state_bytes", "Bytes of optimizer state held, by client process.", []string{"client", "pid"}, nil),
+	}
+}
+
+func (s *Server) observe(client, op string, err error, start time.Time, bytes int64) {
+	s.m.requests.WithLabelValues(op).Inc()
+	if err != nil {
+		s.m.errors.WithLabelValues(op).Inc()
+	}
+	pid := ""
+	if ss := s.sessions[client]; ss != nil {
+		pid = strconv.Itoa(ss.hello.PID)
+	}
+	s.m.perReq.WithLabelValues(client, pid).Inc()
+	if op == "step" && err == nil {
+		s.m.latency.Observe(time.Since(start).Seconds())
+		s.m.bytes.Add(float64(bytes))
+	}
+}
+
+// collector exports the gauges read from the server's sessions.
+type collector struct{ s *Server }
+
+func (c collector) Describe(ch chan<- *prometheus.Desc) {
+	m := c.s.m
+	for _, d := range []*prometheus.Desc{m.tensors, m.stateBytes, m.segments, m.segBytes, m.sessions, m.clientTensors, m.clientState} {
+		ch <- d
+	}
+}
+
+func (c collector) Collect(ch chan<- prometheus.Metric) {
+	c.s.mu.Lock()
+	defer c.s.mu.Unlock()
+	m := c.s.m
+	st := c.s.stats()
+	ch <- prometheus.MustNewConstMetric(m.tensors, prometheus.GaugeValue, float64(st.Tensors))
+	ch <- prometheus.MustNewConstMetric(m.stateBytes, prometheus.GaugeValue, float64(st.StateBytes))
+	ch <- prometheus.MustNewConstMetric(m.segments, prometheus.GaugeValue, float64(st.Segments))
+	ch <- prometheus.MustNewConstMetric(m.segBytes, prometheus.GaugeValue, float64(st.SegmentBytes))
+	ch <- prometheus.MustNewConstMetric(m.sessions, prometheus.GaugeValue, float64(st.Sessions))
+	for id, ss := range c.s.sessions {
+		var state int64
+		for _, t := range ss.tensors {
+			state += int64(t.StateBytes())
+		}
+		pid := strconv.Itoa(ss.hello.PID)
+		ch <- prometheus.MustNewConstMetric(m.clientTensors, prometheus.GaugeValue, float64(len(ss.tensors)), id, pid)
+		ch <- prometheus.MustNewConstMetric(m.clientState, prometheus.GaugeValue, float64(state), id, pid)
+	}
+}
+
+// MetricsHandler serves the server's metrics in Prometheus text format.
+func (s *Server) MetricsHandler() http.Handler {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(s.m.requests, s.m.errors, s.m.bytes, s.m.latency, s.m.perReq, collector{s})
+	return promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
+}
