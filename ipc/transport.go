@@ -185,8 +185,10 @@ func (t *Transport) serveOne(h Handler, frames [][]byte) {
 	}
 }
 
-// Close closes the socket and removes an ipc:// socket file.
+// Close closes the socket (after up to a second to deliver queued replies,
+// such as the answer to a shutdown request) and removes an ipc:// socket file.
 func (t *Transport) Close() error {
+	_ = t.sock.SetLinger(time.Second)
 	err := t.sock.Close()
 	if t.ipcPath != "" {
 		_ = os.Remove(t.ipcPath)
