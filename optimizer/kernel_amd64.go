@@ -2,6 +2,7 @@ package optimizer
 
 import (
 	"math"
+	"unsafe"
 
 	"golang.org/x/sys/cpu"
 )
@@ -15,6 +16,10 @@ type pass1Consts struct {
 }
 
 type pass2Consts struct{ bc2s, eps, negStep float32 }
+
+// The assembly reads bf16Consts at fixed offsets.
+var _ = [1]struct{}{}[unsafe.Offsetof(bf16Consts{}.pass1Consts)-128]
+var _ = [1]struct{}{}[unsafe.Offsetof(bf16Consts{}.bc2s)-152]
 
 //go:noescape
 func pass1AVX2(pp, gg, mm, vv, out *float32, n int, k *pass1Consts)
@@ -33,19 +38,27 @@ func stepF32Vec(p, g, m, v, out []float32, s Scalars, k f32) int {
 	if !useAVX2 || n == 0 || s.Amsgrad {
 		return 0
 	}
-	c1 := pass1Consts{decay: 1, c: k.w, b2: k.b2, omb2: k.omb2}
-	if s.ApplyDecay {
-		c1.decay = k.decay
-	}
-	if s.Maximize {
-		c1.sign = 0x80000000
-	}
-	if !(k.w < 0.5 && k.w > -0.5) {
-		c1.c = k.w - 1
-		c1.baseMask = math.MaxUint32
-	}
+	c1 := newPass1Consts(s, k)
 	pass1AVX2(&p[0], &g[0], &m[0], &v[0], &out[0], n, &c1)
 	return n
+}
+
+// newPass1Consts packs the decay, lerp and exp_avg_sq constants: with
+// |w| < 0.5 lerp is fma(w, g-m, m), otherwise fma(w-1, g-m, g); maximize
+// flips the gradient's sign bit; no decay multiplies by exactly 1.
+func newPass1Consts(s Scalars, k f32) pass1Consts {
+	c := pass1Consts{decay: 1, c: k.w, b2: k.b2, omb2: k.omb2}
+	if s.ApplyDecay {
+		c.decay = k.decay
+	}
+	if s.Maximize {
+		c.sign = 0x80000000
+	}
+	if !(k.w < 0.5 && k.w > -0.5) {
+		c.c = k.w - 1
+		c.baseMask = math.MaxUint32
+	}
+	return c
 }
 
 func pass2Vec(p, m, sq []float32, k f32) int {
@@ -70,8 +83,7 @@ func sqrtVec(dst, src []float32) int {
 // bf16Consts is read by stepBF16AVX2 at fixed offsets: keep the layout.
 type bf16Consts struct {
 	one, r7fff, hiMask, nan [8]uint32 // 0, 32, 64, 96
-	decay, c, b2, omb2      float32   // 128..
-	sign, baseMask          uint32    // 144, 148
+	pass1Consts                       // 128: decay, c, b2, omb2, sign (144), baseMask (148)
 	bc2s, eps, negStep      float32   // 152, 156, 160
 }
 
@@ -85,19 +97,9 @@ func stepBF16Vec(p, g, m, v []uint16, s Scalars, k f32, epsBF float32) int {
 	if !useAVX2 || n == 0 || s.Amsgrad {
 		return 0
 	}
-	c := bf16Consts{decay: 1, c: k.w, b2: k.b2, omb2: k.omb2, bc2s: k.bc2s, eps: epsBF, negStep: k.negStep}
+	c := bf16Consts{pass1Consts: newPass1Consts(s, k), bc2s: k.bc2s, eps: epsBF, negStep: k.negStep}
 	for i := range c.one {
 		c.one[i], c.r7fff[i], c.hiMask[i], c.nan[i] = 1, 0x7FFF, 0xFFFF0000, 0x7FC00000
-	}
-	if s.ApplyDecay {
-		c.decay = k.decay
-	}
-	if s.Maximize {
-		c.sign = 0x80000000
-	}
-	if !(k.w < 0.5 && k.w > -0.5) {
-		c.c = k.w - 1
-		c.baseMask = math.MaxUint32
 	}
 	stepBF16AVX2(&p[0], &g[0], &m[0], &v[0], n, &c)
 	return n

@@ -349,15 +349,22 @@ func (ss *session) stateMem(t *tensor, x ipc.StateXfer) ([3][]byte, error) {
 	return out, nil
 }
 
-func (s *Server) export(ss *session, x ipc.StateXfer) (any, error) {
+// stateXfer resolves the tensor and state memory of an export or import;
+// the tensor must have no accumulated gradient waiting to be applied.
+func (ss *session) stateXfer(x ipc.StateXfer) (*tensor, [3][]byte, error) {
 	t := ss.tensors[x.Tensor]
 	if t == nil {
-		return nil, fmt.Errorf("unknown tensor %d", x.Tensor)
+		return nil, [3][]byte{}, fmt.Errorf("unknown tensor %d", x.Tensor)
 	}
 	if t.Pending() > 0 {
-		return nil, fmt.Errorf("tensor %s has %d accumulated gradients not yet applied", t.Name, t.Pending())
+		return nil, [3][]byte{}, fmt.Errorf("tensor %s has %d accumulated gradients not yet applied", t.Name, t.Pending())
 	}
 	mem, err := ss.stateMem(t, x)
+	return t, mem, err
+}
+
+func (s *Server) export(ss *session, x ipc.StateXfer) (any, error) {
+	t, mem, err := ss.stateXfer(x)
 	if err != nil {
 		return nil, err
 	}
@@ -370,14 +377,7 @@ func (s *Server) export(ss *session, x ipc.StateXfer) (any, error) {
 }
 
 func (s *Server) importState(ss *session, x ipc.StateXfer) (any, error) {
-	t := ss.tensors[x.Tensor]
-	if t == nil {
-		return nil, fmt.Errorf("unknown tensor %d", x.Tensor)
-	}
-	if t.Pending() > 0 {
-		return nil, fmt.Errorf("tensor %s has %d accumulated gradients not yet applied", t.Name, t.Pending())
-	}
-	mem, err := ss.stateMem(t, x)
+	t, mem, err := ss.stateXfer(x)
 	if err != nil {
 		return nil, err
 	}
