@@ -3,6 +3,7 @@ module github.com/sonar-moe/sonar
 go 1.26.8
 
 require (
+	github.com/ebitengine/purego v0.11.3
 	github.com/pebbe/zmq4 v1.4.0
 	github.com/prometheus/client_golang v1.25.0
 	github.com/vmihailenco/msgpack/v5 v5.4.1

@@ -1,0 +1,400 @@
+// Command kernelcheck runs Sonar-MoE's CUDA AdamW kernels outside the server,
+// for the GPU check (scripts/gpu-check): it needs a CUDA driver and NVRTC at
+// run time, nothing at build time.
+//
+//	kernelcheck info            device, driver, NVRTC and kernel build, as JSON
+//	kernelcheck files DIR       run the steps DIR/spec.json describes on the
+//	                            tensors in DIR's files; write the kernel's and
+//	                            the Go reference's results next to them
+//	kernelcheck bench ...       kernel throughput on device buffers
+//	kernelcheck serve           a stand-in for sonard's CUDA path: JSON
+//	                            requests on stdin, replies on stdout; client
+//	                            tensors are reached through CUDA IPC handles
+//
+// Every mode prints JSON on stdout; errors go to stderr with exit status 1.
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/sonar-moe/sonar/cuda"
+	"github.com/sonar-moe/sonar/optimizer"
+)
+
+func main() {
+	if len(os.Args) < 2 {
+		fmt.Fprintln(os.Stderr, "usage: kernelcheck info | files DIR | bench [-dtype D -numel N -iters K] | serve")
+		os.Exit(2)
+	}
+	var err error
+	switch os.Args[1] {
+	case "info":
+		err = info()
+	case "files":
+		if len(os.Args) != 3 {
+			err = errors.New("usage: kernelcheck files DIR")
+		} else {
+			err = files(os.Args[2])
+		}
+	case "bench":
+		err = bench(os.Args[2:])
+	case "serve":
+		err = serve(os.Stdin, os.Stdout)
+	default:
+		err = fmt.Errorf("unknown mode %q", os.Args[1])
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "kernelcheck:", err)
+		os.Exit(1)
+	}
+}
+
+// gpu is an opened device with the kernels loaded.
+type gpu struct {
+	drv *cuda.Driver
+	dev *cuda.Device
+	nv  *cuda.NVRTC
+	k   *cuda.Kernels
+}
+
+func openGPU() (*gpu, error) {
+	drv, err := cuda.Open()
+	if err != nil {
+		return nil, err
+	}
+	dev, err := drv.Device(0)
+	if err != nil {
+		return nil, err
+	}
+	nv, err := cuda.OpenNVRTC()
+	if err != nil {
+		_ = dev.Close()
+		return nil, err
+	}
+	k, err := cuda.LoadKernels(dev, nv)
+	if err != nil {
+		_ = dev.Close()
+		return nil, err
+	}
+	return &gpu{drv: drv, dev: dev, nv: nv, k: k}, nil
+}
+
+func (g *gpu) close() {
+	_ = g.k.Close()
+	_ = g.dev.Close()
+}
+
+func printJSON(v any) error {
+	enc := json.NewEncoder(os.Stdout)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+func info() error {
+	g, err := openGPU()
+	if err != nil {
+		return err
+	}
+	defer g.close()
+	maj, mnr := g.nv.Version()
+	free, total, err := g.dev.MemInfo()
+	if err != nil {
+		return err
+	}
+	return printJSON(map[string]any{
+		"driver": g.drv.Path(), "driver_cuda": fmt.Sprintf("%d.%d", g.drv.Version()/1000, g.drv.Version()%1000/10),
+		"device": g.dev.Name, "cc": fmt.Sprintf("%d.%d", g.dev.Major, g.dev.Minor), "sms": g.dev.SMs,
+		"mem_total": total, "mem_free": free,
+		"nvrtc": g.nv.Path(), "nvrtc_version": fmt.Sprintf("%d.%d", maj, mnr), "arch": fmt.Sprintf("compute_%d", g.k.Arch),
+		"ptx_bytes": len(g.k.PTX), "options": cuda.CompileOptions(g.k.Arch),
+	})
+}
+
+// ScalarsJSON are protocol Scalars as JSON (the same names as docs/protocol.md).
+type ScalarsJSON struct {
+	Decay       float64 `json:"decay"`
+	ApplyDecay  bool    `json:"apply_decay"`
+	Beta1W      float64 `json:"beta1_w"`
+	Beta2       float64 `json:"beta2"`
+	OneMinusB2  float64 `json:"one_minus_beta2"`
+	NegStepSize float64 `json:"neg_step_size"`
+	BC2Sqrt     float64 `json:"bc2_sqrt"`
+	Eps         float64 `json:"eps"`
+	Amsgrad     bool    `json:"amsgrad"`
+	Maximize    bool    `json:"maximize"`
+}
+
+func (s ScalarsJSON) scalars() optimizer.Scalars {
+	return optimizer.Scalars{Decay: s.Decay, ApplyDecay: s.ApplyDecay, Beta1W: s.Beta1W, Beta2: s.Beta2,
+		OneMinusB2: s.OneMinusB2, NegStepSize: s.NegStepSize, BC2Sqrt: s.BC2Sqrt, Eps: s.Eps,
+		Amsgrad: s.Amsgrad, Maximize: s.Maximize}
+}
+
+// Spec is DIR/spec.json for "files": Steps steps of AdamW on the tensors;
+// Scalars[s][i] are step s's scalars of tensor i. Inputs are DIR/t<i>_p.bin,
+// _m.bin, _v.bin, _vmax.bin (amsgrad) and _g<s>.bin (raw little-endian
+// values of the dtype); outputs DIR/t<i>_<p|m|v|vmax>.gpu.bin (kernel) and
+// .ref.bin (cuda.RefStep).
+type Spec struct {
+	DType   string          `json:"dtype"`
+	Steps   int             `json:"steps"`
+	Tensors []SpecTensor    `json:"tensors"`
+	Scalars [][]ScalarsJSON `json:"scalars"`
+}
+
+// SpecTensor is one tensor of a Spec.
+type SpecTensor struct {
+	Numel   int64 `json:"numel"`
+	Amsgrad bool  `json:"amsgrad"`
+}
+
+func readSpec(dir string) (Spec, optimizer.DType, error) {
+	var sp Spec
+	b, err := os.ReadFile(filepath.Join(dir, "spec.json"))
+	if err != nil {
+		return sp, 0, err
+	}
+	if err := json.Unmarshal(b, &sp); err != nil {
+		return sp, 0, fmt.Errorf("spec.json: %w", err)
+	}
+	dt, err := optimizer.ParseDType(sp.DType)
+	if err != nil {
+		return sp, 0, fmt.Errorf("spec.json: %w", err)
+	}
+	if sp.Steps < 1 || len(sp.Scalars) != sp.Steps || len(sp.Tensors) == 0 {
+		return sp, 0, fmt.Errorf("spec.json: %d steps, %d scalar sets, %d tensors", sp.Steps, len(sp.Scalars), len(sp.Tensors))
+	}
+	for s, row := range sp.Scalars {
+		if len(row) != len(sp.Tensors) {
+			return sp, 0, fmt.Errorf("spec.json: step %d has scalars for %d of %d tensors", s, len(row), len(sp.Tensors))
+		}
+		for i, sc := range row {
+			if sc.Amsgrad != sp.Tensors[i].Amsgrad {
+				return sp, 0, fmt.Errorf("spec.json: step %d tensor %d: amsgrad differs from the tensor's", s, i)
+			}
+		}
+	}
+	for i, t := range sp.Tensors {
+		if t.Numel <= 0 {
+			return sp, 0, fmt.Errorf("spec.json: tensor %d: numel %d", i, t.Numel)
+		}
+	}
+	return sp, dt, nil
+}
+
+func readExact(path string, n int64) ([]byte, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	if int64(len(b)) != n {
+		return nil, fmt.Errorf("%s is %d bytes, want %d", path, len(b), n)
+	}
+	return b, nil
+}
+
+// hostTensor is one tensor's host copies (for the reference) and device buffers.
+type hostTensor struct {
+	nb      int64
+	host    map[string][]byte // p, m, v, vmax: the reference's state
+	dev     map[string]cuda.DevicePtr
+	grad    cuda.DevicePtr
+	amsgrad bool
+}
+
+func files(dir string) error {
+	sp, dt, err := readSpec(dir)
+	if err != nil {
+		return err
+	}
+	g, err := openGPU()
+	if err != nil {
+		return err
+	}
+	defer g.close()
+	s, err := g.dev.NewStream()
+	if err != nil {
+		return err
+	}
+	defer s.Destroy()
+	parts := []string{"p", "m", "v", "vmax"}
+	ts := make([]*hostTensor, len(sp.Tensors))
+	defer func() {
+		for _, t := range ts {
+			if t == nil {
+				continue
+			}
+			for _, p := range t.dev {
+				_ = g.dev.Free(p)
+			}
+			_ = g.dev.Free(t.grad)
+		}
+	}()
+	for i, st := range sp.Tensors {
+		t := &hostTensor{nb: st.Numel * int64(dt.Size()), host: map[string][]byte{}, dev: map[string]cuda.DevicePtr{}, amsgrad: st.Amsgrad}
+		ts[i] = t
+		for _, p := range parts {
+			if p == "vmax" && !st.Amsgrad {
+				continue
+			}
+			b, err := readExact(filepath.Join(dir, fmt.Sprintf("t%d_%s.bin", i, p)), t.nb)
+			if err != nil {
+				return err
+			}
+			t.host[p] = b
+			if t.dev[p], err = g.dev.Alloc(t.nb); err != nil {
+				return err
+			}
+			if err := g.dev.CopyHtoD(t.dev[p], b); err != nil {
+				return err
+			}
+		}
+		if t.grad, err = g.dev.Alloc(t.nb); err != nil {
+			return err
+		}
+	}
+	start, err := g.dev.NewEvent(cuda.EventTiming)
+	if err != nil {
+		return err
+	}
+	end, err := g.dev.NewEvent(cuda.EventTiming)
+	if err != nil {
+		return err
+	}
+	var kernelMs []float32
+	for step := 0; step < sp.Steps; step++ {
+		items := make([]cuda.Tensor, len(ts))
+		for i, t := range ts {
+			gb, err := readExact(filepath.Join(dir, fmt.Sprintf("t%d_g%d.bin", i, step)), t.nb)
+			if err != nil {
+				return err
+			}
+			if err := g.dev.CopyHtoD(t.grad, gb); err != nil {
+				return err
+			}
+			sc := sp.Scalars[step][i].scalars()
+			items[i] = cuda.Tensor{Param: t.dev["p"], Grad: t.grad, ExpAvg: t.dev["m"], ExpAvgSq: t.dev["v"],
+				MaxExpAvgSq: t.dev["vmax"], Numel: sp.Tensors[i].Numel, Scalars: sc}
+			if err := cuda.RefStep(dt, t.host["p"], gb, t.host["m"], t.host["v"], t.host["vmax"], sc); err != nil {
+				return err
+			}
+		}
+		if err := start.Record(s); err != nil {
+			return err
+		}
+		if err := g.k.AdamW(s, dt, items); err != nil {
+			return err
+		}
+		if err := end.Record(s); err != nil {
+			return err
+		}
+		if err := s.Sync(); err != nil {
+			return err
+		}
+		ms, err := end.Elapsed(start)
+		if err != nil {
+			return err
+		}
+		kernelMs = append(kernelMs, ms)
+	}
+	for i, t := range ts {
+		for p, dp := range t.dev {
+			out := make([]byte, t.nb)
+			if err := g.dev.CopyDtoH(out, dp); err != nil {
+				return err
+			}
+			if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("t%d_%s.gpu.bin", i, p)), out, 0o644); err != nil {
+				return err
+			}
+			if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("t%d_%s.ref.bin", i, p)), t.host[p], 0o644); err != nil {
+				return err
+			}
+		}
+	}
+	return printJSON(map[string]any{"ok": true, "dtype": dt.String(), "tensors": len(ts), "steps": sp.Steps,
+		"kernel_ms": kernelMs, "arch": g.k.Arch})
+}
+
+// bench times the AdamW kernel on device buffers of numel elements, split in
+// tensors tensors (launches of one batch), and reports bytes moved per second.
+func bench(args []string) error {
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	dtName := fs.String("dtype", "bfloat16", "float32 or bfloat16")
+	numel := fs.Int64("numel", 1<<28, "elements in all")
+	tensors := fs.Int("tensors", 2, "tensors the elements are split into")
+	iters := fs.Int("iters", 20, "timed launches")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	dt, err := optimizer.ParseDType(*dtName)
+	if err != nil {
+		return err
+	}
+	g, err := openGPU()
+	if err != nil {
+		return err
+	}
+	defer g.close()
+	s, err := g.dev.NewStream()
+	if err != nil {
+		return err
+	}
+	defer s.Destroy()
+	per := *numel / int64(*tensors)
+	nb := per * int64(dt.Size())
+	sc := optimizer.ScalarsFor(optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}, 1)
+	var items []cuda.Tensor
+	var bufs []cuda.DevicePtr
+	defer func() {
+		for _, b := range bufs {
+			_ = g.dev.Free(b)
+		}
+	}()
+	for i := 0; i < *tensors; i++ {
+		var p [4]cuda.DevicePtr
+		for j := range p {
+			if p[j], err = g.dev.Alloc(nb); err != nil {
+				return err
+			}
+			bufs = append(bufs, p[j])
+			if err := s.Zero(p[j], nb); err != nil {
+				return err
+			}
+		}
+		items = append(items, cuda.Tensor{Param: p[0], Grad: p[1], ExpAvg: p[2], ExpAvgSq: p[3], Numel: per, Scalars: sc})
+	}
+	start, _ := g.dev.NewEvent(cuda.EventTiming)
+	end, _ := g.dev.NewEvent(cuda.EventTiming)
+	if err := g.k.AdamW(s, dt, items); err != nil { // warm-up
+		return err
+	}
+	t0 := time.Now()
+	if err := start.Record(s); err != nil {
+		return err
+	}
+	for i := 0; i < *iters; i++ {
+		if err := g.k.AdamW(s, dt, items); err != nil {
+			return err
+		}
+	}
+	if err := end.Record(s); err != nil {
+		return err
+	}
+	if err := end.Sync(); err != nil {
+		return err
+	}
+	ms, err := end.Elapsed(start)
+	if err != nil {
+		return err
+	}
+	perLaunch := float64(ms) / float64(*iters)
+	moved := float64(per*int64(*tensors)) * float64(7*dt.Size()) // read p g m v, write p m v
+	return printJSON(map[string]any{"dtype": dt.String(), "numel": per * int64(*tensors), "tensors": *tensors,
+		"ms_per_step": perLaunch, "gbytes_per_s": moved / perLaunch / 1e6, "host_ms": time.Since(t0).Seconds() * 1e3 / float64(*iters)})
+}

@@ -1,0 +1,99 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/sonar-moe/sonar/cuda"
+)
+
+func writeSpec(t *testing.T, sp any) string {
+	t.Helper()
+	dir := t.TempDir()
+	b, err := json.Marshal(sp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "spec.json"), b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+func TestReadSpec(t *testing.T) {
+	sc := ScalarsJSON{Decay: 0.99999, ApplyDecay: true, Beta1W: 0.1, Beta2: 0.999, OneMinusB2: 0.001,
+		NegStepSize: -0.001, BC2Sqrt: 0.0316, Eps: 1e-8}
+	ams := sc
+	ams.Amsgrad = true
+	tests := []struct {
+		name string
+		spec Spec
+		err  string
+	}{
+		{"good", Spec{DType: "bfloat16", Steps: 2, Tensors: []SpecTensor{{Numel: 5}, {Numel: 7, Amsgrad: true}},
+			Scalars: [][]ScalarsJSON{{sc, ams}, {sc, ams}}}, ""},
+		{"bad dtype", Spec{DType: "float16", Steps: 1, Tensors: []SpecTensor{{Numel: 5}}, Scalars: [][]ScalarsJSON{{sc}}}, "unsupported dtype"},
+		{"steps and scalars disagree", Spec{DType: "float32", Steps: 2, Tensors: []SpecTensor{{Numel: 5}}, Scalars: [][]ScalarsJSON{{sc}}}, "2 steps, 1 scalar sets"},
+		{"scalars per tensor", Spec{DType: "float32", Steps: 1, Tensors: []SpecTensor{{Numel: 5}, {Numel: 1}}, Scalars: [][]ScalarsJSON{{sc}}}, "scalars for 1 of 2"},
+		{"amsgrad mismatch", Spec{DType: "float32", Steps: 1, Tensors: []SpecTensor{{Numel: 5}}, Scalars: [][]ScalarsJSON{{ams}}}, "amsgrad differs"},
+		{"zero numel", Spec{DType: "float32", Steps: 1, Tensors: []SpecTensor{{Numel: 0}}, Scalars: [][]ScalarsJSON{{sc}}}, "numel 0"},
+		{"no tensors", Spec{DType: "float32", Steps: 1, Scalars: [][]ScalarsJSON{{}}}, "0 tensors"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, dt, err := readSpec(writeSpec(t, tc.spec))
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("err = %v, want %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil || dt.String() != "bfloat16" {
+				t.Fatalf("readSpec: %v %v", dt, err)
+			}
+		})
+	}
+	if _, _, err := readSpec(t.TempDir()); err == nil {
+		t.Error("missing spec.json accepted")
+	}
+}
+
+func TestScalarsJSONNames(t *testing.T) {
+	// The JSON names are the protocol's (docs/protocol.md), so the Python side
+	// can send the same dict it sends to sonard.
+	var s ScalarsJSON
+	in := `{"decay":0.5,"apply_decay":true,"beta1_w":0.1,"beta2":0.9,"one_minus_beta2":0.1,"neg_step_size":-1e-3,"bc2_sqrt":0.3,"eps":1e-8,"amsgrad":true,"maximize":true}`
+	if err := json.Unmarshal([]byte(in), &s); err != nil {
+		t.Fatal(err)
+	}
+	o := s.scalars()
+	if o.Decay != 0.5 || !o.ApplyDecay || o.Beta1W != 0.1 || o.Beta2 != 0.9 || o.OneMinusB2 != 0.1 || o.NegStepSize != -1e-3 ||
+		o.BC2Sqrt != 0.3 || o.Eps != 1e-8 || !o.Amsgrad || !o.Maximize {
+		t.Errorf("scalars %+v", o)
+	}
+}
+
+// TestWithoutGPU: every GPU mode fails cleanly, naming the missing driver.
+func TestWithoutGPU(t *testing.T) {
+	if _, err := cuda.Open(); err == nil {
+		t.Skip("this machine has a CUDA driver")
+	}
+	var out bytes.Buffer
+	for name, run := range map[string]func() error{
+		"info":  info,
+		"serve": func() error { return serve(strings.NewReader(`{"op":"quit"}`), &out) },
+		"files": func() error {
+			return files(writeSpec(t, Spec{DType: "float32", Steps: 1, Tensors: []SpecTensor{{Numel: 1}}, Scalars: [][]ScalarsJSON{{{}}}}))
+		},
+		"bench": func() error { return bench([]string{"-numel", "8"}) },
+	} {
+		if err := run(); !errors.Is(err, cuda.ErrNoDriver) {
+			t.Errorf("%s: err = %v, want ErrNoDriver", name, err)
+		}
+	}
+}

@@ -1,0 +1,255 @@
+package cuda
+
+import (
+	_ "embed"
+	"encoding/binary"
+	"fmt"
+	"math"
+
+	"github.com/sonar-moe/sonar/optimizer"
+)
+
+//go:embed kernels/adamw.cu
+var adamwSource string
+
+// KernelSource is the CUDA C source of the AdamW kernels (kernels/adamw.cu).
+func KernelSource() string { return adamwSource }
+
+// Kernel names in kernels/adamw.cu.
+var kernelNames = []string{"sonar_adamw_f32", "sonar_adamw_bf16", "sonar_add_f32", "sonar_add_bf16"}
+
+// The batch layout of kernels/adamw.cu (SonarTensor, SonarBatch). A test
+// compiles the source's layout block with the host C compiler and checks
+// these numbers.
+const (
+	MaxBatchTensors = 44    // SONAR_MAX_TENSORS
+	ChunkElems      = 65536 // SONAR_CHUNK
+	threadsPerBlock = 256   // SONAR_THREADS
+
+	tensorDescSize  = 88 // sizeof(SonarTensor)
+	offParam        = 0
+	offGrad         = 8
+	offExpAvg       = 16
+	offExpAvgSq     = 24
+	offMaxExpAvgSq  = 32
+	offNumel        = 40
+	offFirstChunk   = 48
+	offDecay        = 56
+	offBeta1W       = 60
+	offBeta2        = 64
+	offOneMinusB2   = 68
+	offNegStepSize  = 72
+	offBC2Sqrt      = 76
+	offEps          = 80
+	offFlags        = 84
+	batchOffN       = MaxBatchTensors * tensorDescSize // offsetof(SonarBatch, n)
+	batchOffTotal   = batchOffN + 8                    // offsetof(SonarBatch, total_chunks)
+	batchSize       = batchOffTotal + 8                // sizeof(SonarBatch)
+	flagDecay       = 1
+	flagAmsgrad     = 2
+	flagMaximize    = 4
+	maxKernelParams = 4096 // the kernel parameter limit of every CUDA version
+)
+
+// CompileOptions are the NVRTC options for the kernels: PTX for the virtual
+// architecture compute_<arch>, and IEEE float32 arithmetic throughout (no
+// contraction into FMAs, no flush of subnormals, correctly rounded division
+// and square root), as torch's kernels are built.
+func CompileOptions(arch int) []string {
+	return []string{
+		fmt.Sprintf("--gpu-architecture=compute_%d", arch),
+		"--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true",
+	}
+}
+
+// CompileKernels compiles the embedded source to PTX for compute_<arch>.
+func CompileKernels(nv *NVRTC, arch int) ([]byte, error) {
+	ptx, err := nv.Compile(adamwSource, "adamw.cu", CompileOptions(arch))
+	if err != nil {
+		return nil, fmt.Errorf("compiling the AdamW kernels for compute_%d: %w", arch, err)
+	}
+	return ptx, nil
+}
+
+// Tensor is one tensor of an AdamW batch: device pointers (Param, ExpAvg,
+// ExpAvgSq and, with amsgrad, MaxExpAvgSq updated in place; Grad read) and
+// the step's scalars, computed by the client as torch does.
+type Tensor struct {
+	Param, Grad, ExpAvg, ExpAvgSq, MaxExpAvgSq DevicePtr
+	Numel                                      int64
+	Scalars                                    optimizer.Scalars
+}
+
+// AddItem is one tensor of an accumulation batch: Dst += Src.
+type AddItem struct {
+	Dst, Src DevicePtr
+	Numel    int64
+}
+
+// PackBatch lays out up to MaxBatchTensors tensors as the kernels' SonarBatch
+// parameter and returns it with the number of chunks it covers.
+func PackBatch(items []Tensor) ([]byte, uint64, error) {
+	if len(items) == 0 || len(items) > MaxBatchTensors {
+		return nil, 0, fmt.Errorf("cuda: batch of %d tensors (1..%d)", len(items), MaxBatchTensors)
+	}
+	b := make([]byte, batchSize)
+	le := binary.LittleEndian
+	var chunks uint64
+	for i, it := range items {
+		if it.Numel <= 0 {
+			return nil, 0, fmt.Errorf("cuda: tensor %d: numel %d", i, it.Numel)
+		}
+		if it.Param == 0 || it.Grad == 0 || it.ExpAvg == 0 || it.ExpAvgSq == 0 {
+			return nil, 0, fmt.Errorf("cuda: tensor %d: null device pointer", i)
+		}
+		if it.Scalars.Amsgrad && it.MaxExpAvgSq == 0 {
+			return nil, 0, fmt.Errorf("cuda: tensor %d: amsgrad without max_exp_avg_sq", i)
+		}
+		d := b[i*tensorDescSize : (i+1)*tensorDescSize]
+		sc := it.Scalars
+		le.PutUint64(d[offParam:], uint64(it.Param))
+		le.PutUint64(d[offGrad:], uint64(it.Grad))
+		le.PutUint64(d[offExpAvg:], uint64(it.ExpAvg))
+		le.PutUint64(d[offExpAvgSq:], uint64(it.ExpAvgSq))
+		if sc.Amsgrad {
+			le.PutUint64(d[offMaxExpAvgSq:], uint64(it.MaxExpAvgSq))
+		}
+		le.PutUint64(d[offNumel:], uint64(it.Numel))
+		le.PutUint64(d[offFirstChunk:], chunks)
+		for _, f := range []struct {
+			off int
+			v   float64
+		}{{offDecay, sc.Decay}, {offBeta1W, sc.Beta1W}, {offBeta2, sc.Beta2}, {offOneMinusB2, sc.OneMinusB2},
+			{offNegStepSize, sc.NegStepSize}, {offBC2Sqrt, sc.BC2Sqrt}, {offEps, sc.Eps}} {
+			// Python float -> opmath float: round to nearest, as c10::Scalar::to<float>.
+			le.PutUint32(d[f.off:], math.Float32bits(float32(f.v)))
+		}
+		le.PutUint32(d[offFlags:], scalarFlags(sc))
+		chunks += uint64((it.Numel + ChunkElems - 1) / ChunkElems)
+	}
+	le.PutUint32(b[batchOffN:], uint32(len(items)))
+	le.PutUint64(b[batchOffTotal:], chunks)
+	return b, chunks, nil
+}
+
+func scalarFlags(sc optimizer.Scalars) uint32 {
+	var f uint32
+	if sc.ApplyDecay {
+		f |= flagDecay
+	}
+	if sc.Amsgrad {
+		f |= flagAmsgrad
+	}
+	if sc.Maximize {
+		f |= flagMaximize
+	}
+	return f
+}
+
+// packAdd lays out an accumulation batch (Dst as param, Src as grad).
+func packAdd(items []AddItem) ([]byte, uint64, error) {
+	ts := make([]Tensor, len(items))
+	for i, it := range items {
+		ts[i] = Tensor{Param: it.Dst, Grad: it.Src, ExpAvg: it.Dst, ExpAvgSq: it.Dst, Numel: it.Numel}
+	}
+	return PackBatch(ts)
+}
+
+// gridFor is the number of blocks for a batch of chunks: enough to fill the
+// device several times over, never more than there are chunks.
+func gridFor(chunks uint64, sms int) uint32 {
+	limit := uint64(max(sms, 1)) * 8
+	return uint32(min(chunks, limit))
+}
+
+// Kernels are the AdamW kernels loaded on one device.
+type Kernels struct {
+	dv   *Device
+	mod  *Module
+	fn   map[string]*Function
+	Arch int    // the compute_<Arch> the PTX was built for
+	PTX  []byte // as compiled (NUL-terminated)
+}
+
+// LoadKernels compiles the kernels with NVRTC for dv's compute capability
+// (or the newest architecture below it that NVRTC knows) and loads them.
+func LoadKernels(dv *Device, nv *NVRTC) (*Kernels, error) {
+	arch, err := nv.PickArch(dv.Major, dv.Minor)
+	if err != nil {
+		return nil, fmt.Errorf("loading kernels on %s: %w", dv.Name, err)
+	}
+	ptx, err := CompileKernels(nv, arch)
+	if err != nil {
+		return nil, err
+	}
+	mod, err := dv.LoadModule(ptx)
+	if err != nil {
+		return nil, fmt.Errorf("loading kernels on %s: %w", dv.Name, err)
+	}
+	k := &Kernels{dv: dv, mod: mod, fn: map[string]*Function{}, Arch: arch, PTX: ptx}
+	for _, n := range kernelNames {
+		f, err := mod.Function(n)
+		if err != nil {
+			_ = mod.Unload()
+			return nil, err
+		}
+		k.fn[n] = f
+	}
+	return k, nil
+}
+
+// Close unloads the kernels.
+func (k *Kernels) Close() error { return k.mod.Unload() }
+
+func kernelFor(prefix string, dt optimizer.DType) (string, error) {
+	switch dt {
+	case optimizer.Float32:
+		return prefix + "_f32", nil
+	case optimizer.BFloat16:
+		return prefix + "_bf16", nil
+	}
+	return "", fmt.Errorf("cuda: dtype %v not supported", dt)
+}
+
+// AdamW queues one AdamW step of every tensor on s: one launch per
+// MaxBatchTensors tensors. The host does not wait; record an event to know
+// when the update is done.
+func (k *Kernels) AdamW(s *Stream, dt optimizer.DType, items []Tensor) error {
+	name, err := kernelFor("sonar_adamw", dt)
+	if err != nil {
+		return err
+	}
+	for len(items) > 0 {
+		n := min(len(items), MaxBatchTensors)
+		batch, chunks, err := PackBatch(items[:n])
+		if err != nil {
+			return err
+		}
+		if err := k.fn[name].Launch(s, Dim3{X: gridFor(chunks, k.dv.SMs)}, Dim3{X: threadsPerBlock}, 0, NewArgs().Bytes(batch)); err != nil {
+			return err
+		}
+		items = items[n:]
+	}
+	return nil
+}
+
+// Accumulate queues Dst += Src (in the dtype, as autograd accumulates .grad)
+// for every item on s.
+func (k *Kernels) Accumulate(s *Stream, dt optimizer.DType, items []AddItem) error {
+	name, err := kernelFor("sonar_add", dt)
+	if err != nil {
+		return err
+	}
+	for len(items) > 0 {
+		n := min(len(items), MaxBatchTensors)
+		batch, chunks, err := packAdd(items[:n])
+		if err != nil {
+			return err
+		}
+		if err := k.fn[name].Launch(s, Dim3{X: gridFor(chunks, k.dv.SMs)}, Dim3{X: threadsPerBlock}, 0, NewArgs().Bytes(batch)); err != nil {
+			return err
+		}
+		items = items[n:]
+	}
+	return nil
+}

@@ -1,0 +1,241 @@
+// Sonar-MoE AdamW kernels, compiled at run time by NVRTC (cuda/kernels.go).
+//
+// One launch updates a batch of tensors (multi-tensor, as torch's foreach
+// kernels do): the kernel parameter is a SonarBatch of up to
+// SONAR_MAX_TENSORS tensor descriptors, each with its own device pointers
+// and per-step scalars. Tensors are cut into chunks of SONAR_CHUNK elements;
+// blocks walk the chunks of all tensors with a grid-stride loop.
+//
+// Arithmetic: element for element what torch.optim.AdamW does on CUDA by
+// default (torch/optim/adam.py, _multi_tensor_adam, decoupled weight decay),
+// one foreach op after the other, each computed in float32 ("opmath") and
+// rounded to the tensor's dtype:
+//
+//   _foreach_mul_(params, 1 - lr*wd)                 p = R(p * decay)
+//   _foreach_lerp_(exp_avgs, grads, 1 - beta1)        m = R(lerp(m, g, w))
+//   _foreach_mul_(exp_avg_sqs, beta2)                 v = R(v * beta2)
+//   _foreach_addcmul_(exp_avg_sqs, g, g, 1 - beta2)   v = R(fma(1-beta2, g*g, v))
+//   [amsgrad] _foreach_maximum_(max_exp_avg_sqs, v)   vmax = maximum(vmax, v)
+//   _foreach_sqrt(exp_avg_sqs)                        d = R(sqrt(v))
+//   _foreach_div_(d, bias_correction2_sqrt)           d = R(d / bc2_sqrt)
+//   _foreach_add_(d, eps)                             d = R(d + eps)
+//   _foreach_addcdiv_(params, exp_avgs, d, -step)     p = R(fma(-step, m / d, p))
+//
+// where lerp is ATen's (|w| < 0.5 ? fma(w, g - m, m) : fma(-(g - m), 1 - w, g)),
+// addcmul/addcdiv are ATen's pointwise_op_impl (value == 1: fma(g, g, v) and
+// p + m/d), the scalars are the Python floats rounded to float32, and R is
+// the identity for float32 and round-to-nearest-even to bfloat16. Every
+// operation is written with an explicit IEEE intrinsic (the _rn forms are
+// never contracted) and the module is compiled with --fmad=false, so what is
+// fused and what is rounded is exactly what this file says. docs/gpu.md
+// lists which of these facts were read from torch's sources and which are
+// only confirmed by the GPU check.
+
+// BEGIN LAYOUT (kept in sync with cuda/adamw.go; a test compiles this block
+// with the host C compiler and compares offsetof/sizeof)
+#define SONAR_MAX_TENSORS 44
+#define SONAR_CHUNK 65536
+#define SONAR_FLAG_DECAY 1u
+#define SONAR_FLAG_AMSGRAD 2u
+#define SONAR_FLAG_MAXIMIZE 4u
+
+typedef struct {
+  unsigned long long param;          // in/out; sonar_add_*: the accumulation buffer
+  unsigned long long grad;           // in;     sonar_add_*: the gradient added
+  unsigned long long exp_avg;        // in/out
+  unsigned long long exp_avg_sq;     // in/out
+  unsigned long long max_exp_avg_sq; // in/out, amsgrad only (else 0)
+  long long numel;
+  unsigned long long first_chunk;    // chunks of the tensors before this one
+  float decay;                       // 1 - lr*weight_decay
+  float beta1_w;                     // 1 - beta1 (lerp weight)
+  float beta2;
+  float one_minus_beta2;             // addcmul value
+  float neg_step_size;               // -lr / (1 - beta1**step) (addcdiv value)
+  float bc2_sqrt;                    // (1 - beta2**step) ** 0.5
+  float eps;
+  unsigned int flags;                // SONAR_FLAG_*
+} SonarTensor;
+
+typedef struct {
+  SonarTensor t[SONAR_MAX_TENSORS];
+  unsigned int n;                    // tensors in t
+  unsigned int reserved;
+  unsigned long long total_chunks;   // chunks of all n tensors
+} SonarBatch;
+// END LAYOUT
+
+// BEGIN MATH (also compiled for the host by a test, with fmaf/sqrtf)
+#if defined(__CUDACC__)
+#define SONAR_HD __device__ __forceinline__
+#define S_ADD(a, b) __fadd_rn((a), (b))
+#define S_SUB(a, b) __fsub_rn((a), (b))
+#define S_MUL(a, b) __fmul_rn((a), (b))
+#define S_DIV(a, b) __fdiv_rn((a), (b))
+#define S_FMA(a, b, c) __fmaf_rn((a), (b), (c))
+#define S_SQRT(a) __fsqrt_rn(a)
+#define S_ABS(a) fabsf(a)
+SONAR_HD unsigned int sonar_f2u(float f) { return __float_as_uint(f); }
+SONAR_HD float sonar_u2f(unsigned int u) { return __uint_as_float(u); }
+#else
+#define SONAR_HD inline
+#define S_ADD(a, b) ((float)((a) + (b)))
+#define S_SUB(a, b) ((float)((a) - (b)))
+#define S_MUL(a, b) ((float)((a) * (b)))
+#define S_DIV(a, b) ((float)((a) / (b)))
+#define S_FMA(a, b, c) fmaf((a), (b), (c))
+#define S_SQRT(a) sqrtf(a)
+#define S_ABS(a) fabsf(a)
+SONAR_HD unsigned int sonar_f2u(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
+SONAR_HD float sonar_u2f(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+#endif
+
+SONAR_HD float sonar_bf16_to_f32(unsigned short h) { return sonar_u2f(((unsigned int)h) << 16); }
+
+// c10::BFloat16(float): on sm_80 and newer __float2bfloat16, i.e.
+// cvt.rn.bf16.f32 (NaN becomes 0x7FFF); elsewhere round-to-nearest-even in
+// integer arithmetic with NaN as 0x7FC0.
+SONAR_HD unsigned short sonar_f32_to_bf16(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned short r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+#else
+  unsigned int u = sonar_f2u(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
+  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
+}
+
+// Storage types: how a value of the tensor's dtype becomes float and back.
+struct SonarF32 {
+  typedef float T;
+  static SONAR_HD float get(T x) { return x; }
+  static SONAR_HD T put(float x) { return x; }
+};
+struct SonarBF16 {
+  typedef unsigned short T;
+  static SONAR_HD float get(T x) { return sonar_bf16_to_f32(x); }
+  static SONAR_HD T put(float x) { return sonar_f32_to_bf16(x); }
+};
+
+// One element's AdamW step. p, m, v, vmax hold the stored values (as float)
+// and receive the new ones; g is the stored gradient. Each R(.) below is a
+// foreach op's final rounding to the storage type.
+template <class S>
+SONAR_HD void sonar_adamw_element(float& p, float g, float& m, float& v, float& vmax, const SonarTensor& t) {
+#define R(x) S::get(S::put(x))
+  if (t.flags & SONAR_FLAG_MAXIMIZE) g = -g;  // _foreach_neg: exact
+  if (t.flags & SONAR_FLAG_DECAY) p = R(S_MUL(p, t.decay));
+  {  // _foreach_lerp_(exp_avgs, grads, weight): ATen's lerp
+    const float w = t.beta1_w;
+    const float d = S_SUB(g, m);
+    m = R(S_ABS(w) < 0.5f ? S_FMA(w, d, m) : S_FMA(-d, S_SUB(1.0f, w), g));
+  }
+  v = R(S_MUL(v, t.beta2));
+  {  // _foreach_addcmul_: pointwise_op_impl(v, g, g, value, multiplies)
+    const float a = t.one_minus_beta2;
+    v = R(a == 1.0f ? S_FMA(g, g, v) : S_FMA(a, S_MUL(g, g), v));
+  }
+  float src = v;
+  if (t.flags & SONAR_FLAG_AMSGRAD) {  // ATen's foreach maximum: NaN wins
+    vmax = (vmax != vmax || vmax > v) ? vmax : v;
+    src = vmax;
+  }
+  float d = R(S_SQRT(src));
+  d = R(S_DIV(d, t.bc2_sqrt));
+  d = R(S_ADD(d, t.eps));
+  {  // _foreach_addcdiv_: pointwise_op_impl(p, m, d, value, divides)
+    const float q = S_DIV(m, d);
+    const float a = t.neg_step_size;
+    p = R(a == 1.0f ? S_ADD(p, q) : S_FMA(a, q, p));
+  }
+#undef R
+}
+
+// Gradient accumulation, as autograd's `grad += new_grad` (add with alpha 1).
+template <class S>
+SONAR_HD float sonar_add_element(float acc, float g) {
+  return S::get(S::put(S_ADD(acc, g)));
+}
+// END MATH
+
+#if defined(__CUDACC__)
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+// The batch is read with a computed index: __grid_constant__ keeps it in the
+// parameter space instead of copying 4 KB to each thread's local memory.
+#define SONAR_BATCH const __grid_constant__ SonarBatch
+#else
+#define SONAR_BATCH const SonarBatch
+#endif
+
+#define SONAR_THREADS 256
+
+// The tensor that chunk c belongs to: the last with first_chunk <= c.
+__device__ __forceinline__ unsigned int sonar_find(const SonarBatch& b, unsigned long long c) {
+  unsigned int i = 0;
+  while (i + 1 < b.n && b.t[i + 1].first_chunk <= c) i++;
+  return i;
+}
+
+template <class S>
+__device__ __forceinline__ void sonar_adamw_at(const SonarTensor& t, typename S::T* P, const typename S::T* G,
+                                               typename S::T* M, typename S::T* V, typename S::T* VM,
+                                               long long j) {
+  float p = S::get(P[j]), m = S::get(M[j]), v = S::get(V[j]);
+  float vmax = VM ? S::get(VM[j]) : 0.0f;
+  sonar_adamw_element<S>(p, S::get(G[j]), m, v, vmax, t);
+  P[j] = S::put(p);
+  M[j] = S::put(m);
+  V[j] = S::put(v);
+  if (VM) VM[j] = S::put(vmax);
+}
+
+template <class S>
+__device__ __forceinline__ void sonar_adamw_batch(const SonarBatch& b) {
+  typedef typename S::T T;
+  for (unsigned long long c = blockIdx.x; c < b.total_chunks; c += gridDim.x) {
+    const SonarTensor& t = b.t[sonar_find(b, c)];
+    T* P = (T*)t.param;
+    const T* G = (const T*)t.grad;
+    T* M = (T*)t.exp_avg;
+    T* V = (T*)t.exp_avg_sq;
+    T* VM = (t.flags & SONAR_FLAG_AMSGRAD) ? (T*)t.max_exp_avg_sq : (T*)0;
+    const long long lo = (long long)(c - t.first_chunk) * SONAR_CHUNK;
+    const long long hi = min(lo + (long long)SONAR_CHUNK, t.numel);
+    for (long long j = lo + threadIdx.x; j < hi; j += SONAR_THREADS) {
+      sonar_adamw_at<S>(t, P, G, M, V, VM, j);
+    }
+  }
+}
+
+template <class S>
+__device__ __forceinline__ void sonar_add_batch(const SonarBatch& b) {
+  typedef typename S::T T;
+  for (unsigned long long c = blockIdx.x; c < b.total_chunks; c += gridDim.x) {
+    const SonarTensor& t = b.t[sonar_find(b, c)];
+    T* A = (T*)t.param;
+    const T* G = (const T*)t.grad;
+    const long long lo = (long long)(c - t.first_chunk) * SONAR_CHUNK;
+    const long long hi = min(lo + (long long)SONAR_CHUNK, t.numel);
+    for (long long j = lo + threadIdx.x; j < hi; j += SONAR_THREADS) {
+      A[j] = S::put(sonar_add_element<S>(S::get(A[j]), S::get(G[j])));
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_adamw_f32(SONAR_BATCH b) {
+  sonar_adamw_batch<SonarF32>(b);
+}
+extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_adamw_bf16(SONAR_BATCH b) {
+  sonar_adamw_batch<SonarBF16>(b);
+}
+extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_add_f32(SONAR_BATCH b) {
+  sonar_add_batch<SonarF32>(b);
+}
+extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_add_bf16(SONAR_BATCH b) {
+  sonar_add_batch<SonarBF16>(b);
+}
+
+#endif  // __CUDACC__
