@@ -194,6 +194,22 @@ class Connection:
     def close(self) -> None:
         self._sock.close(linger=0)
 
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """End the session: a private server is told to shut down, waited for and its run
+        directory (socket, log) removed; a shared server is told goodbye. Closes the socket."""
+        try:
+            self.call("shutdown" if self.process is not None else "bye", {}, timeout=timeout)
+        finally:
+            if self.process is not None:
+                try:
+                    self.process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
+                if self.log_path:
+                    shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
+            self.close()
+
 
 VML_HA_MODE = 0x2 | 0x140000 | 0x100  # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, as ATen calls MKL
 

@@ -100,6 +100,7 @@ class SonarAdamW(torch.optim.Optimizer):
         nonfinite: str = "propagate",
         timeout: float = 10.0,
         ring_layers: int = 1,
+        namespace: str | None = None,
     ) -> None:
         named = list(model.named_parameters()) if isinstance(model, nn.Module) else list(model)
         seen: set[int] = set()
@@ -150,6 +151,10 @@ class SonarAdamW(torch.optim.Optimizer):
         # the dense step is skipped when any dense gradient is not finite.
         self.nonfinite = nonfinite
         self.grad_accumulation_steps = grad_accumulation_steps
+        # namespace: a label for this client (e.g. "rank3" when several ranks share one sonard),
+        # sent in hello (servers ignore keys they do not know), shown in logs and stats().
+        # Isolation itself needs no label: tensors and segments belong to the connection.
+        self.namespace = namespace
         self.last_dense_grad_norm: torch.Tensor | None = None
         self._timeout = timeout
         self._errors: list[str] = []
@@ -178,12 +183,15 @@ class SonarAdamW(torch.optim.Optimizer):
     def _start(self, server: str | None, ring_layers: int) -> None:
         self._conn = start_private_server(self._timeout) if server is None else Connection(server, self._timeout)
         self._finalizer = weakref.finalize(self, _shutdown, self._conn)
-        rep = self._conn.call("hello", {
+        hello = {
             "client": "sonar_moe", "pid": os.getpid(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "capability": torch.backends.cpu.get_cpu_capability(),
-        }, timeout=max(self._timeout, 10.0))
-        log.info("connected to sonard %s (protocol %s, pid %s, sqrt %s)", rep.get("server"), rep.get("protocol"),
-                 rep.get("pid"), rep.get("sqrt"))
+        }
+        if self.namespace is not None:
+            hello["namespace"] = str(self.namespace)
+        rep = self._conn.call("hello", hello, timeout=max(self._timeout, 10.0))
+        log.info("connected to sonard %s (protocol %s, pid %s, sqrt %s, namespace %s)", rep.get("server"),
+                 rep.get("protocol"), rep.get("pid"), rep.get("sqrt"), self.namespace)
         self._check_sqrt(str(rep.get("sqrt", "")))
         experts = list(self._experts.values())
         # Parameters move into one shared segment for good, each at a page boundary.
@@ -259,18 +267,48 @@ class SonarAdamW(torch.optim.Optimizer):
     # --------------------------------------------------------------- backward
     def _on_grad(self, p: torch.Tensor) -> None:
         """post-accumulate-grad hook: copy the gradient into a slot, free it, send the layer."""
-        grad = p.grad
-        if grad is None or self._conn is None or self._ring is None:
+        if p.grad is None or self._conn is None or self._ring is None:
             return
+        self._hand_over(p, p.grad, owned=True)  # no local reference: _hand_over frees it
+
+    def remove_grad_hooks(self) -> None:
+        """Stop taking expert gradients from the post-accumulate-grad hooks.
+
+        For callers that produce the final gradient elsewhere (e.g. after a data-parallel
+        all-reduce, see ``sonar_moe.distributed``) and pass it to :meth:`hand_over_grad`.
+        """
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def hand_over_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Apply ``grad`` as this step's gradient of expert tensor ``param`` (one micro-batch).
+
+        As the post-accumulate-grad hook does, but with a gradient the caller owns: it is
+        copied into a slot of the ring and sent; ``grad`` and ``param.grad`` are left alone
+        (the caller frees them). Exactly the update the hook would make for ``param.grad = grad``.
+        """
+        e = self._experts.get(id(param))
+        if e is None:
+            raise ValueError("hand_over_grad: not an expert parameter of this optimizer")
+        if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
+            raise ValueError(f"hand_over_grad: gradient {tuple(grad.shape)} {grad.dtype} {grad.device} does not "
+                             f"match {e.name} {tuple(param.shape)} {param.dtype} {param.device}")
+        self._hand_over(param, grad, owned=False)
+
+    def _hand_over(self, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
+        """Copy one expert gradient into a slot and send it. owned: grad is p.grad, freed here."""
+        assert self._conn is not None and self._ring is not None
         if self._closed:
             raise SonarError("SonarAdamW is closed")
         e = self._experts[id(p)]
         if self.nonfinite == "skip" and not bool(torch.isfinite(grad).all()):
-            p.grad = None
+            if owned:
+                p.grad = None
             self._counts["skipped_nonfinite"] += 1
             log.warning("skipping the update of %s: its gradient is not finite", e.name)
             return
-        if self.max_expert_grad_norm is not None:
+        if self.max_expert_grad_norm is not None and owned:
             # Per-tensor clipping, exactly clip_grad_norm_([p], c): NOT global-norm clipping.
             torch.nn.utils.clip_grad_norm_([p], self.max_expert_grad_norm)
         nbytes = e.nbytes
@@ -278,9 +316,18 @@ class SonarAdamW(torch.optim.Optimizer):
         self._conn.poll(0)  # free the slots of finished requests
         off = self._alloc(nbytes)
         self._peak = max(self._peak, self._alive + self._ring.used)
+        slot = self._ring.segment.tensor(off, p.dtype, p.shape)
         with torch.no_grad():
-            self._ring.segment.tensor(off, p.dtype, p.shape).copy_(grad)
-        p.grad = None
+            slot.copy_(grad)
+        if owned:
+            p.grad = None
+        elif self.max_expert_grad_norm is not None:
+            # The caller's gradient stays untouched: clip the copy, as clip_grad_norm_([p], c) would.
+            saved, p.grad = p.grad, slot
+            try:
+                torch.nn.utils.clip_grad_norm_([p], self.max_expert_grad_norm)
+            finally:
+                p.grad = saved
         del grad
         self._alive -= nbytes
         e.micro += 1
@@ -483,6 +530,7 @@ class SonarAdamW(torch.optim.Optimizer):
         out: dict[str, Any] = {
             "peak_expert_grad_bytes": self._peak,
             "ring_bytes": self._ring.capacity if self._ring is not None else 0,
+            "namespace": self.namespace,
             "expert_tensors": len(self._experts),
             "dense_tensors": len(self._dense_params),
             **self._counts,
@@ -522,17 +570,8 @@ class SonarAdamW(torch.optim.Optimizer):
 
 
 def _shutdown(conn: Connection) -> None:
-    """Say goodbye (a private server shuts down) and close the socket."""
+    """Say goodbye (a private server shuts down) and close the socket; best effort at exit."""
     try:
-        op = "shutdown" if conn.process is not None else "bye"
-        conn.call(op, {}, timeout=5.0)
-    except Exception as e:  # noqa: BLE001 - best effort at exit
-        log.warning("sonard did not acknowledge %s: %s", "shutdown", e)
-    finally:
-        if conn.process is not None:
-            try:
-                conn.process.wait(timeout=10)
-            except Exception:  # noqa: BLE001
-                conn.process.kill()
-                conn.process.wait()
-        conn.close()
+        conn.shutdown()
+    except Exception as e:  # noqa: BLE001
+        log.warning("sonard did not acknowledge the goodbye: %s", e)

@@ -1,0 +1,264 @@
+"""SonarAdamW under torch.distributed: data parallel (DDP), expert parallel, one sonard per node.
+
+Three pieces, each usable alone (design and limits: ``docs/distributed.md``):
+
+* :func:`register_ddp_comm_hook` — DDP with experts *replicated*. A post-accumulate-grad hook
+  fires on the rank-local gradient, before DDP's all-reduce, so SonarAdamW's own hooks are
+  removed and the expert tensors are handed over from a DDP communication hook instead, with
+  the gradient averaged exactly as DDP's built-in reduction does. Bit-for-bit equal to DDP with
+  ``torch.optim.AdamW``.
+* :func:`ignore_experts_in_ddp` — expert parallel: every rank owns a shard of the experts, which
+  DDP must not touch (they are not replicated). SonarAdamW's own hooks are then exactly right:
+  the local gradient *is* the final gradient of a local expert.
+* :class:`NodeServer` — one ``sonard`` per node, started by the node's first rank and shared by
+  all its ranks, each rank in its own session (its own tensors and segments).
+
+Only ``gloo``/CPU tensors are supported today, as for SonarAdamW itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ._client import Connection, SonarError, start_private_server
+from ._detect import is_expert_param
+from .optimizer import SonarAdamW
+
+log = logging.getLogger("sonar_moe")
+
+__all__ = ["DDPExpertHook", "NodeServer", "ignore_experts_in_ddp", "register_ddp_comm_hook"]
+
+_engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- DDP
+class DDPExpertHook:
+    """State of the DDP communication hook that feeds averaged expert gradients to SonarAdamW.
+
+    Made by :func:`register_ddp_comm_hook`. For every gradient bucket the hook scales the
+    bucket by ``1/world_size`` and all-reduces it (sum), which is what DDP's built-in reduction
+    does. Expert slices of a bucket are handed to the optimizer on the training thread once
+    their all-reduce has finished: at a later bucket's hook when it is already done (so the
+    server updates layer L while autograd computes layer L-1), the rest at the end of backward.
+    After DDP has written the averaged gradients back into ``.grad``, the expert ``.grad`` are
+    set to ``None`` (they are applied).
+
+    With ``find_unused_parameters=True`` a bucket slot of a parameter that no rank used holds
+    zeros, while DDP leaves that parameter's ``.grad`` untouched and AdamW skips it; only DDP
+    knows which slots those are. In that mode the experts are handed over at the end of
+    backward from ``.grad`` itself, as ``torch.optim.AdamW`` would read it (``None``: no step).
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, opt: SonarAdamW) -> None:
+        self.ddp = ddp
+        self.opt = opt
+        self.process_group = ddp.process_group
+        self.world_size = dist.get_world_size(self.process_group)
+        # DDP's built-in reduction multiplies each gradient by (1.0 / world_size) while copying it
+        # into the bucket (at::mul_out with a double scalar); so do we, in place.
+        self.scale = 1.0 / self.world_size
+        self.after_reduce = bool(getattr(ddp, "find_unused_parameters", False))
+        ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+        expert_ids = {id(e.param) for e in opt._experts.values()}
+        self.experts: dict[int, nn.Parameter] = {}
+        skipped = []
+        for name, p in ddp.module.named_parameters():
+            if id(p) in expert_ids:
+                if name in ignored:
+                    skipped.append(name)
+                else:
+                    self.experts[id(p)] = p
+        if not self.experts:
+            raise ValueError("no expert tensor of this SonarAdamW is reduced by this DDP model: for experts that "
+                             "DDP ignores (expert parallel), keep SonarAdamW's own hooks and do not register this hook")
+        if skipped:
+            raise ValueError(f"DDP ignores some expert tensors ({skipped[:3]}...) but reduces others: mixing "
+                             "replicated and expert-parallel experts in one SonarAdamW is not supported")
+        if len(self.experts) != len(expert_ids):
+            raise ValueError("some expert tensors of this SonarAdamW are not parameters of the DDP model")
+        self._pending: list[tuple[torch.futures.Future[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]] = []
+        self._queued = False
+        self.counts = {"buckets": 0, "handed_in_hooks": 0, "handed_at_end": 0, "handed_after_reduce": 0}
+        # A backward that raised never ran our end-of-backward callback: start afresh at each forward.
+        ddp.register_forward_pre_hook(self._on_forward)
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        self._queued = False
+        self._pending = []
+
+    # Runs in the autograd engine (the training thread on CPU), once per bucket.
+    def _hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buf = bucket.buffer()
+        buf.mul_(self.scale)
+        fut = (dist.all_reduce(buf, group=self.process_group, async_op=True)
+               .get_future().then(lambda f: f.value()[0]))
+        self.counts["buckets"] += 1
+        if not self._queued:
+            self._queued = True
+            _engine.queue_callback(self._end_of_backward)  # runs before DDP's finalize (queued later)
+        if not self.after_reduce:
+            mine = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients()) if id(p) in self.experts]
+            if mine:
+                self._pending.append((fut, mine))
+            self._hand_over_done()
+        return fut
+
+    def _hand_over_done(self) -> None:
+        """Hand over the experts of buckets whose all-reduce has finished, never waiting."""
+        while self._pending and self._pending[0][0].done():
+            fut, mine = self._pending.pop(0)
+            fut.wait()  # raises if the all-reduce failed
+            for p, g in mine:
+                self.opt.hand_over_grad(p, g)
+                self.counts["handed_in_hooks"] += 1
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        pending, self._pending = self._pending, []
+        for fut, mine in pending:
+            fut.wait()
+            for p, g in mine:
+                self.opt.hand_over_grad(p, g)
+                self.counts["handed_at_end"] += 1
+        # DDP's finalize_backward (queued after us) copies the averaged buckets into .grad;
+        # a callback queued now runs after it.
+        _engine.queue_callback(self._after_reduce)
+
+    def _after_reduce(self) -> None:
+        for p in self.experts.values():
+            if p.grad is None:
+                continue
+            if self.after_reduce:
+                self.opt.hand_over_grad(p, p.grad)
+                self.counts["handed_after_reduce"] += 1
+            p.grad = None
+
+
+def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
+    # No annotations: DDP compares them with dist.GradBucket, and this module's are strings.
+    return state._hook(bucket)
+
+
+def register_ddp_comm_hook(ddp: DistributedDataParallel, opt: SonarAdamW) -> DDPExpertHook:
+    """Make SonarAdamW apply the *all-reduced* expert gradients of a DDP model.
+
+    Call once, after wrapping the model in DDP and building ``opt = SonarAdamW(ddp, ...)``
+    (before the first backward). Replaces DDP's default reduction with the same averaging
+    all-reduce and removes SonarAdamW's post-accumulate-grad hooks (they see the local gradient).
+    Use ``ddp.no_sync()`` for gradient accumulation; ``grad_accumulation_steps`` must be 1.
+    """
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"expected a DistributedDataParallel model, got {type(ddp).__name__}")
+    if not isinstance(opt, SonarAdamW):
+        raise TypeError(f"expected a SonarAdamW, got {type(opt).__name__}")
+    if opt.grad_accumulation_steps != 1:
+        raise ValueError("under DDP accumulate with ddp.no_sync() and grad_accumulation_steps=1: DDP averages "
+                         "the accumulated .grad once per sync step, and the reference does the same")
+    state = DDPExpertHook(ddp, opt)
+    opt.remove_grad_hooks()
+    ddp.register_comm_hook(state, _comm_hook)
+    return state
+
+
+# ------------------------------------------------------------- expert parallel
+def ignore_experts_in_ddp(module: nn.Module,
+                          expert_params: Callable[[str, torch.Tensor], bool] | None = None) -> list[str]:
+    """Tell DDP to leave this rank's expert shards alone (expert parallel); returns their names.
+
+    Call on the plain module before wrapping it in ``DistributedDataParallel``. Expert shards are
+    owned by one rank each, so their gradient is final when autograd produces it and must not be
+    averaged with other ranks' (different) experts: SonarAdamW's own post-accumulate-grad hooks
+    apply them, while DDP all-reduces the dense parameters as usual.
+    """
+    if isinstance(module, DistributedDataParallel):
+        raise TypeError("call ignore_experts_in_ddp on the module before wrapping it in DDP")
+    pred = expert_params or is_expert_param
+    names = [n for n, p in module.named_parameters() if pred(n, p)]
+    if not names:
+        raise ValueError("no expert parameters found")
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+    return names
+
+
+# ---------------------------------------------------------- one sonard per node
+class NodeServer:
+    """One ``sonard`` per node, shared by the node's ranks (a collective over ``group``).
+
+    The lowest rank of each node starts the server on an ``ipc://`` socket in a fresh 0700
+    directory; every rank learns its node's address through ``all_gather_object``. Pass
+    ``server=ns.address, namespace=ns.namespace`` (or ``**ns.optimizer_kwargs()``) to SonarAdamW.
+    Each connection is its own session on the server: one rank's tensor ids, segments and
+    optimizer state are invisible to the others, and a rank that dies is released alone.
+
+    Nodes are told apart by ``node_id``, else ``$SONAR_NODE_ID``, else the host name (set the
+    variable to run several "nodes" on one host, as the tests do). :meth:`close` is collective
+    too: it waits until every rank is done (close your optimizers first), then the node's first
+    rank stops the server.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, node_id: str | None = None,
+                 timeout: float = 30.0, log_level: str = "warn") -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.node_id = str(node_id or os.environ.get("SONAR_NODE_ID") or socket.gethostname())
+        keys: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(keys, self.node_id, group=group)
+        self.local_ranks = [r for r, k in enumerate(keys) if k == self.node_id]
+        self.local_rank = self.local_ranks.index(self.rank)
+        self.is_leader = self.local_rank == 0
+        self._conn: Connection | None = None
+        err = ""
+        if self.is_leader:
+            try:
+                self._conn = start_private_server(timeout, log_level=log_level)
+                self._conn.call("hello", {"client": "sonar_moe.NodeServer", "pid": os.getpid()},
+                                timeout=max(timeout, 10.0))
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                err = f"{type(e).__name__}: {e}"
+        mine = (self.node_id, self._conn.address if self._conn else None, err)
+        infos: list[Any] = [None] * len(keys)
+        dist.all_gather_object(infos, mine, group=group)
+        leader = infos[self.local_ranks[0]]
+        if leader[2]:
+            raise SonarError(f"the first rank of node {self.node_id} could not start sonard: {leader[2]}")
+        self.address: str = leader[1]
+        self.namespace = f"rank{self.rank}"
+        self._closed = False
+        log.info("rank %d uses node %s's sonard at %s", self.rank, self.node_id, self.address)
+
+    def optimizer_kwargs(self) -> dict[str, str]:
+        """``server=`` and ``namespace=`` for SonarAdamW."""
+        return {"server": self.address, "namespace": self.namespace}
+
+    def stats(self) -> dict[str, Any]:
+        """The server's counters (``sessions``, ``tensors``, ``segments``, ...). Leader only: any other
+        connection would open a session of its own."""
+        if self._conn is None:
+            raise SonarError("stats() is available on the node's first rank only")
+        return self._conn.call("stats", {})
+
+    def close(self) -> None:
+        """Collective: wait for every rank, then stop the node's server."""
+        if self._closed:
+            return
+        self._closed = True
+        dist.barrier(group=self.group)
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        conn.shutdown(timeout=10.0)
+
+    def __enter__(self) -> NodeServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,292 @@
+"""One rank of the torch.distributed tests (tests/test_distributed.py starts one process per rank).
+
+    python tests/dist_worker.py ddp   RANK WORLD PORT SERVER_ADDRESS [CASE,CASE...]
+    python tests/dist_worker.py ep    RANK WORLD PORT
+    python tests/dist_worker.py nodes RANK WORLD PORT RANKS_PER_NODE
+    python tests/dist_worker.py fsdp2 RANK WORLD PORT
+
+gloo over loopback TCP. Every rank trains SonarAdamW and, in the same process, the reference
+(the same model and DDP set-up with torch.optim.AdamW), compares every parameter bit for bit
+after every step, and checks that the ranks agree with each other. Prints ``OK <case>`` lines
+and exits 0, or prints what differed and exits 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "pyclient")]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import ep_moe  # noqa: E402
+import sonar_moe  # noqa: E402
+import tiny_moe as tm  # noqa: E402
+from sonar_moe.distributed import NodeServer, ignore_experts_in_ddp, register_ddp_comm_hook  # noqa: E402
+
+
+class Mismatch(Exception):
+    pass
+
+
+def say(rank: int, msg: str) -> None:
+    print(f"[rank {rank}] {msg}", flush=True)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (the local shard of an FSDP2 DTensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def compare(ref: torch.nn.Module, mine: torch.nn.Module, where: str) -> None:
+    for (n, a), (_, b) in zip(ref.named_parameters(), mine.named_parameters()):
+        a, b = local(a), local(b)
+        if not torch.equal(a, b):
+            d = (a.float() - b.float()).abs().max().item()
+            raise Mismatch(f"{where}: {n} differs from the torch.optim.AdamW reference (max |diff| {d:.3e})")
+
+
+def same_on_all_ranks(tensors: list[torch.Tensor], what: str, group: Any = None) -> None:
+    """Every rank holds bitwise the same tensors (compared as raw bytes)."""
+    flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors])
+    world = dist.get_world_size(group)
+    out = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(out, flat, group=group)
+    for r in range(1, world):
+        if not torch.equal(out[0], out[r]):
+            raise Mismatch(f"{what}: rank {r} differs from rank 0")
+
+
+# ------------------------------------------------------------------------ DDP
+DDP_CASES = [
+    # name, layout, dtype, max_grad_norm, gradient_as_bucket_view, find_unused_parameters, accum, experts, batch
+    ("batched-fp32-noclip", "batched", torch.float32, None, False, False, 1, 4, (2, 32)),
+    ("batched-fp32-clip-bucketview", "batched", torch.float32, 0.5, True, False, 1, 4, (2, 32)),
+    ("batched-bf16-clip", "batched", torch.bfloat16, 0.5, False, False, 1, 4, (2, 32)),
+    ("batched-fp32-no_sync-accum2", "batched", torch.float32, 1.0, False, False, 2, 4, (4, 32)),
+    # few tokens, many experts: some experts get no token on this rank, some on no rank at all
+    ("modulelist-find_unused-clip", "modulelist", torch.float32, 1.0, True, True, 1, 8, (1, 6)),
+]
+DDP_STEPS = 4
+
+
+def ddp_case(rank: int, world: int, server: str, case: tuple) -> None:
+    name, layout, dtype, clip, view, find_unused, accum, experts, (batch, seq) = case
+    cfg = tm.MoEConfig(num_layers=2, num_experts=experts, hidden=32, intermediate=48, seq_len=32,
+                       layout=layout, dtype=dtype)
+    ref, mine = tm.build(cfg, 1), tm.build(cfg, 1)
+    # Small buckets: after DDP rebuilds them (first iteration), each layer spans several buckets.
+    kw = dict(bucket_cap_mb=0.02, gradient_as_bucket_view=view, find_unused_parameters=find_unused)
+    rddp, mddp = DDP(ref, **kw), DDP(mine, **kw)
+    hp = dict(lr=3e-3, weight_decay=0.05)
+    ropt = torch.optim.AdamW(rddp.parameters(), **hp)
+    expert_names = set(tm.expert_param_names(ref))
+    dense = [p for n, p in ref.named_parameters() if n not in expert_names]
+    corpus = tm.load_corpus(100_000)
+    rdata = tm.batches(corpus, batch, seq, torch.Generator().manual_seed(100 + rank))
+    mdata = tm.batches(corpus, batch, seq, torch.Generator().manual_seed(100 + rank))
+    unused_everywhere = 0
+    with sonar_moe.SonarAdamW(mddp, max_grad_norm=clip, server=server, namespace=f"rank{rank}", **hp) as opt:
+        hook = register_ddp_comm_hook(mddp, opt)
+        assert len(opt._experts) == len(expert_names)
+        for step in range(DDP_STEPS):
+            # reference: DDP's built-in averaging all-reduce, dense-only clipping, AdamW over all
+            micro = next(rdata).chunk(accum)
+            for i, m in enumerate(micro):
+                with rddp.no_sync() if i < accum - 1 else contextlib.nullcontext():
+                    loss, _ = rddp(m, labels=m)
+                    loss.backward()
+            unused_everywhere += sum(p.grad is None for n, p in ref.named_parameters() if n in expert_names)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(dense, clip)
+            ropt.step()
+            ropt.zero_grad()
+            # Sonar: experts applied during backward from the all-reduced buckets
+            micro = next(mdata).chunk(accum)
+            for i, m in enumerate(micro):
+                with mddp.no_sync() if i < accum - 1 else contextlib.nullcontext():
+                    loss, _ = mddp(m, labels=m)
+                    loss.backward()
+            kept = [n for n, p in mine.named_parameters() if n in expert_names and p.grad is not None]
+            if kept:
+                raise Mismatch(f"{name} step {step + 1}: expert gradients kept after backward: {kept[:3]}")
+            opt.step()
+            opt.zero_grad()
+            compare(ref, mine, f"{name} step {step + 1}")
+        st = opt.stats()
+        if st["namespace"] != f"rank{rank}" or st["server"]["errors"]:
+            raise Mismatch(f"{name}: stats {st}")
+    same_on_all_ranks(list(mine.parameters()), name)
+    handed = hook.counts["handed_in_hooks"] + hook.counts["handed_at_end"] + hook.counts["handed_after_reduce"]
+    if find_unused:
+        if unused_everywhere == 0:
+            raise Mismatch(f"{name}: no expert went unused on every rank: the case does not test what it should")
+        if handed != DDP_STEPS * len(expert_names) - unused_everywhere:
+            raise Mismatch(f"{name}: {handed} expert gradients handed over, counts {hook.counts}")
+    elif handed != DDP_STEPS * len(expert_names) or hook.counts["handed_after_reduce"]:
+        raise Mismatch(f"{name}: {handed} expert gradients handed over, counts {hook.counts}")
+    say(rank, f"OK {name} counts {hook.counts} unused-everywhere {unused_everywhere}")
+
+
+def run_ddp(rank: int, world: int, server: str, only: str = "") -> None:
+    for case in DDP_CASES:
+        if not only or case[0] in only.split(","):
+            ddp_case(rank, world, server, case)
+    if only:
+        return
+    # The hook refuses what it cannot do exactly.
+    cfg = tm.MoEConfig(num_layers=1, num_experts=4, hidden=16, intermediate=16)
+    m = DDP(tm.build(cfg, 0))
+    with sonar_moe.SonarAdamW(m, grad_accumulation_steps=2, server=server) as opt:
+        try:
+            register_ddp_comm_hook(m, opt)
+        except ValueError as e:
+            assert "no_sync" in str(e)
+        else:
+            raise Mismatch("grad_accumulation_steps=2 under DDP was accepted")
+    say(rank, "OK refuses grad_accumulation_steps under DDP")
+
+
+# -------------------------------------------------------------- expert parallel
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def ep_run(rank: int, world: int, node: NodeServer, steps: int, check_grads: bool, case: str,
+           wrap: str = "ddp") -> None:
+    """Expert-parallel TinyMoE; dense parameters data parallel with DDP (experts ignored) or
+    sharded with FSDP2 (experts in ignored_params)."""
+    ep_group = dist.new_group(backend="gloo")  # all-to-alls apart from DDP's all-reduces
+    cfg = tm.MoEConfig(num_layers=2, num_experts=2 * world, hidden=32, intermediate=48, seq_len=32)
+    ref, mine = ep_moe.build_ep(cfg, 3, ep_group), ep_moe.build_ep(cfg, 3, ep_group)
+    experts = ignore_experts_in_ddp(ref)
+    assert ignore_experts_in_ddp(mine) == experts and len(experts) == 2 * cfg.num_layers
+    if wrap == "ddp":
+        rddp, mddp = DDP(ref, bucket_cap_mb=0.02), DDP(mine, bucket_cap_mb=0.02)
+        prefix = "module."
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for model in (ref, mine):
+            ignored = {p for n, p in model.named_parameters() if n in experts}
+            for block in model.layers:
+                fully_shard(block, mesh=mesh, ignored_params=ignored)
+            fully_shard(model, mesh=mesh, ignored_params=ignored)
+        rddp, mddp, prefix = ref, mine, ""
+    dense = [p for n, p in ref.named_parameters() if n not in experts]
+    hp = dict(lr=2e-3, weight_decay=0.01)
+    ropt = torch.optim.AdamW(rddp.parameters(), **hp)
+    corpus = tm.load_corpus(100_000)
+    data = tm.batches(corpus, 2, 32, torch.Generator().manual_seed(200 + rank))
+    with sonar_moe.SonarAdamW(mddp, max_grad_norm=1.0, **node.optimizer_kwargs(), **hp) as opt:
+        if {e.name for e in opt._experts.values()} != {prefix + n for n in experts}:
+            raise Mismatch(f"{case}: SonarAdamW experts {[e.name for e in opt._experts.values()]}")
+        dist.barrier()
+        if node.is_leader:  # every local rank's tensors live in the node's one server, apart
+            st = node.stats()
+            want = len(node.local_ranks) * len(experts)
+            if st["tensors"] != want or st["sessions"] < len(node.local_ranks):
+                raise Mismatch(f"{case}: node {node.node_id} server holds {st['tensors']} tensors in "
+                               f"{st['sessions']} sessions, want {want} in >= {len(node.local_ranks)}")
+        for step in range(steps):
+            x = next(data)
+            loss, _ = rddp(x, labels=x)
+            loss.backward()
+            if check_grads and step == 0:
+                check_against_one_process(rank, world, cfg, ref, experts, x)
+            torch.nn.utils.clip_grad_norm_(dense, 1.0)
+            ropt.step()
+            ropt.zero_grad()
+            loss, _ = mddp(x, labels=x)
+            loss.backward()
+            kept = [n for n, p in mine.named_parameters() if n in experts and p.grad is not None]
+            if kept:
+                raise Mismatch(f"{case} step {step + 1}: expert gradients kept after backward: {kept}")
+            opt.step()
+            opt.zero_grad()
+            compare(ref, mine, f"{case} step {step + 1}")
+        sst = opt.stats()
+        if sst["server"]["errors"] or sst["grads_sent"] != steps * len(experts):
+            raise Mismatch(f"{case}: stats {sst}")
+    if wrap == "ddp":  # replicated: bitwise the same on every rank (FSDP2 shards them)
+        same_on_all_ranks([p for n, p in mine.named_parameters() if n not in experts], f"{case} dense parameters")
+    say(rank, f"OK {case} on node {node.node_id} ({node.address})")
+
+
+def check_against_one_process(rank: int, world: int, cfg: tm.MoEConfig, ep: torch.nn.Module,
+                              experts: list[str], x: torch.Tensor) -> None:
+    """The EP model's first gradients equal (to rounding) those of the one-process TinyMoE over all
+    ranks' batches: dense ones averaged by DDP, expert shards scaled by 1/world."""
+    xs = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(xs, x)
+    full = tm.build(cfg, 3)
+    loss, _ = full(torch.cat(xs), labels=torch.cat(xs))
+    loss.backward()
+    fp = dict(full.named_parameters())
+    worst = 0.0
+    for n, p in ep.named_parameters():
+        want = fp[n].grad
+        if n in experts:
+            lo = rank * (cfg.num_experts // world)
+            want = want[lo:lo + cfg.num_experts // world]
+        worst = max(worst, rel_err(p.grad, want))
+    if worst > 1e-4:
+        raise Mismatch(f"EP gradients differ from the one-process model by {worst:.2e} (relative)")
+    say(rank, f"OK EP gradients match the one-process model (worst relative error {worst:.1e})")
+
+
+def run_ep(rank: int, world: int) -> None:
+    with NodeServer() as node:  # the node's first rank starts the sonard both ranks use
+        if len(node.local_ranks) != world:
+            raise Mismatch(f"one node expected, got local ranks {node.local_ranks}")
+        ep_run(rank, world, node, steps=5, check_grads=True, case="expert-parallel")
+
+
+def run_nodes(rank: int, world: int, per_node: int) -> None:
+    with NodeServer(node_id=f"node{rank // per_node}") as node:
+        addrs: list[Any] = [None] * world
+        dist.all_gather_object(addrs, node.address)
+        for r in range(world):
+            if (addrs[r] == node.address) != (r // per_node == rank // per_node):
+                raise Mismatch(f"rank {r} uses {addrs[r]}, rank {rank} uses {node.address}")
+        ep_run(rank, world, node, steps=3, check_grads=False, case=f"{world // per_node}-nodes-x-{per_node}-ranks")
+
+
+def run_fsdp2(rank: int, world: int) -> None:
+    with NodeServer() as node:
+        ep_run(rank, world, node, steps=4, check_grads=False, case="fsdp2-dense-ep-experts", wrap="fsdp2")
+
+
+def main() -> int:
+    cmd, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        if cmd == "ddp":
+            run_ddp(rank, world, sys.argv[5], sys.argv[6] if len(sys.argv) > 6 else "")
+        elif cmd == "ep":
+            run_ep(rank, world)
+        elif cmd == "fsdp2":
+            run_fsdp2(rank, world)
+        elif cmd == "nodes":
+            run_nodes(rank, world, int(sys.argv[5]))
+        else:
+            raise SystemExit(f"unknown command {cmd}")
+    except Mismatch as e:
+        say(rank, f"FAIL {e}")
+        os._exit(1)  # do not wait in collectives the other ranks will never join
+    dist.destroy_process_group()
+    say(rank, "DONE")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""SonarAdamW under torch.distributed (gloo on CPU, one process per rank, loopback TCP):
+
+- DDP with replicated experts: expert updates from the all-reduced buckets (DDP comm hook),
+  bit for bit equal to DDP + torch.optim.AdamW (built-in averaging all-reduce, with and without
+  dense-only clipping, bucket views, bf16, no_sync accumulation, find_unused_parameters);
+- expert parallel: experts sharded over the ranks (all-to-all dispatch), excluded from DDP,
+  updated by SonarAdamW's own hooks; bit for bit equal to the same model with torch AdamW;
+- one sonard per node shared by the node's ranks, each in its own session.
+
+Each rank compares itself with its own reference run in the same process after every step,
+and the ranks compare their replicated parameters with each other (tests/dist_worker.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import sonar_moe
+import tiny_moe as tm
+from sonar_moe._client import Connection, torch_sqrt_library
+from sonar_moe.distributed import ignore_experts_in_ddp
+
+WORKER = str(Path(__file__).with_name("dist_worker.py"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cmd: str, world: int, *extra: str, timeout: float = 240) -> list[str]:
+    """Run `world` ranks of tests/dist_worker.py; return each rank's output."""
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k != "SONAR_NODE_ID"}
+    procs = [subprocess.Popen([sys.executable, WORKER, cmd, str(r), str(world), port, *extra], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    report = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{o}" for r, (p, o) in enumerate(zip(procs, outs)))
+    assert all(p.returncode == 0 for p in procs), report
+    for r, o in enumerate(outs):
+        assert f"[rank {r}] DONE" in o, report
+    return outs
+
+
+@pytest.fixture()
+def shared_server(sonard_binary: str, tmp_path: Path) -> Iterator[str]:
+    """A sonard started by the test, shared by every rank."""
+    addr = f"ipc://{tmp_path}/run/sonard.sock"
+    args = [sonard_binary, "--listen", addr, "--log-level", "warn"]
+    lib = torch_sqrt_library()
+    if lib:
+        args += ["--torch-lib", lib]
+    proc = subprocess.Popen(args)
+    yield addr
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0
+
+
+def server_stats(addr: str) -> dict:
+    conn = Connection(addr, timeout=10)
+    try:
+        return conn.call("stats", {})
+    finally:
+        conn.close()
+
+
+def test_ddp_comm_hook_is_bitwise_torch_adamw(shared_server: str) -> None:
+    """2 ranks, one sonard started by the test: five DDP configurations x 4 steps."""
+    outs = launch("ddp", 2, shared_server)
+    for r, out in enumerate(outs):
+        for case in ("batched-fp32-noclip", "batched-fp32-clip-bucketview", "batched-bf16-clip",
+                     "batched-fp32-no_sync-accum2", "modulelist-find_unused-clip"):
+            assert f"[rank {r}] OK {case}" in out, out
+    st = server_stats(shared_server)
+    assert st["errors"] == 0 and st["step_items"] > 0
+    assert st["tensors"] == 0 and st["segments"] == 0  # every rank's optimizers said goodbye
+
+
+def test_ddp_comm_hook_three_ranks(shared_server: str) -> None:
+    """World size 3: 1/3 is not exact, and DDP's built-in reduction multiplies by the float32
+    reciprocal (x * (1/3), not x / 3); the hook does the same, so the result stays bitwise."""
+    cases = "batched-fp32-noclip,batched-fp32-clip-bucketview"
+    outs = launch("ddp", 3, shared_server, cases)
+    for r, out in enumerate(outs):
+        for case in cases.split(","):
+            assert f"[rank {r}] OK {case}" in out, out
+
+
+def test_expert_parallel_is_bitwise_torch_adamw() -> None:
+    """2 ranks, 2 experts each, one sonard started by rank 0 and shared by both ranks."""
+    outs = launch("ep", 2)
+    for r, out in enumerate(outs):
+        assert f"[rank {r}] OK EP gradients match the one-process model" in out, out
+        assert f"[rank {r}] OK expert-parallel" in out, out
+    addr = [line.rsplit("(", 1)[1] for line in outs[0].splitlines() if "OK expert-parallel" in line]
+    assert addr and addr[0] in outs[1]  # both ranks used the same server
+
+
+def test_two_nodes_one_sonard_each() -> None:
+    """4 ranks standing for 2 nodes x 2 ranks: each node's ranks share that node's sonard; experts
+    sharded over all 4 ranks."""
+    outs = launch("nodes", 4, "2")
+    for r, out in enumerate(outs):
+        assert f"[rank {r}] OK 2-nodes-x-2-ranks on node node{r // 2}" in out, out
+
+
+def test_fsdp2_dense_with_expert_parallel_experts() -> None:
+    """What composes with FSDP2 today: dense parameters sharded by fully_shard, experts expert
+    parallel and left out of FSDP2 (ignored_params), so they stay plain tensors updated by
+    SonarAdamW's own hooks; dense-only clipping over the DTensor gradients. Bitwise equal to
+    the same set-up with torch.optim.AdamW."""
+    outs = launch("fsdp2", 2)
+    for r, out in enumerate(outs):
+        assert f"[rank {r}] OK fsdp2-dense-ep-experts" in out, out
+
+
+def test_hand_over_grad_is_the_hook_update() -> None:
+    """SonarAdamW.hand_over_grad (the path the DDP hook uses) makes exactly the hook's update:
+    with its hooks removed and every expert gradient handed over by the caller, training stays
+    bit for bit equal to torch.optim.AdamW; with max_expert_grad_norm the caller's gradient is
+    left alone and the copy is clipped as clip_grad_norm_([p], c) would."""
+    cfg = tm.MoEConfig(num_layers=2, num_experts=4, hidden=32, intermediate=48)
+    ref, mine = tm.build(cfg, 4), tm.build(cfg, 4)
+    experts = set(tm.expert_param_names(ref))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=2e-3)
+    data = tm.batches(tm.load_corpus(50_000), 2, 32, torch.Generator().manual_seed(4))
+    with sonar_moe.SonarAdamW(mine, lr=2e-3, max_expert_grad_norm=0.01, namespace="unit") as opt:
+        opt.remove_grad_hooks()
+        assert opt.stats(server=False)["namespace"] == "unit"
+        for step in range(3):
+            x = next(data)
+            loss, _ = ref(x, labels=x)
+            loss.backward()
+            for n, p in ref.named_parameters():
+                if n in experts:
+                    torch.nn.utils.clip_grad_norm_([p], 0.01)
+            ropt.step()
+            ropt.zero_grad()
+            loss, _ = mine(x, labels=x)
+            loss.backward()
+            for n, p in mine.named_parameters():
+                if n in experts:
+                    assert p.grad is not None  # no hook took it
+                    before = p.grad.clone()
+                    opt.hand_over_grad(p, p.grad)
+                    assert torch.equal(p.grad, before)  # the caller's gradient is not clipped or freed
+                    p.grad = None
+            opt.step()
+            opt.zero_grad()
+            for (n, a), (_, b) in zip(ref.named_parameters(), mine.named_parameters()):
+                assert torch.equal(a, b), f"step {step + 1}: {n} differs"
+        p = next(p for n, p in mine.named_parameters() if n in experts)
+        with pytest.raises(ValueError, match="does not match"):
+            opt.hand_over_grad(p, torch.zeros(3))
+        with pytest.raises(ValueError, match="not an expert"):
+            opt.hand_over_grad(mine.lm_head.weight, torch.zeros_like(mine.lm_head.weight))
+
+
+def test_ignore_experts_in_ddp_names_the_expert_tensors() -> None:
+    for layout in ("batched", "modulelist"):
+        model = tm.build(tm.MoEConfig(num_layers=2, num_experts=4, hidden=16, intermediate=16, layout=layout), 0)
+        names = ignore_experts_in_ddp(model)
+        assert names == tm.expert_param_names(model)
+        assert set(model._ddp_params_and_buffers_to_ignore) == set(names)  # what DDP reads
