@@ -28,6 +28,10 @@ const (
 	OpStats    = "stats"
 	OpBye      = "bye"
 	OpShutdown = "shutdown"
+	// CUDA path (optional: a server without CUDA answers them with an
+	// error; older peers never send them, so the version stays 1).
+	OpAttachCUDA = "attach_cuda" // AttachCUDA -> AttachReply
+	OpCUDAEvent  = "cuda_event"  // CUDAEvent -> {}
 )
 
 // Limits on what one message may ask for.
@@ -79,12 +83,31 @@ type HelloReply struct {
 	PID      int    `msgpack:"pid"`
 	Workers  int    `msgpack:"workers"`
 	Sqrt     string `msgpack:"sqrt"` // "ieee" or "mkl:<library>"
+	// CUDA describes the server's GPU ("NVIDIA H200, cc 9.0, compute_90"),
+	// empty when the server has no CUDA path.
+	CUDA string `msgpack:"cuda,omitempty"`
 }
 
 // Attach asks the server to map a shared-memory segment the client created.
 type Attach struct {
 	Shm  string `msgpack:"shm"`
 	Size int64  `msgpack:"size"`
+}
+
+// AttachCUDA asks the server to open a client's CUDA allocation by its IPC
+// handle: torch's UntypedStorage._share_cuda_()[1] (66 bytes) or a raw
+// 64-byte cudaIpcMemHandle_t. Size > 0 is the number of bytes the client
+// uses from the allocation's start (0: not checked).
+type AttachCUDA struct {
+	Handle []byte `msgpack:"handle"`
+	Size   int64  `msgpack:"size"`
+}
+
+// CUDAEvent hands the server the session's interprocess event
+// (torch.cuda.Event(interprocess=True).ipc_handle(), 64 bytes); a Step with
+// WaitEvent orders its kernels after the event's latest record.
+type CUDAEvent struct {
+	Handle []byte `msgpack:"handle"`
 }
 
 // AttachReply gives the segment's id for MemRefs.
@@ -152,6 +175,9 @@ type StepItem struct {
 // Step carries the gradients of one group of tensors (a layer's experts).
 type Step struct {
 	Items []StepItem `msgpack:"items"`
+	// WaitEvent (CUDA tensors only) makes the server's kernels wait for the
+	// latest record of the session's event (CUDAEvent) before they start.
+	WaitEvent bool `msgpack:"wait_event,omitempty"`
 }
 
 // StepReply says the gradients' memory may be reused.
@@ -200,6 +226,13 @@ type Stats struct {
 	StepMicrosP99 int64            `msgpack:"step_us_p99"`
 	StepMicrosMax int64            `msgpack:"step_us_max"`
 	ByOp          map[string]int64 `msgpack:"by_op"`
+	// CUDA path (zero without it): optimizer state in device memory,
+	// attached CUDA allocations, and the IPC cache's open allocations.
+	DeviceStateBytes int64 `msgpack:"device_state_bytes,omitempty"`
+	DeviceSegments   int   `msgpack:"device_segments,omitempty"`
+	IPCOpen          int   `msgpack:"ipc_open,omitempty"`
+	IPCOpenBytes     int64 `msgpack:"ipc_open_bytes,omitempty"`
+	IPCOpens         int64 `msgpack:"ipc_opens,omitempty"`
 }
 
 // ErrProtocol marks malformed or unsupported messages.
@@ -321,6 +354,26 @@ func (s *Step) Validate() error {
 func (a *Attach) Validate() error {
 	if a.Shm == "" || a.Size <= 0 {
 		return fmt.Errorf("attach needs a name and a positive size")
+	}
+	return nil
+}
+
+// Validate checks an AttachCUDA body (the handle's format is checked by the
+// server's CUDA mapper).
+func (a *AttachCUDA) Validate() error {
+	if len(a.Handle) != 64 && len(a.Handle) != 66 {
+		return fmt.Errorf("handle of %d bytes (want 64 raw bytes, or 66 from torch)", len(a.Handle))
+	}
+	if a.Size < 0 {
+		return fmt.Errorf("negative size %d", a.Size)
+	}
+	return nil
+}
+
+// Validate checks a CUDAEvent body.
+func (e *CUDAEvent) Validate() error {
+	if len(e.Handle) != 64 {
+		return fmt.Errorf("event handle of %d bytes (want 64)", len(e.Handle))
 	}
 	return nil
 }

@@ -318,3 +318,48 @@ func TestEncodeReply(t *testing.T) {
 		t.Error("encoding a channel succeeded")
 	}
 }
+
+// The CUDA additions are optional on the wire: bodies without the new
+// fields decode as before, replies without CUDA omit them.
+func TestCUDABodies(t *testing.T) {
+	torch := append([]byte{1, 'c'}, make([]byte, 64)...)
+	cases := []struct {
+		name    string
+		body    []byte
+		into    any
+		wantErr string
+	}{
+		{"attach_cuda torch handle", mustMarshal(t, AttachCUDA{Handle: torch, Size: 4096}), &AttachCUDA{}, ""},
+		{"attach_cuda raw handle, size unchecked", mustMarshal(t, map[string]any{"handle": make([]byte, 64)}), &AttachCUDA{}, ""},
+		{"attach_cuda short handle", mustMarshal(t, AttachCUDA{Handle: make([]byte, 63)}), &AttachCUDA{}, "handle of 63 bytes"},
+		{"attach_cuda no handle", mustMarshal(t, map[string]any{"size": 10}), &AttachCUDA{}, "handle of 0 bytes"},
+		{"attach_cuda negative size", mustMarshal(t, AttachCUDA{Handle: torch, Size: -5}), &AttachCUDA{}, "negative size"},
+		{"attach_cuda handle as string", mustMarshal(t, map[string]any{"handle": 5}), &AttachCUDA{}, "malformed body"},
+		{"cuda_event ok", mustMarshal(t, CUDAEvent{Handle: make([]byte, 64)}), &CUDAEvent{}, ""},
+		{"cuda_event torch-length handle", mustMarshal(t, CUDAEvent{Handle: torch}), &CUDAEvent{}, "event handle of 66 bytes"},
+		{"step with wait_event", mustMarshal(t, map[string]any{"items": []any{map[string]any{"tensor": 1, "grad": map[string]any{"seg": 2, "off": 0, "nbytes": 4}}}, "wait_event": true}), &Step{}, ""},
+	}
+	for _, tc := range cases {
+		err := DecodeBody(Request{V: Version, Op: "op", ID: 1, Body: tc.body}, tc.into)
+		if tc.wantErr == "" {
+			if err != nil {
+				t.Errorf("%s: %v", tc.name, err)
+			}
+			continue
+		}
+		if err == nil || !strings.Contains(err.Error(), tc.wantErr) || !errors.Is(err, ErrProtocol) {
+			t.Errorf("%s: error %v, want an ErrProtocol containing %q", tc.name, err, tc.wantErr)
+		}
+	}
+	var st Step
+	if err := DecodeBody(Request{Op: OpStep, Body: mustMarshal(t, map[string]any{"items": []any{map[string]any{"tensor": 1, "grad": map[string]any{"seg": 2, "nbytes": 4}}}})}, &st); err != nil || st.WaitEvent {
+		t.Errorf("step without wait_event: %+v, %v", st, err)
+	}
+	var m map[string]any
+	if err := msgpack.Unmarshal(mustMarshal(t, HelloReply{Server: "x", Protocol: Version}), &m); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := m["cuda"]; ok {
+		t.Errorf("hello reply without CUDA carries a cuda key: %v", m)
+	}
+}

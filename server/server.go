@@ -16,6 +16,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/sonar-moe/sonar/cuda"
 	"github.com/sonar-moe/sonar/ipc"
 	"github.com/sonar-moe/sonar/ipcbridge"
 	"github.com/sonar-moe/sonar/optimizer"
@@ -41,6 +42,11 @@ type session struct {
 	tensors  map[uint32]*tensor
 	lastSeen time.Time
 	pidfd    int // the client process (pidfd_open), -1 when unknown
+	// CUDA path (cuda.go): attached client allocations, tensors in them,
+	// and the client's interprocess event.
+	dsegments map[uint32]ipcbridge.DeviceMapping
+	dtensors  map[uint32]*gpuTensor
+	event     *cuda.Event
 }
 
 // Server implements ipc.Handler.
@@ -54,6 +60,8 @@ type Server struct {
 	closed   atomic.Bool
 	mu       sync.Mutex // guards the sessions against metrics scrapes
 	m        *metrics
+	gpu      *GPU        // nil: no CUDA path
+	gpuDone  *cuda.Event // the server's completion event (created on first use)
 	// IdleTimeout releases sessions without a watchable client process
 	// after this long without a request (0: never).
 	IdleTimeout time.Duration
@@ -76,7 +84,8 @@ func (s *Server) Done() <-chan struct{} { return s.shutdown }
 func (s *Server) sess(client string) *session {
 	ss := s.sessions[client]
 	if ss == nil {
-		ss = &session{client: client, segments: map[uint32]ipcbridge.Mapping{}, tensors: map[uint32]*tensor{}, pidfd: -1}
+		ss = &session{client: client, segments: map[uint32]ipcbridge.Mapping{}, tensors: map[uint32]*tensor{}, pidfd: -1,
+			dsegments: map[uint32]ipcbridge.DeviceMapping{}, dtensors: map[uint32]*gpuTensor{}}
 		s.sessions[client] = ss
 	}
 	ss.lastSeen = time.Now()
@@ -109,7 +118,7 @@ func (s *Server) Handle(client string, req ipc.Request) (any, error) {
 func knownOp(op string) string {
 	switch op {
 	case ipc.OpHello, ipc.OpAttach, ipc.OpRegister, ipc.OpStep, ipc.OpExport, ipc.OpImport,
-		ipc.OpDetach, ipc.OpStats, ipc.OpBye, ipc.OpShutdown:
+		ipc.OpDetach, ipc.OpStats, ipc.OpBye, ipc.OpShutdown, ipc.OpAttachCUDA, ipc.OpCUDAEvent:
 		return op
 	}
 	return "unknown"
@@ -127,13 +136,26 @@ func (s *Server) handle(client string, req ipc.Request) (any, error) {
 		ss.watch(h.PID)
 		s.log.Info("client connected", zap.String("client", client), zap.String("name", h.Client), zap.Int("pid", h.PID),
 			zap.String("torch", h.Torch), zap.Int("threads", h.Threads), zap.String("capability", h.Capability))
-		return ipc.HelloReply{Server: Version, Protocol: ipc.Version, PID: os.Getpid(), Workers: s.engine.Workers, Sqrt: s.engine.SqrtName}, nil
+		return ipc.HelloReply{Server: Version, Protocol: ipc.Version, PID: os.Getpid(), Workers: s.engine.Workers, Sqrt: s.engine.SqrtName,
+			CUDA: s.cudaName()}, nil
 	case ipc.OpAttach:
 		var a ipc.Attach
 		if err := ipc.DecodeBody(req, &a); err != nil {
 			return nil, err
 		}
 		return s.attach(s.sess(client), a)
+	case ipc.OpAttachCUDA:
+		var a ipc.AttachCUDA
+		if err := ipc.DecodeBody(req, &a); err != nil {
+			return nil, err
+		}
+		return s.attachCUDA(s.sess(client), a)
+	case ipc.OpCUDAEvent:
+		var e ipc.CUDAEvent
+		if err := ipc.DecodeBody(req, &e); err != nil {
+			return nil, err
+		}
+		return s.cudaEvent(s.sess(client), e)
 	case ipc.OpRegister:
 		var r ipc.Register
 		if err := ipc.DecodeBody(req, &r); err != nil {
@@ -192,6 +214,9 @@ func (s *Server) attach(ss *session, a ipc.Attach) (any, error) {
 func (ss *session) memory(ref ipc.MemRef, want int64, align int64) ([]byte, error) {
 	m := ss.segments[ref.Seg]
 	if m == nil {
+		if ss.dsegments[ref.Seg] != nil {
+			return nil, fmt.Errorf("segment %d is CUDA memory, the tensor is CPU memory", ref.Seg)
+		}
 		return nil, fmt.Errorf("unknown segment %d", ref.Seg)
 	}
 	if ref.Bytes != want {
@@ -203,10 +228,36 @@ func (ss *session) memory(ref ipc.MemRef, want int64, align int64) ([]byte, erro
 func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 	// Validate all first; register all or none.
 	made := make([]*tensor, 0, len(r.Tensors))
+	var dmade []*gpuTensor                   // CUDA tensors (parameter in an attach_cuda segment)
+	isGPU := make([]bool, 0, len(r.Tensors)) // per spec, in request order
+	names := make(map[string]bool, len(r.Tensors))
 	for _, spec := range r.Tensors {
 		d, err := optimizer.ParseDType(spec.DType)
 		if err != nil {
 			return nil, fmt.Errorf("tensor %q: %w", spec.Name, err)
+		}
+		for _, t := range ss.tensors {
+			if t.Name == spec.Name {
+				return nil, fmt.Errorf("tensor %q already registered (id %d)", spec.Name, t.id)
+			}
+		}
+		for _, t := range ss.dtensors {
+			if t.name == spec.Name {
+				return nil, fmt.Errorf("tensor %q already registered (id %d)", spec.Name, t.id)
+			}
+		}
+		if names[spec.Name] {
+			return nil, fmt.Errorf("tensor %q appears twice", spec.Name)
+		}
+		names[spec.Name] = true
+		if ss.dsegments[spec.Param.Seg] != nil {
+			gt, err := s.prepareCUDATensor(ss, spec, d)
+			if err != nil {
+				return nil, err
+			}
+			dmade = append(dmade, gt)
+			isGPU = append(isGPU, true)
+			continue
 		}
 		numel := spec.Numel()
 		nb := numel * int64(d.Size())
@@ -214,16 +265,7 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 		if err != nil {
 			return nil, fmt.Errorf("tensor %q param: %w", spec.Name, err)
 		}
-		for _, t := range ss.tensors {
-			if t.Name == spec.Name {
-				return nil, fmt.Errorf("tensor %q already registered (id %d)", spec.Name, t.id)
-			}
-		}
-		for _, t := range made {
-			if t.Name == spec.Name {
-				return nil, fmt.Errorf("tensor %q appears twice", spec.Name)
-			}
-		}
+		isGPU = append(isGPU, false)
 		h := optimizer.Hyper{LR: spec.Hyper.LR, Beta1: spec.Hyper.Beta1, Beta2: spec.Hyper.Beta2, Eps: spec.Hyper.Eps,
 			WeightDecay: spec.Hyper.WeightDecay, Amsgrad: spec.Hyper.Amsgrad, Maximize: spec.Hyper.Maximize}
 		ot, err := optimizer.NewTensor(spec.Name, d, int(numel), h, mem)
@@ -232,12 +274,25 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 		}
 		made = append(made, &tensor{Tensor: ot, shape: spec.Shape, seg: spec.Param.Seg})
 	}
-	ids := make([]uint32, len(made))
-	for i, t := range made {
+	if len(dmade) > 0 {
+		if err := s.allocCUDATensors(dmade); err != nil {
+			return nil, err
+		}
+	}
+	ids := make([]uint32, len(isGPU))
+	ci, gi := 0, 0
+	for i, g := range isGPU {
 		s.nextID++
-		t.id = s.nextID
-		ss.tensors[t.id] = t
-		ids[i] = t.id
+		ids[i] = s.nextID
+		if g {
+			dmade[gi].id = s.nextID
+			ss.dtensors[s.nextID] = dmade[gi]
+			gi++
+		} else {
+			made[ci].id = s.nextID
+			ss.tensors[s.nextID] = made[ci]
+			ci++
+		}
 	}
 	s.log.Debug("tensors registered", zap.String("client", ss.client), zap.Int("count", len(ids)))
 	return ipc.RegisterReply{IDs: ids}, nil
@@ -250,11 +305,20 @@ type stepWork struct {
 }
 
 func (s *Server) step(ss *session, st ipc.Step) (any, error) {
+	if ss.dtensors[st.Items[0].Tensor] != nil {
+		return s.stepCUDA(ss, st)
+	}
+	if st.WaitEvent {
+		return nil, errors.New("wait_event is for CUDA tensors only")
+	}
 	start := time.Now()
 	work := make([]stepWork, 0, len(st.Items))
 	for i, it := range st.Items {
 		t := ss.tensors[it.Tensor]
 		if t == nil {
+			if ss.dtensors[it.Tensor] != nil {
+				return nil, fmt.Errorf("item %d: tensor %d is a CUDA tensor: one step request holds CPU or CUDA tensors, not both", i, it.Tensor)
+			}
 			return nil, fmt.Errorf("item %d: unknown tensor %d", i, it.Tensor)
 		}
 		var grad []byte
@@ -364,6 +428,9 @@ func (ss *session) stateXfer(x ipc.StateXfer) (*tensor, [3][]byte, error) {
 }
 
 func (s *Server) export(ss *session, x ipc.StateXfer) (any, error) {
+	if t := ss.dtensors[x.Tensor]; t != nil {
+		return s.xferCUDA(ss, t, x, true)
+	}
 	t, mem, err := ss.stateXfer(x)
 	if err != nil {
 		return nil, err
@@ -377,6 +444,9 @@ func (s *Server) export(ss *session, x ipc.StateXfer) (any, error) {
 }
 
 func (s *Server) importState(ss *session, x ipc.StateXfer) (any, error) {
+	if t := ss.dtensors[x.Tensor]; t != nil {
+		return s.xferCUDA(ss, t, x, false)
+	}
 	t, mem, err := ss.stateXfer(x)
 	if err != nil {
 		return nil, err
@@ -388,6 +458,12 @@ func (s *Server) importState(ss *session, x ipc.StateXfer) (any, error) {
 }
 
 func (s *Server) detach(ss *session, d ipc.Detach) (any, error) {
+	if ok, err := s.detachCUDA(ss, d.Seg); ok {
+		if err != nil {
+			return nil, err
+		}
+		return map[string]uint32{"seg": d.Seg}, nil
+	}
 	m := ss.segments[d.Seg]
 	if m == nil {
 		return nil, fmt.Errorf("unknown segment %d", d.Seg)
@@ -427,6 +503,7 @@ func (s *Server) stats() ipc.Stats {
 			st.SegmentBytes += m.Size()
 		}
 	}
+	s.cudaStats(&st)
 	if n := len(s.stepMicros); n > 0 {
 		l := append([]int64(nil), s.stepMicros...)
 		sort.Slice(l, func(i, j int) bool { return l[i] < l[j] })
@@ -493,6 +570,7 @@ func (s *Server) release(client string) {
 	for _, m := range ss.segments {
 		errs = append(errs, m.Close())
 	}
+	errs = append(errs, s.releaseCUDA(ss)...)
 	if err := errors.Join(errs...); err != nil {
 		s.log.Warn("releasing session", zap.String("client", client), zap.Error(err))
 	}

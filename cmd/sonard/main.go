@@ -19,6 +19,7 @@ import (
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
+	"github.com/sonar-moe/sonar/cuda"
 	"github.com/sonar-moe/sonar/ipc"
 	"github.com/sonar-moe/sonar/ipcbridge"
 	"github.com/sonar-moe/sonar/optimizer"
@@ -65,6 +66,8 @@ func run() int {
 	curveClients := fs.String("curve-clients-file", os.Getenv("SONAR_CURVE_CLIENTS_FILE"), "file of allowed client CURVE public keys, one Z85 key per line; required for tcp:// (env SONAR_CURVE_CLIENTS_FILE)")
 	genKeys := fs.String("gen-curve-keys", "", "write a new CURVE key pair to PREFIX.secret (mode 0600) and PREFIX.public, then exit")
 	metricsAddr := fs.String("metrics-addr", os.Getenv("SONAR_METRICS_ADDR"), "serve Prometheus metrics over HTTP at this host:port (e.g. 127.0.0.1:9464); empty: off (env SONAR_METRICS_ADDR)")
+	cudaDevice := fs.Int("cuda-device", envInt("SONAR_CUDA_DEVICE", 0), "CUDA device for clients' GPU expert tensors, used when a CUDA driver and device exist (without one sonard logs \"CUDA off\" and serves CPU tensors); -1: off (env SONAR_CUDA_DEVICE)")
+	cudaMaxIdle := fs.Int("cuda-max-idle", envInt("SONAR_CUDA_MAX_IDLE", 8), "client CUDA allocations kept open while unused, for reuse (env SONAR_CUDA_MAX_IDLE)")
 	version := fs.Bool("version", false, "print the version and exit")
 	fs.SetOutput(os.Stdout)
 	fs.Usage = func() {
@@ -122,6 +125,14 @@ func run() int {
 	}
 	srv := server.New(log, ipcbridge.ShmMapper{Dir: *shmDir, Unlink: true}, engine)
 	srv.IdleTimeout = *idle
+	cudaExplicit := os.Getenv("SONAR_CUDA_DEVICE") != ""
+	fs.Visit(func(f *flag.Flag) { cudaExplicit = cudaExplicit || f.Name == "cuda-device" })
+	closeCUDA, announceCUDA, err := setupCUDA(log, srv, *cudaDevice, *cudaMaxIdle, cudaExplicit)
+	if err != nil {
+		log.Error("CUDA", zap.Error(err))
+		return exitError
+	}
+	defer closeCUDA()
 	tr, err := ipc.Listen(*listen, log, curve)
 	if err != nil {
 		log.Error("listen failed", zap.Error(err))
@@ -151,6 +162,7 @@ func run() int {
 	}
 	log.Info("sonard listening", zap.String("addr", *listen), zap.String("version", server.Version),
 		zap.Int("protocol", ipc.Version), zap.Int("workers", engine.Workers), zap.String("sqrt", engine.SqrtName), zap.Int("pid", os.Getpid()))
+	announceCUDA() // after "sonard listening", which stays the first line
 	serveErr := tr.Serve(ctx, srv)
 	srv.Close()
 	if err := tr.Close(); err != nil {
@@ -162,6 +174,72 @@ func run() int {
 	}
 	log.Info("sonard stopped")
 	return exitOK
+}
+
+// setupCUDA turns on the server's CUDA path on device ordinal (-1: off).
+// Without a driver (or, unless asked for explicitly, without the device) it
+// logs "CUDA off" and returns no error; other
+// failures (NVRTC missing, kernels not loading) are errors when the device was
+// asked for explicitly, and "CUDA off" otherwise. The returned function
+// releases the sessions and the CUDA objects; announce logs the outcome.
+func setupCUDA(log *zap.Logger, srv *server.Server, ordinal, maxIdle int, explicit bool) (closeFn, announce func(), err error) {
+	nop := func() {}
+	off := func(level zapcore.Level, reason string) func() {
+		return func() { log.Log(level, "CUDA off: "+reason) }
+	}
+	if ordinal < 0 {
+		return nop, off(zapcore.InfoLevel, "--cuda-device -1"), nil
+	}
+	if maxIdle < 0 {
+		return nop, nop, fmt.Errorf("--cuda-max-idle %d: want >= 0", maxIdle)
+	}
+	mapper, cache, dev, err := ipcbridge.NewCUDAMapper(ordinal, maxIdle)
+	if err != nil {
+		if errors.Is(err, ipcbridge.ErrCUDAUnsupported) && (!explicit || errors.Is(err, cuda.ErrNoDriver)) {
+			return nop, off(zapcore.InfoLevel, err.Error()), nil
+		}
+		return nop, nop, err
+	}
+	k, stream, err := loadCUDA(dev)
+	if err != nil {
+		_ = cache.Close()
+		_ = dev.Close()
+		if explicit {
+			return nop, nop, err
+		}
+		return nop, off(zapcore.WarnLevel, err.Error()), nil
+	}
+	srv.EnableCUDA(&server.GPU{Dev: dev, Kernels: k, Stream: stream, Mapper: mapper, Cache: cache})
+	announce = func() {
+		log.Info("CUDA on", zap.String("device", dev.Name), zap.Int("ordinal", ordinal),
+			zap.String("cc", fmt.Sprintf("%d.%d", dev.Major, dev.Minor)), zap.Int("compute", k.Arch), zap.Int("max_idle", maxIdle))
+	}
+	return func() {
+		srv.Close() // sessions first: they hold mappings and device state
+		srv.CloseCUDA()
+		for _, err := range []error{cache.Close(), k.Close(), stream.Destroy(), dev.Close()} {
+			if err != nil {
+				log.Warn("closing CUDA", zap.Error(err))
+			}
+		}
+	}, announce, nil
+}
+
+func loadCUDA(dev *cuda.Device) (*cuda.Kernels, *cuda.Stream, error) {
+	nv, err := cuda.OpenNVRTC()
+	if err != nil {
+		return nil, nil, err
+	}
+	k, err := cuda.LoadKernels(dev, nv)
+	if err != nil {
+		return nil, nil, err
+	}
+	stream, err := dev.NewStream()
+	if err != nil {
+		_ = k.Close()
+		return nil, nil, err
+	}
+	return k, stream, nil
 }
 
 func newLogger(level, format string) (*zap.Logger, error) {

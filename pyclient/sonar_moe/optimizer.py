@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _cuda
 from ._client import Connection, SonarError, start_private_server, torch_sqrt_is_ieee, torch_sqrt_library
 from ._detect import group_key, is_expert_param
 from ._shm import PAGE, Ring, Segment
@@ -164,6 +165,8 @@ class SonarAdamW(torch.optim.Optimizer):
         self._conn: Connection | None = None
         self._param_seg: Segment | None = None
         self._ring: Ring | None = None
+        self._cuda: _cuda.CudaExperts | None = None  # CUDA expert tensors (docs/gpu.md)
+        self._cuda_xfer: list[Any] = []  # CUDA state buffers of a state_dict transfer
         self._groups: dict[str, _Group] = {}
         self._hooks: list[Any] = []
         self._counts = {"step_requests": 0, "grads_sent": 0, "bytes_sent": 0, "skipped_nonfinite": 0}
@@ -172,8 +175,10 @@ class SonarAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _check_expert(name: str, p: torch.Tensor) -> None:
-        if p.device.type != "cpu":
-            raise NotImplementedError(f"expert tensor {name} is on {p.device}: only CPU tensors are supported so far")
+        if p.device.type not in ("cpu", "cuda"):
+            raise NotImplementedError(f"expert tensor {name} is on {p.device}: only CPU and CUDA tensors are supported")
+        if p.device.type == "cuda" and not p.is_contiguous():
+            raise ValueError(f"CUDA expert tensor {name} is not contiguous")
         if p.dtype not in _DTYPES:
             raise TypeError(f"expert tensor {name} has dtype {p.dtype}: float32 and bfloat16 are supported")
         if not p.is_leaf:
@@ -192,8 +197,12 @@ class SonarAdamW(torch.optim.Optimizer):
         rep = self._conn.call("hello", hello, timeout=max(self._timeout, 10.0))
         log.info("connected to sonard %s (protocol %s, pid %s, sqrt %s, namespace %s)", rep.get("server"),
                  rep.get("protocol"), rep.get("pid"), rep.get("sqrt"), self.namespace)
-        self._check_sqrt(str(rep.get("sqrt", "")))
         experts = list(self._experts.values())
+        devices = {e.param.device for e in experts}
+        if any(d.type == "cuda" for d in devices):
+            self._start_cuda(experts, rep, devices)
+            return
+        self._check_sqrt(str(rep.get("sqrt", "")))
         # Parameters move into one shared segment for good, each at a page boundary.
         off = 0
         for e in experts:
@@ -243,6 +252,32 @@ class SonarAdamW(torch.optim.Optimizer):
             self.state[e.param]["step"] = torch.tensor(0.0, dtype=torch.float32)
             self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
 
+    def _start_cuda(self, experts: list[_Expert], hello: dict[str, Any], devices: set[torch.device]) -> None:
+        """CUDA experts: registered in place by IPC handle; no shared memory, no ring."""
+        assert self._conn is not None
+        self._cuda = _cuda.start(self._conn, hello, devices)
+        log.info("sonard updates the expert tensors on %s (%s)", next(iter(devices)), hello.get("cuda"))
+        g = self.param_groups[0]
+        hyper = {"lr": float(g["lr"]), "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]),
+                 "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]),
+                 "amsgrad": bool(g["amsgrad"]), "maximize": bool(g["maximize"])}
+        specs = []
+        for e in experts:
+            if self.split_experts and e.param.dim() >= 3:
+                e.parts = e.param.shape[0]
+            shape = list(e.param.shape[1:]) if e.parts > 1 else list(e.param.shape)
+            ref = self._cuda.param_ref(e.param)
+            for i in range(e.parts):
+                specs.append({"name": e.name if e.parts == 1 else f"{e.name}.{i}", "shape": shape,
+                              "dtype": _DTYPES[e.param.dtype], "hyper": hyper,
+                              "param": {"seg": ref["seg"], "off": ref["off"] + i * e.part_bytes, "nbytes": e.part_bytes}})
+        ids = iter(self._conn.call("register", {"tensors": specs})["ids"])
+        for e in experts:
+            e.tids = [next(ids) for _ in range(e.parts)]
+            self._groups.setdefault(e.key, _Group(0)).size += 1
+            self.state[e.param]["step"] = torch.tensor(0.0, dtype=torch.float32)
+            self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+
     @staticmethod
     def _check_sqrt(server_sqrt: str) -> None:
         """The server must compute float32 sqrt as this process's torch does."""
@@ -267,7 +302,7 @@ class SonarAdamW(torch.optim.Optimizer):
     # --------------------------------------------------------------- backward
     def _on_grad(self, p: torch.Tensor) -> None:
         """post-accumulate-grad hook: copy the gradient into a slot, free it, send the layer."""
-        if p.grad is None or self._conn is None or self._ring is None:
+        if p.grad is None or self._conn is None or (self._ring is None and self._cuda is None):
             return
         self._hand_over(p, p.grad, owned=True)  # no local reference: _hand_over frees it
 
@@ -298,6 +333,9 @@ class SonarAdamW(torch.optim.Optimizer):
 
     def _hand_over(self, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
         """Copy one expert gradient into a slot and send it. owned: grad is p.grad, freed here."""
+        if self._cuda is not None:
+            self._hand_over_cuda(p, grad, owned)
+            return
         assert self._conn is not None and self._ring is not None
         if self._closed:
             raise SonarError("SonarAdamW is closed")
@@ -348,6 +386,51 @@ class SonarAdamW(torch.optim.Optimizer):
         if len(grp.items) >= grp.size:
             self._send(grp)
 
+    def _hand_over_cuda(self, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
+        """CUDA: share the gradient by handle, record the event, send; keep it until the reply."""
+        assert self._conn is not None and self._cuda is not None
+        if self._closed:
+            raise SonarError("SonarAdamW is closed")
+        e = self._experts[id(p)]
+        if self.nonfinite == "skip" and not bool(torch.isfinite(grad).all()):
+            if owned:
+                p.grad = None
+            self._counts["skipped_nonfinite"] += 1
+            log.warning("skipping the update of %s: its gradient is not finite", e.name)
+            return
+        if self.max_expert_grad_norm is not None:
+            # Per-tensor clipping, exactly clip_grad_norm_([p], c); a caller's gradient stays untouched.
+            if not owned:
+                grad = grad.clone()
+            saved, p.grad = p.grad, grad
+            try:
+                torch.nn.utils.clip_grad_norm_([p], self.max_expert_grad_norm)
+            finally:
+                p.grad = saved
+        if owned:
+            p.grad = None
+        self._conn.poll(0)  # release the gradients of finished requests
+        ref, holder = self._cuda.grad_ref(grad.contiguous())
+        del grad
+        self._cuda.record()
+        e.micro += 1
+        apply = e.micro >= self.grad_accumulation_steps
+        step, scalars = self._next_step(e) if apply else (0, {})
+        items = [{"tensor": tid, "grad": {"seg": ref["seg"], "off": ref["off"] + i * e.part_bytes, "nbytes": e.part_bytes},
+                  "apply": apply, "step": step, "scalars": scalars} for i, tid in enumerate(e.tids)]
+        if e.parts > 1:  # one request per expert slice; the last reply releases the gradient
+            for i, it in enumerate(items):
+                self._send_items([it], [holder] if i == len(items) - 1 else [])
+            return
+        item = items[0]
+        grp = self._groups[e.key]
+        if any(i["tensor"] == item["tensor"] for i in grp.items):
+            self._send(grp)
+        grp.items.append(item)
+        grp.slots.append(holder)  # type: ignore[arg-type]
+        if len(grp.items) >= grp.size:
+            self._send(grp)
+
     def _next_step(self, e: _Expert) -> tuple[int, dict[str, Any]]:
         step_t = self.state[e.param]["step"]
         step_t += 1
@@ -365,12 +448,19 @@ class SonarAdamW(torch.optim.Optimizer):
         self._counts["step_requests"] += 1
         self._counts["grads_sent"] += sum(1 for i in items if i["grad"]["seg"])
         self._counts["bytes_sent"] += sum(i["grad"]["nbytes"] for i in items if i["grad"]["seg"])
-        self._conn.send("step", {"items": items}, functools.partial(self._on_step_reply, slots))
+        body: dict[str, Any] = {"items": items}
+        if self._cuda is not None:
+            body["wait_event"] = True
+        self._conn.send("step", body, functools.partial(self._on_step_reply, slots))
 
-    def _on_step_reply(self, slots: list[int], rep: dict[str, Any]) -> None:
-        assert self._ring is not None
-        for off in slots:
-            self._ring.free(off)
+    def _on_step_reply(self, slots: list[Any], rep: dict[str, Any]) -> None:
+        if self._cuda is not None:  # CUDA: slots are the gradients kept alive until now
+            for holder in slots:
+                self._cuda.release(holder)
+        else:
+            assert self._ring is not None
+            for off in slots:
+                self._ring.free(off)
         if not rep.get("ok"):
             self._errors.append(str(rep.get("error")))
 
@@ -403,7 +493,10 @@ class SonarAdamW(torch.optim.Optimizer):
                 step, sc = self._next_step(e)
                 items += [{"tensor": tid, "grad": {"seg": 0, "off": 0, "nbytes": 0},
                            "apply": True, "step": step, "scalars": sc} for tid in e.tids]
-            self._conn.send("step", {"items": items}, functools.partial(self._on_step_reply, []))
+            body: dict[str, Any] = {"items": items}
+            if self._cuda is not None:
+                body["wait_event"] = True
+            self._conn.send("step", body, functools.partial(self._on_step_reply, []))
         self._conn.wait()
         if self._errors:
             errs, self._errors = self._errors, []
@@ -492,8 +585,8 @@ class SonarAdamW(torch.optim.Optimizer):
             self._release_xfer(xfer)
 
     def _xfer_segment(self) -> tuple[Segment, int] | None:
-        if not self._experts or self._conn is None:
-            return None
+        if not self._experts or self._conn is None or self._cuda is not None:
+            return None  # CUDA: state moves through CUDA buffers (_xfer_views)
         biggest = max(e.nbytes for e in self._experts.values())
         seg = Segment(3 * (-(-biggest // PAGE) * PAGE + PAGE), "xfer")
         try:
@@ -502,12 +595,23 @@ class SonarAdamW(torch.optim.Optimizer):
             seg.unlink()
 
     def _xfer_views(self, xfer: tuple[Segment, int] | None, e: _Expert) -> list[torch.Tensor]:
-        assert xfer is not None
         n = 3 if self.param_groups[0]["amsgrad"] else 2
+        if self._cuda is not None:  # CUDA buffers shared by handle, kept until the next call or the end
+            self._release_cuda_xfer()
+            views = [torch.zeros_like(e.param, memory_format=torch.contiguous_format) for _ in range(n)]
+            self._cuda_xfer = [self._cuda.grad_ref(v) for v in views]
+            return views
+        assert xfer is not None
         stride = xfer[0].size // 3
         return [xfer[0].tensor(i * stride + 1024 * (i + 1), e.param.dtype, e.param.shape) for i in range(n)]
 
     def _xfer_body(self, xfer: tuple[Segment, int] | None, e: _Expert, step: int, part: int) -> dict[str, Any]:
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda.device)  # the buffers' writes are done before the server copies
+            crefs = [{**r, "off": r["off"] + part * e.part_bytes, "nbytes": e.part_bytes} for r, _ in self._cuda_xfer]
+            crefs += [{"seg": 0, "off": 0, "nbytes": 0}] * (3 - len(crefs))
+            return {"tensor": e.tids[part], "step": step, "exp_avg": crefs[0], "exp_avg_sq": crefs[1],
+                    "max_exp_avg_sq": crefs[2]}
         assert xfer is not None
         stride = xfer[0].size // 3
         refs = [{"seg": xfer[1], "off": i * stride + 1024 * (i + 1) + part * e.part_bytes, "nbytes": e.part_bytes}
@@ -516,7 +620,14 @@ class SonarAdamW(torch.optim.Optimizer):
             refs[2] = {"seg": 0, "off": 0, "nbytes": 0}
         return {"tensor": e.tids[part], "step": step, "exp_avg": refs[0], "exp_avg_sq": refs[1], "max_exp_avg_sq": refs[2]}
 
+    def _release_cuda_xfer(self) -> None:
+        held, self._cuda_xfer = self._cuda_xfer, []
+        if self._cuda is not None:
+            for _, holder in held:
+                self._cuda.release(holder)
+
     def _release_xfer(self, xfer: tuple[Segment, int] | None) -> None:
+        self._release_cuda_xfer()
         if xfer is None or self._conn is None:
             return
         self._conn.call("detach", {"seg": xfer[1]})
@@ -561,6 +672,8 @@ class SonarAdamW(torch.optim.Optimizer):
                 h.remove()
             if self._conn is not None:
                 self._finalizer()
+            if self._cuda is not None:
+                self._cuda.close()
 
     def __enter__(self) -> SonarAdamW:
         return self

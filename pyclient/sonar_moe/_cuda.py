@@ -1,0 +1,96 @@
+"""The CUDA path of SonarAdamW (docs/gpu.md): expert tensors stay in GPU memory and sonard
+updates them in place.
+
+Parameters are registered by CUDA IPC handle (``attach_cuda``, once per base block of torch's
+caching allocator) instead of being copied into shared memory. A gradient is shared the same
+way; the client records one interprocess event after the gradient is final and sends the step
+with ``wait_event``, so the server's kernels start after the producing work without any host
+synchronization. The gradient is kept referenced until the reply: the server has finished with
+it then.
+
+Only used when the expert tensors are CUDA tensors and sonard reported ``cuda`` in hello.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._client import Connection, SonarError
+
+
+def start(conn: Connection, hello: dict[str, Any], devices: set[torch.device]) -> CudaExperts:
+    """Check that the experts can take the CUDA path and open it."""
+    if len(devices) != 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise NotImplementedError(f"expert tensors on several devices ({names}): put all expert tensors on one CUDA device")
+    (dev,) = devices
+    if dev.type != "cuda":
+        raise NotImplementedError(f"expert tensors on {dev}: only CPU or CUDA expert tensors are supported")
+    if not hello.get("cuda"):
+        raise SonarError(f"expert tensors are on {dev} but this sonard has no CUDA path (no CUDA driver where it "
+                         "runs, or --cuda-device -1); sonard must run on the same machine as the GPU")
+    return CudaExperts(conn, dev)
+
+
+class CudaExperts:
+    """IPC handles, segments and the interprocess event of one optimizer's CUDA experts."""
+
+    def __init__(self, conn: Connection, device: torch.device) -> None:
+        self._conn = conn
+        self.device = device
+        self._segs: dict[bytes, int] = {}  # base block's handle -> server segment
+        self._param_counters: list[tuple[Any, int]] = []  # released at close
+        with torch.cuda.device(device):
+            self._ev = torch.cuda.Event(interprocess=True)
+            self._ev.record()
+        conn.call("cuda_event", {"handle": bytes(self._ev.ipc_handle())})
+
+    def _share(self, t: torch.Tensor) -> tuple[dict[str, Any], tuple[Any, int]]:
+        """A MemRef of t's memory, attaching its base block once; and its IPC ref counter."""
+        if not t.is_contiguous():
+            raise ValueError("CUDA expert tensors and their gradients must be contiguous")
+        st = t.untyped_storage()
+        _dev, handle, _size, off, rc_handle, rc_offset, _ev, _sync = st._share_cuda_()
+        handle = bytes(handle)
+        seg = self._segs.get(handle)
+        if seg is None:
+            seg = int(self._conn.call("attach_cuda", {"handle": handle, "size": int(off) + st.nbytes()})["seg"])
+            self._segs[handle] = seg
+        ref = {"seg": seg, "off": int(off) + t.storage_offset() * t.element_size(), "nbytes": t.numel() * t.element_size()}
+        return ref, (rc_handle, int(rc_offset))
+
+    def param_ref(self, p: torch.Tensor) -> dict[str, Any]:
+        """The MemRef of a parameter, registered in place."""
+        ref, rc = self._share(p.detach())
+        self._param_counters.append(rc)
+        return ref
+
+    def grad_ref(self, g: torch.Tensor) -> tuple[dict[str, Any], list[Any]]:
+        """Share a gradient (or a state buffer): its MemRef and a holder to keep until the reply."""
+        ref, rc = self._share(g)
+        return ref, [g, rc]
+
+    def record(self) -> None:
+        """Mark the current stream's work so far: the next wait_event request waits for it."""
+        self._ev.record(torch.cuda.current_stream(self.device))
+
+    def release(self, holder: list[Any]) -> None:
+        """After the reply: give back the IPC ref counter, then drop the tensor (in that order,
+        so its storage returns to the caching allocator instead of torch's IPC limbo)."""
+        if holder[1] is not None:
+            self._release_counter(holder[1])
+        holder[0] = holder[1] = None
+
+    def _release_counter(self, rc: tuple[Any, int]) -> None:
+        torch.UntypedStorage._release_ipc_counter(rc[0], rc[1], device=self.device)
+
+    def close(self) -> None:
+        """After the server released the session: give back the parameters' counters."""
+        counters, self._param_counters = self._param_counters, []
+        for rc in counters:
+            try:
+                self._release_counter(rc)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
