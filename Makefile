@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 GO      ?= go
 export SONARD := $(CURDIR)/bin/sonard
 
-.PHONY: all setup system-deps venv build demo test test-go test-py lint fuzz soak quality clean
+.PHONY: all setup system-deps venv build demo test test-go test-py lint fuzz soak quality bench bench-quick clean
 
 all: build
 
@@ -51,6 +51,13 @@ fuzz: system-deps
 # Several trainers on one sonard for many steps; prints memory/fd/shm figures.
 soak: setup build
 	$(PY) scripts/soak.py --clients 4 --steps 2000
+
+# Kernel and training benchmarks against torch (writes docs/benchmarks.md and its PNGs).
+bench: setup build
+	$(PY) bench/run.py
+
+bench-quick: setup build
+	$(PY) bench/run.py --quick
 
 # Held-out loss of Sonar vs standard AdamW with and without clipping (writes docs/quality.md).
 quality: setup build

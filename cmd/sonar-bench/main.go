@@ -64,11 +64,11 @@ type Report struct {
 }
 
 func main() {
-	sizes := flag.String("sizes", "1M,16M,64M", "tensor sizes in elements (K/M suffixes), comma separated")
+	sizes := flag.String("sizes", "1M,16M,64M", "tensor sizes in elements (K/M suffixes), comma separated; empty: copy only")
 	dtypes := flag.String("dtypes", "float32,bfloat16", "dtypes, comma separated")
 	reps := flag.Int("reps", 7, "timed repeats per case (median reported)")
 	workers := flag.Int("workers", runtime.NumCPU(), "engine workers (goroutines per tensor)")
-	copyMB := flag.Int("copy-mb", 256, "size of the copy-bandwidth buffer in MiB")
+	copyMB := flag.Int("copy-mb", 256, "size of the copy-bandwidth buffer in MiB (0: no copy measurement)")
 	torchLib := flag.String("torch-lib", "", "libtorch_cpu.so whose MKL vmsSqrt to measure as well (float32)")
 	flag.Parse()
 
@@ -86,8 +86,13 @@ func main() {
 	}
 	rep := Report{GoVersion: runtime.Version(), GOMAXPROCS: runtime.GOMAXPROCS(0), NumCPU: runtime.NumCPU(),
 		Reps: *reps, TorchLib: *torchLib}
-	rep.Copy = append(rep.Copy, copyBandwidth(*copyMB<<20, *workers, *reps))
+	if *copyMB > 0 {
+		rep.Copy = append(rep.Copy, copyBandwidth(*copyMB<<20, *workers, *reps))
+	}
 	for _, ds := range strings.Split(*dtypes, ",") {
+		if len(ns) == 0 {
+			break
+		}
 		d, err := optimizer.ParseDType(strings.TrimSpace(ds))
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "sonar-bench:", err)
@@ -103,7 +108,9 @@ func main() {
 		}
 	}
 	// The copy again at the end: the machine's load may drift during the run.
-	rep.Copy = append(rep.Copy, copyBandwidth(*copyMB<<20, *workers, *reps))
+	if *copyMB > 0 && len(ns) > 0 {
+		rep.Copy = append(rep.Copy, copyBandwidth(*copyMB<<20, *workers, *reps))
+	}
 	enc := json.NewEncoder(os.Stdout)
 	enc.SetIndent("", "  ")
 	if err := enc.Encode(rep); err != nil {
@@ -114,6 +121,9 @@ func main() {
 
 func parseSizes(s string) ([]int, error) {
 	var out []int
+	if strings.TrimSpace(s) == "" {
+		return nil, nil
+	}
 	for _, f := range strings.Split(s, ",") {
 		f = strings.TrimSpace(f)
 		mult := 1

@@ -1,0 +1,102 @@
+"""Shared helpers of the benchmark suite: paths, timing, machine description."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT / "examples", ROOT / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def load_avg() -> tuple[float, float, float]:
+    return os.getloadavg()
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def mem_total_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    """VmHWM/VmRSS/RssAnon/RssShmem of a process, in bytes."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM (Linux >= 4.0: write 5 to clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_json(cmd: list[str], env: dict[str, str] | None = None, timeout: float | None = None) -> Any:
+    """Run a command that prints one JSON document on stdout; stderr passes through."""
+    t = time.perf_counter()
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, env=env, timeout=timeout, cwd=ROOT).stdout
+    print(f"  ({time.perf_counter() - t:.0f} s) {' '.join(Path(c).name if os.sep in c else c for c in cmd[:3])} ...",
+          file=sys.stderr, flush=True)
+    return json.loads(out)
+
+
+def torch_lib() -> str:
+    import torch
+    return os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} GiB"

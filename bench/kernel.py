@@ -1,0 +1,200 @@
+"""Kernel benchmarks on the torch side: torch CPU AdamW (single-tensor, foreach, fused), torch's
+copy bandwidth, and sonard end to end (one tensor per request, from Python). Prints JSON.
+
+    python bench/kernel.py --sizes 1M,16M,64M --reps 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import common  # noqa: F401  (sys.path)
+import torch
+from torch import nn
+
+VARIANTS = {
+    "single": dict(foreach=False),  # the CPU default: _single_tensor_adam
+    "foreach": dict(foreach=True),
+    "fused": dict(fused=True),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_sizes(s: str) -> list[int]:
+    out = []
+    for f in s.split(","):
+        f = f.strip()
+        mult = 1 << 20 if f.endswith("M") else 1 << 10 if f.endswith("K") else 1
+        out.append(int(f.rstrip("MK")) * mult)
+    return out
+
+
+def default_path() -> str:
+    """Which AdamW implementation torch picks on CPU when neither foreach nor fused is given."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    fused, foreach = _default_to_fused_or_foreach([torch.zeros(4)], differentiable=False, use_fused=False)
+    return "fused" if fused else "foreach" if foreach else "single"
+
+
+def copy_bandwidth(mb: int, reps: int) -> dict:
+    n = mb << 20
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    med = common.median(times)
+    return {"bytes": n, "threads": torch.get_num_threads(), "median_s": med, "times_s": times,
+            "gb_per_s_read_write": 2 * n / med / 1e9}
+
+
+def make(n: int, dtype: torch.dtype, seed: int) -> tuple[nn.Parameter, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p = nn.Parameter((torch.randn(n, generator=g) * 0.02).to(dtype))
+    grad = (torch.randn(n, generator=g) * 0.01).to(dtype)
+    return p, grad
+
+
+def torch_adamw(n: int, dtype: torch.dtype, reps: int) -> list[dict]:
+    """The three variants on equal tensors, timed round-robin (so load drift hits all alike)."""
+    runs = {}
+    for i, (name, kw) in enumerate(VARIANTS.items()):
+        p, grad = make(n, dtype, 1)
+        p.grad = grad
+        opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, **kw)
+        opt.step()  # warm-up: allocates the state, step 1
+        runs[name] = (opt, [])
+    for _ in range(reps):
+        for name, (opt, times) in runs.items():
+            t = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t)
+    bpe = 7 * torch.finfo(dtype).bits // 8
+    out = []
+    for name, (opt, times) in runs.items():
+        med = common.median(times)
+        out.append({"impl": f"torch-{name}", "dtype": str(dtype).removeprefix("torch."), "numel": n,
+                    "threads": torch.get_num_threads(), "median_s": med, "min_s": min(times), "times_s": times,
+                    "elements_per_s": n / med, "gb_per_s": n * bpe / med / 1e9, "bytes_per_element": bpe})
+    del runs
+    return out
+
+
+def sonard_e2e(n: int, dtype: torch.dtype, reps: int) -> dict:
+    """One expert tensor of n elements updated by a private sonard: request latency seen by
+    the client (send -> reply handled) and the server's own time for the step."""
+    import sonar_moe
+    p, grad = make(n, dtype, 1)
+    w = grad.clone()
+    with sonar_moe.SonarAdamW([("experts.w", p)], lr=1e-3, weight_decay=0.01,
+                              expert_params=lambda name, t: True) as opt:
+        walls = []
+        for i in range(reps + 1):
+            (p * w).sum().backward()  # the hook copies the gradient into the ring and sends the request
+            t = time.perf_counter()
+            opt.step()  # waits for the reply
+            if i:
+                walls.append(time.perf_counter() - t)
+        lat = list(opt._conn.latencies)[-reps:]  # noqa: SLF001 - the client keeps one latency per request
+        st = opt.stats()
+        srv = st["server"]
+    med = common.median(lat)
+    bpe = 7 * torch.finfo(dtype).bits // 8
+    return {"impl": "sonard-e2e", "dtype": str(dtype).removeprefix("torch."), "numel": n,
+            "median_s": med, "min_s": min(lat), "times_s": lat, "elements_per_s": n / med,
+            "gb_per_s": n * bpe / med / 1e9, "bytes_per_element": bpe,
+            "server_step_us_p50": srv.get("step_us_p50"), "server_step_us_p99": srv.get("step_us_p99"),
+            "wait_in_step_s": common.median(walls)}
+
+
+def ipc_ping(n: int) -> dict:
+    """Round trips of a request the server answers without touching tensor memory ("stats"):
+    ZeroMQ ipc:// transport plus msgpack encoding on both sides."""
+    import sonar_moe
+    p = nn.Parameter(torch.zeros(1024))
+    with sonar_moe.SonarAdamW([("experts.w", p)], expert_params=lambda name, t: True) as opt:
+        conn = opt._conn  # noqa: SLF001
+        for _ in range(50):
+            conn.call("stats", {})
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            conn.call("stats", {})
+            times.append(time.perf_counter() - t)
+    times.sort()
+    return {"n": n, "p50_s": times[n // 2], "p90_s": times[n * 9 // 10], "p99_s": times[n * 99 // 100],
+            "max_s": times[-1], "times_s": times}
+
+
+def go_engine(go_bench: str, lib: str | None, dtype: str, n: int, reps: int) -> list[dict]:
+    """The Go engine in-process (cmd/sonar-bench), IEEE sqrt and (float32) MKL vmsSqrt."""
+    import subprocess
+    cmd = [go_bench, "-sizes", str(n), "-dtypes", dtype, "-reps", str(reps), "-copy-mb", "256"]
+    if lib:
+        cmd += ["-torch-lib", lib]
+    out = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE).stdout)
+    copies = [c["gb_per_s_read_write"] for c in out["copy"]]  # right before and after the kernels
+    return [{**k, "copies_gbps": copies} for k in out["kernels"]]
+
+
+def go_copy(go_bench: str, mb: int, reps: int) -> dict:
+    import subprocess
+    cmd = [go_bench, "-sizes", "", "-copy-mb", str(mb), "-reps", str(reps)]
+    return json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE).stdout)["copy"][0]
+
+
+def merge(a: list[dict], b: list[dict]) -> list[dict]:
+    """Two Go runs of the same cases (before and after torch's): median over all repeats."""
+    out = []
+    for x, y in zip(a, b):
+        times = x["times_s"] + y["times_s"]
+        med = common.median(times)
+        copies = x["copies_gbps"] + y["copies_gbps"]
+        out.append({**x, "times_s": times, "median_s": med, "min_s": min(times), "elements_per_s": x["numel"] / med,
+                    "gb_per_s": x["numel"] * x["bytes_per_element"] / med / 1e9, "copies_gbps": copies,
+                    "copy_gbps": common.median(copies)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sizes", default="1M,16M,64M")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--copy-mb", type=int, default=256)
+    ap.add_argument("--no-sonard", action="store_true")
+    ap.add_argument("--pings", type=int, default=2000)
+    ap.add_argument("--go-bench", help="cmd/sonar-bench binary: measure the Go engine next to each torch case")
+    ap.add_argument("--torch-lib", help="libtorch_cpu.so for the Go engine's MKL sqrt variant")
+    a = ap.parse_args()
+    res: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                 "capability": torch.backends.cpu.get_cpu_capability(), "default_path": default_path(),
+                 "copy": [copy_bandwidth(a.copy_mb, a.reps)], "kernels": [], "sonard": []}
+    if a.go_bench:
+        res["go_copy"] = [go_copy(a.go_bench, a.copy_mb, a.reps)]
+        res["go_kernels"] = []
+    for dn in a.dtypes.split(","):
+        dtype = DTYPES[dn.strip()]
+        for n in parse_sizes(a.sizes):
+            # Go before and after torch, so drift of the machine's load hits both alike.
+            go1 = go_engine(a.go_bench, a.torch_lib, dn.strip(), n, a.reps) if a.go_bench else []
+            res["kernels"] += torch_adamw(n, dtype, a.reps)
+            if a.go_bench:
+                res["go_kernels"] += merge(go1, go_engine(a.go_bench, a.torch_lib, dn.strip(), n, a.reps))
+            if not a.no_sonard:
+                res["sonard"].append(sonard_e2e(n, dtype, a.reps))
+    if not a.no_sonard:
+        res["ping"] = ipc_ping(a.pings)
+    res["copy"].append(copy_bandwidth(a.copy_mb, a.reps))
+    if a.go_bench:
+        res["go_copy"].append(go_copy(a.go_bench, a.copy_mb, a.reps))
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,588 @@
+"""Render benchmark results (bench/run.py's JSON) as docs/benchmarks.md and the PNGs."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+MiB = 2**20
+ORDER = ["torch-single", "torch-foreach", "torch-fused", "go-ieee", "go-mkl", "sonard-e2e"]
+LABEL = {
+    "torch-single": "torch AdamW (single-tensor, CPU default)",
+    "torch-foreach": "torch AdamW foreach=True",
+    "torch-fused": "torch AdamW fused=True",
+    "go-ieee": "Go engine, IEEE sqrt (in-process)",
+    "go-mkl": "Go engine, MKL vmsSqrt (in-process)",
+    "sonard-e2e": "sonard end to end (request latency)",
+}
+MODEL_NAME = {"olmoe": "OLMoE", "granite": "GraniteMoe"}
+
+
+def size_name(n: int) -> str:
+    return f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}K" if n % 1024 == 0 else str(n)
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def signed_pct(x: float) -> str:
+    return f"{100 * x:+.1f}%"
+
+
+def kernel_rows(res: dict) -> tuple[list[dict], float, dict]:
+    rows = []
+    for k in res["torch"]["go_kernels"]:
+        rows.append({**k, "impl": f"go-{k['sqrt']}"})
+    rows += res["torch"]["kernels"]
+    rows += res["torch"].get("sonard", [])
+    copies = {
+        "Go copy (one goroutine per core), start": res["torch"]["go_copy"][0]["gb_per_s_read_write"],
+        "Go copy (one goroutine per core), end": res["torch"]["go_copy"][-1]["gb_per_s_read_write"],
+        "torch copy_, start": res["torch"]["copy"][0]["gb_per_s_read_write"],
+        "torch copy_, end": res["torch"]["copy"][-1]["gb_per_s_read_write"],
+    }
+    case_copy = {}
+    for k in res["torch"]["go_kernels"]:
+        if "copy_gbps" in k:
+            case_copy.setdefault((k["dtype"], k["numel"]), k["copy_gbps"])
+    for r in rows:
+        r["case_copy"] = case_copy.get((r["dtype"], r["numel"]))
+    if case_copy:
+        import statistics as _st
+        return rows, _st.median(case_copy.values()), copies
+    return rows, max(copies.values()), copies
+
+
+def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
+    rows, copy_bw, copies = kernel_rows(res)
+    L: list[str] = []
+    targets: list[dict] = []
+    L.append("## 1. AdamW kernel: Go engine vs torch CPU AdamW\n")
+    reps = len(res["torch"]["kernels"][0]["times_s"])
+    L.append(f"One AdamW step over one tensor (lr 1e-3, weight decay 0.01, step >= 2), median of "
+             f"{reps} repeats after a warm-up step (the Go engine: {reps} before and {reps} after torch's, "
+             "each case, so a change of load hits both). Bytes moved: 28 per element for float32 "
+             "(read p, g, m, v; write p, m, v), 14 for bfloat16. torch runs with "
+             f"{res['torch']['threads']} threads, the Go engine with {res['torch']['go_kernels'][0]['workers']} workers "
+             "(= cores). torch's default on CPU is the "
+             f"`{res['torch']['default_path']}` path (neither foreach nor fused is chosen by default).\n")
+    L.append("Copy bandwidth of this machine, measured in the same run on 256 MiB buffers (read + write bytes "
+             "per second):\n")
+    L.append("| measurement | GB/s |\n|---|---|")
+    for k, v in copies.items():
+        L.append(f"| {k} | {v:.1f} |")
+    if any(r.get("case_copy") for r in rows):
+        L.append(f"\nThe load of this shared machine changes within minutes, so each case's percentage is against "
+                 "the Go copy measured right before and after that case's kernels (four measurements, median; "
+                 f"the column `copy GB/s`). Median over all cases: **{copy_bw:.1f} GB/s**.\n")
+    else:
+        L.append(f"\nThe percentages below are against the best of these, **{copy_bw:.1f} GB/s**.\n")
+    by = {}
+    for r in rows:
+        by[(r["impl"], r["dtype"], r["numel"])] = r
+    dtypes = sorted({r["dtype"] for r in rows}, key=lambda d: d != "float32")
+    sizes = sorted({r["numel"] for r in rows})
+    for dt in dtypes:
+        L.append(f"\n### {dt}\n")
+        L.append("| implementation | size | median ms | G elem/s | GB/s | vs torch fused | copy GB/s | % of copy BW |")
+        L.append("|---|---|---|---|---|---|---|---|")
+        for n in sizes:
+            fused = by.get(("torch-fused", dt, n))
+            for impl in ORDER:
+                r = by.get((impl, dt, n))
+                if r is None:
+                    continue
+                ratio = fused["median_s"] / r["median_s"] if fused else float("nan")
+                bold = "**" if impl.startswith("go-") else ""
+                cb = r.get("case_copy") or copy_bw
+                L.append(f"| {bold}{LABEL[impl]}{bold} | {size_name(n)} | {1e3 * r['median_s']:.2f} | "
+                         f"{r['elements_per_s'] / 1e9:.3f} | {r['gb_per_s']:.1f} | {ratio:.2f}x | {cb:.1f} | "
+                         f"{pct(r['gb_per_s'] / cb)} |")
+    e2e = res["torch"].get("sonard", [])
+    if e2e:
+        L.append("\nsonard end to end: the client's request latency (send to reply handled) for one tensor, "
+                 "which includes the server's AdamW (server-side time in the last column), msgpack and the "
+                 "ZeroMQ round trip; the private server uses torch's MKL sqrt for float32 (as `SonarAdamW` "
+                 "starts it). The trainer also copies the gradient into a shared-memory slot before sending "
+                 "(not in the latency).\n")
+        L.append("| dtype | size | request latency ms | server step ms (p50) | G elem/s (latency) |")
+        L.append("|---|---|---|---|---|")
+        for r in e2e:
+            L.append(f"| {r['dtype']} | {size_name(r['numel'])} | {1e3 * r['median_s']:.2f} | "
+                     f"{(r['server_step_us_p50'] or 0) / 1e3:.2f} | {r['elements_per_s'] / 1e9:.3f} |")
+    # Targets
+    L.append("\n### Kernel targets\n")
+    L.append("| target | case | measured | verdict |")
+    L.append("|---|---|---|---|")
+    for dt in dtypes:
+        for n in sizes:
+            fused = by.get(("torch-fused", dt, n))
+            for impl in ("go-ieee", "go-mkl"):
+                r = by.get((impl, dt, n))
+                if r is None or fused is None:
+                    continue
+                ratio = fused["median_s"] / r["median_s"]
+                ok = ratio >= 1.0
+                targets.append({"target": "Go engine >= torch fused", "case": f"{impl} {dt} {size_name(n)}",
+                                "measured": f"{ratio:.2f}x torch fused", "met": ok})
+                L.append(f"| Go engine >= torch fused | {LABEL[impl].split(' (')[0]}, {dt}, {size_name(n)} | "
+                         f"{ratio:.2f}x | {'met' if ok else 'MISSED'} by {signed_pct(ratio - 1)} |")
+    for n in sizes:
+        if n < 16 << 20:
+            continue
+        for impl in ("go-ieee", "go-mkl"):
+            r = by.get((impl, "float32", n))
+            if r is None:
+                continue
+            cb = r.get("case_copy") or copy_bw
+            f = r["gb_per_s"] / cb
+            ok = f >= 0.70
+            targets.append({"target": ">= 70% of copy bandwidth (fp32, 16M+)", "case": f"{impl} {size_name(n)}",
+                            "measured": pct(f), "met": ok})
+            L.append(f"| >= 70% of copy BW, fp32 16M+ | {LABEL[impl].split(' (')[0]}, {size_name(n)} | "
+                     f"{pct(f)} ({r['gb_per_s']:.1f} of {cb:.1f} GB/s) | {'met' if ok else 'MISSED'} by "
+                     f"{100 * (f - 0.70):+.1f} points |")
+    return L, targets
+
+
+def _mem(m: dict) -> float:
+    return m["memory"]["total_peak"]
+
+
+def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
+    L: list[str] = []
+    targets: list[dict] = []
+    runs = res["train"]
+    if not runs:
+        return L, targets
+    r0 = runs[0]
+    L.append("## 2. Training: small OLMoE and GraniteMoe configs\n")
+    L.append("Expert share of parameters of the real models (counted on the meta device from their published "
+             "shapes, nothing downloaded) and of the small byte-level configs (vocab 256) benchmarked here. "
+             "The small configs keep the real expert count and top-k; the intermediate size is the one "
+             "(multiple of 8) whose expert share is closest to the real model's.\n")
+    L.append("| model | layers | hidden | intermediate | experts / top-k | params | expert share |")
+    L.append("|---|---|---|---|---|---|---|")
+    seen = set()
+    for r in runs:
+        if r["model"] in seen:
+            continue
+        seen.add(r["model"])
+        real, s, c = r["real"], r["shape"], r["counts"]
+        L.append(f"| {real['name']} (real) | {real['layers']} | {real['hidden']} | {real['intermediate']} | "
+                 f"{real['experts']} / {real['top_k']} | {real['total'] / 1e9:.2f} B | {pct(real['share'])} |")
+        L.append(f"| small {MODEL_NAME[r['model']]} (benchmarked) | {s['layers']} | {s['hidden']} | "
+                 f"{s['intermediate']} | {s['experts']} / {s['top_k']} | {c['total'] / 1e6:.2f} M | "
+                 f"{pct(c['share'])} |")
+    L.append(f"\nTraining: {r0['dtype']}, batch {r0['batch']} x {r0['seq']} byte tokens of real text (the Python "
+             f"standard library's sources), AdamW lr 1e-3, weight decay 0.01, {r0['warmup']} warm-up steps then "
+             f"{r0['steps']} timed steps (median reported), torch with {r0['threads']} threads, gradient "
+             f"checkpointing {'on (non-reentrant)' if r0.get('checkpointing') else 'off'}. The five methods train "
+             "side by side in one process on the same batches, one step of each in turn, so a change of the "
+             "machine's load hits all of them alike; each Sonar method has its own private `sonard`.\n")
+    L.append("Methods: (a) `torch.optim.AdamW` + `clip_grad_norm_(all params, 1.0)`; (b) `torch.optim.AdamW` "
+             "without clipping; (c) optimizer-in-backward over all parameters (one `torch.optim.AdamW` per "
+             "parameter stepped in `register_post_accumulate_grad_hook`, the PyTorch tutorial's method, no "
+             "clipping possible); (d) `SonarAdamW(max_grad_norm=1.0)` (batched expert tensors, dense clipping); "
+             "(e) `SonarAdamW(max_grad_norm=1.0, split_experts=True)` (one request per expert slice).\n")
+    L.append("**How peak memory is measured.** One extra step per method runs under `torch.profiler` with "
+             "`profile_memory=True`. The trainer's bytes are those alive before the step (parameters outside "
+             "shared memory, gradients, optimizer state, buffers; enumerated, each storage counted once) plus "
+             "the running sum of the CPU allocator's allocation and free events during the step; its maximum "
+             "is the trainer's peak. Sonar keeps memory outside torch's allocator, added as constants: the "
+             "shared-memory segment of the expert parameters, the gradient slot ring "
+             "(`opt.stats()['ring_bytes']`, one layer) and sonard's optimizer state "
+             "(`opt.stats()['server']['state_bytes']`). sonard's resident anonymous memory (RssAnon, from "
+             "/proc) is shown as a check of the last. The profiled step's timing is not used.\n")
+    for r in runs:
+        ms = r["methods"]
+        a = ms.get("a")
+        title = f"{MODEL_NAME[r['model']]}, experts_implementation=\"{r['impl']}\""
+        L.append(f"\n### {title}\n")
+        L.append("| method | peak memory MiB | vs (a) | trainer tensors MiB | outside torch MiB (shm params + "
+                 "ring + server state) | median step ms | vs (a) | step ms min-max | held-out loss | train loss (last) |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|")
+        for k in "abcde":
+            m = ms.get(k)
+            if m is None:
+                continue
+            mem = m["memory"]
+            lb = mem["live_before"]
+            outside = (f"{mem['outside'] / MiB:.1f} ({lb['shm_params'] / MiB:.1f} + {lb['shm_ring'] / MiB:.1f} + "
+                       f"{lb['server_state'] / MiB:.1f})" if "shm_params" in lb else "0")
+            mr = _mem(m) / _mem(a) - 1 if a else float("nan")
+            tr = m["median_step_s"] / a["median_step_s"] - 1 if a else float("nan")
+            L.append(f"| ({k}) {m['label']} | {_mem(m) / MiB:.1f} | {signed_pct(mr)} | "
+                     f"{mem['trainer_peak'] / MiB:.1f} | {outside} | {1e3 * m['median_step_s']:.0f} | "
+                     f"{signed_pct(tr)} | {1e3 * min(m['step_times_s']):.0f}-{1e3 * max(m['step_times_s']):.0f} | "
+                     f"{m['heldout_loss']:.4f} | {m['losses'][-1]:.4f} |")
+        d, c, e = ms.get("d"), ms.get("c"), ms.get("e")
+        notes = []
+        if d is not None and "server_proc" in d:
+            notes.append(f"sonard RssAnon after training (d): {d['server_proc'].get('RssAnon', 0) / MiB:.1f} MiB "
+                         f"vs state_bytes {d['server']['state_bytes'] / MiB:.1f} MiB")
+        if d is not None:
+            notes.append(f"(d) peak expert-gradient bytes (client): "
+                         f"{d['sonar']['peak_expert_grad_bytes'] / MiB:.2f} MiB; one layer of expert gradients: "
+                         f"{r['expert_grad_bytes_per_layer'] / MiB:.2f} MiB; all: {r['expert_grad_bytes'] / MiB:.1f} MiB")
+        L.append("\n" + "; ".join(notes) + ".\n")
+        # targets for this model
+        tag = f"{MODEL_NAME[r['model']]} {r['impl']}"
+        if a and d:
+            saving = 1 - _mem(d) / _mem(a)
+            theo = r["expert_grad_bytes"] - r["expert_grad_bytes_per_layer"]
+            got = _mem(a) - _mem(d)
+            targets.append({"target": "Sonar (d) peak >= 19% below (a)", "case": tag,
+                            "measured": f"{pct(saving)} below", "met": saving >= 0.19,
+                            "by": f"{100 * (saving - 0.19):+.1f} points"})
+            targets.append({"target": "Sonar saving >= 90% of theoretical (all expert grads minus one layer)",
+                            "case": tag, "measured": f"{pct(got / theo)} ({got / MiB:.1f} of {theo / MiB:.1f} MiB)",
+                            "met": got / theo >= 0.90, "by": f"{100 * (got / theo - 0.90):+.1f} points"})
+            tr = d["median_step_s"] / a["median_step_s"]
+            targets.append({"target": "Sonar (d) step time <= (a)", "case": tag, "measured": f"{tr:.3f}x (a)",
+                            "met": tr <= 1.0, "by": signed_pct(1 - tr)})
+        if d and e:
+            targets.append({"target": "(e) shows the per-expert slowdown", "case": tag,
+                            "measured": f"(e) {e['median_step_s'] / d['median_step_s']:.2f}x (d); "
+                                        f"{e['requests_per_step']:.0f} vs {d['requests_per_step']:.0f} requests/step",
+                            "met": e["median_step_s"] > d["median_step_s"], "by": ""})
+        if c and d:
+            t = d["median_step_s"] / c["median_step_s"] - 1
+            mm = _mem(d) / _mem(c) - 1
+            targets.append({"target": "(d) within 5% of (c): time", "case": tag, "measured": f"{signed_pct(t)}",
+                            "met": abs(t) <= 0.05 or t < 0, "by": f"{100 * (0.05 - t):+.1f} points"})
+            targets.append({"target": "(d) within 5% of (c): memory", "case": tag, "measured": f"{signed_pct(mm)}",
+                            "met": abs(mm) <= 0.05 or mm < 0, "by": f"{100 * (0.05 - mm):+.1f} points"})
+    dl, dt = depth_section(res)
+    return L + dl, targets + dt
+
+
+def depth_section(res: dict) -> tuple[list[str], list[dict]]:
+    """Peak memory against depth: Sonar keeps about one layer more than the theoretical minimum."""
+    rows = [r for r in res["train"] if r["impl"] == "grouped_mm"] + res.get("depth", [])
+    if not res.get("depth"):
+        return [], []
+    L = ["\n### Peak memory against depth (grouped_mm)\n",
+         "The memory targets depend on the depth L: the theoretical saving is all expert gradients minus one "
+         "layer, and Sonar holds the one-layer gradient ring plus the layer autograd is still accumulating. "
+         "These extra runs measure memory only (methods a, c, d; two warm-up steps, then the profiled step) "
+         "at the real models' depths.\n",
+         "| model | layers | params | (a) MiB | (c) MiB | (d) MiB | (d) vs (a) | saving / theoretical | (d) vs (c) |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    targets = []
+    for r in sorted(rows, key=lambda r: (r["model"], r["shape"]["layers"])):
+        ms = r["methods"]
+        a, c, d = ms.get("a"), ms.get("c"), ms.get("d")
+        if not (a and c and d):
+            continue
+        theo = r["expert_grad_bytes"] - r["expert_grad_bytes_per_layer"]
+        got = _mem(a) - _mem(d)
+        L.append(f"| {MODEL_NAME[r['model']]} | {r['shape']['layers']} | {r['counts']['total'] / 1e6:.1f} M | "
+                 f"{_mem(a) / MiB:.1f} | {_mem(c) / MiB:.1f} | {_mem(d) / MiB:.1f} | {signed_pct(_mem(d) / _mem(a) - 1)} | "
+                 f"{pct(got / theo)} | {signed_pct(_mem(d) / _mem(c) - 1)} |")
+        if r in res.get("depth", []):
+            tag = f"{MODEL_NAME[r['model']]} grouped_mm, {r['shape']['layers']} layers (memory only)"
+            saving = 1 - _mem(d) / _mem(a)
+            targets.append({"target": "Sonar (d) peak >= 19% below (a)", "case": tag,
+                            "measured": f"{pct(saving)} below", "met": saving >= 0.19,
+                            "by": f"{100 * (saving - 0.19):+.1f} points"})
+            targets.append({"target": "Sonar saving >= 90% of theoretical (all expert grads minus one layer)",
+                            "case": tag, "measured": f"{pct(got / theo)} ({got / MiB:.1f} of {theo / MiB:.1f} MiB)",
+                            "met": got / theo >= 0.90, "by": f"{100 * (got / theo - 0.90):+.1f} points"})
+            mm = _mem(d) / _mem(c) - 1
+            targets.append({"target": "(d) within 5% of (c): memory", "case": tag, "measured": f"{signed_pct(mm)}",
+                            "met": abs(mm) <= 0.05 or mm < 0, "by": f"{100 * (0.05 - mm):+.1f} points"})
+    return L, targets
+
+
+def ipc_section(res: dict) -> list[str]:
+    L = ["## 4. IPC overhead\n"]
+    ping = res["torch"].get("ping")
+    if ping:
+        L.append(f"Pure round trip (a `stats` request the server answers without touching tensor memory; ZeroMQ "
+                 f"`ipc://` + msgpack), {ping['n']} requests on an idle server: p50 "
+                 f"{1e6 * ping['p50_s']:.0f} us, p90 {1e6 * ping['p90_s']:.0f} us, p99 {1e6 * ping['p99_s']:.0f} us, "
+                 f"max {1e3 * ping['max_s']:.1f} ms.\n")
+    L.append("In training, each request's latency (send to reply handled, `opt._conn.latencies`) also holds the "
+             "server's AdamW and the time until the trainer next polls (it polls in the gradient hooks and in "
+             "`step()`), so it overstates the transport. What the trainer pays is the time it spends in "
+             "Sonar's gradient hook (copy into the ring, send, waiting for a free slot) plus the wait for the "
+             "last replies in `step()`; both were timed per step. Requests are sent without waiting, so "
+             "round trips overlap the rest of backward; the last column is the bound if none did. Latencies "
+             "and counts below are those of the timed steps only.\n")
+    L.append("| model | method | requests / step | latency p50 ms | p99 ms | server step p50 ms | hook ms / step | "
+             "wait in step() ms | trainer blocked, % of step | requests x ping p50, % of step (if all were serial) |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|")
+    for r in res["train"]:
+        for k in "de":
+            m = r["methods"].get(k)
+            if m is None:
+                continue
+            s, srv = m["sonar"], m["server"]
+            blocked = (m["hook_s_median"] + m["drain_s_median"]) / m["median_step_s"]
+            transport = (m["requests_per_step"] * ping["p50_s"] / m["median_step_s"]) if ping else float("nan")
+            L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | ({k}) | {m['requests_per_step']:.0f} | "
+                     f"{m['latency_ms_p50']:.2f} | {m['latency_ms_p99']:.2f} | {srv['step_us_p50'] / 1e3:.2f} | "
+                     f"{1e3 * m['hook_s_median']:.1f} | {1e3 * m['drain_s_median']:.1f} | {pct(blocked)} | "
+                     f"{pct(transport)} |")
+    L.append("\n![IPC latency](ipc-latency.png)\n")
+    return L
+
+
+def main_run(res: dict) -> dict:
+    """The run the figures show: OLMoE with grouped_mm experts when present."""
+    for r in res["train"]:
+        if r["model"] == "olmoe" and r["impl"] == "grouped_mm":
+            return r
+    return res["train"][0]
+
+
+def plot_timeline(res: dict, out: Path) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    r = main_run(res)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for k, color in (("a", "tab:red"), ("d", "tab:blue")):
+        m = r["methods"].get(k)
+        if m is None or "timeline" not in m["memory"]:
+            continue
+        mem = m["memory"]
+        ph = mem["phases"]
+        bounds = [(ph[p][0], ph[p][1]) for p in ("forward", "backward", "optimizer") if p in ph]
+
+        def norm(t: float) -> float:
+            for i, (lo, hi) in enumerate(bounds):
+                if t <= hi or i == len(bounds) - 1:
+                    return i + min(max((t - lo) / max(hi - lo, 1e-9), 0.0), 1.0)
+            return float(len(bounds))
+
+        xs = [norm(t) for t, _ in mem["timeline"]]
+        total = [(b + mem["outside"]) / MiB for _, b in mem["timeline"]]
+        ax.step(xs, total, where="post", color=color, label=f"({k}) {m['label']}: total")
+        if mem["outside"]:
+            ax.step(xs, [b / MiB for _, b in mem["timeline"]], where="post", color=color, ls=":",
+                    label=f"({k}) trainer tensors only (sonard state, shm params and ring excluded)")
+    for x in (1, 2):
+        ax.axvline(x, color="grey", lw=0.5)
+    ax.set_xticks([0.5, 1.5, 2.5], ["forward", "backward", "clip + optimizer step"])
+    ax.set_ylabel("allocated MiB")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Memory over one training step: small {MODEL_NAME[r['model']]} ({r['impl']}), "
+                 f"{r['shape']['layers']} layers, {r['dtype']}")
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(out / "memory-timeline.png", dpi=110)
+    plt.close(fig)
+    return "memory-timeline.png"
+
+
+def plot_ipc(res: dict, out: Path) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    series = []
+    ping = res["torch"].get("ping")
+    if ping:
+        series.append(("round trip, idle server (stats request)", ping["times_s"]))
+    r = main_run(res) if res["train"] else None
+    if r:
+        for k in "de":
+            m = r["methods"].get(k)
+            if m:
+                series.append((f"training ({k}) {m['label']}", m["latencies_s"]))
+    allv = [v for _, s in series for v in s if v > 0]
+    if not allv:
+        return None
+    bins = np.logspace(np.log10(min(allv) * 1e6), np.log10(max(allv) * 1e6), 60)
+    for label, s in series:
+        ax.hist([v * 1e6 for v in s], bins=bins, histtype="step", label=f"{label} (n={len(s)})",
+                weights=np.full(len(s), 1.0 / len(s)))
+    ax.set_xscale("log")
+    ax.set_xlabel("request latency (us), send to reply handled")
+    ax.set_ylabel("fraction of requests")
+    if r:
+        ax.set_title(f"sonard request latency (training: small {MODEL_NAME[r['model']]}, {r['impl']})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "ipc-latency.png", dpi=110)
+    plt.close(fig)
+    return "ipc-latency.png"
+
+
+def write(res: dict, out: Path) -> None:
+    m = res["machine"]
+    L = ["# Benchmarks\n"]
+    mode = res["mode"]
+    L.append(f"Generated by `bench/run.py` ({mode} run, {res.get('wall_s', 0) / 60:.1f} min) on {m['date']}. "
+             "Timings are medians over repeats; every ratio compares measurements taken in the same run. "
+             "Nothing here is asserted by tests.\n")
+    L.append("## Machine and commands\n")
+    L.append(f"- `nproc`: {m['nproc']}; CPU: {m['cpu_model']} ({m['isa']}); memory {m['mem_gib']} GiB; "
+             f"Linux {m['kernel']}")
+    L.append(f"- Python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads, CPU capability "
+             f"`{m['capability']}`), {m['go']}" + (f"; source tree `{m['commit']}`" if m.get("commit") else ""))
+    L.append(f"- Load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in m['load_start'])}, at end "
+             f"{'/'.join(f'{x:.1f}' for x in m.get('load_end', (0, 0, 0)))}. This machine is shared: other "
+             "processes running at the same time slow multi-threaded torch more than the Go engine (OpenMP "
+             "threads wait for each other at every op), so absolute numbers drift; ratios within one run are "
+             "the result.")
+    L.append("\nRun it: `make bench` (full) or `python bench/run.py --quick`. The full run executed:\n")
+    L.append("```sh")
+    L.append("SONARD=bin/sonard   # PY: the venv's python; TORCH_LIB: torch/lib/libtorch_cpu.so of that torch")
+    L.append("go build -o bin/sonard ./cmd/sonard && go build -o bin/sonar-bench ./cmd/sonar-bench")
+    L.extend(res.get("commands", []))
+    L.append("```\n")
+    kl, kt = kernel_section(res)
+    tl, tt = train_section(res, out)
+    L += kl
+    L.append("")
+    L += tl
+    L.append("\n## 3. Memory over one training step\n")
+    png = plot_timeline(res, out)
+    if png:
+        r = main_run(res)
+        L.append(f"Allocated bytes over the profiled step of {MODEL_NAME[r['model']]} ({r['impl']}, "
+                 f"{r['shape']['layers']} layers), (a) vs (d), from the "
+                 f"profiler's allocator events; Sonar's constant memory outside torch (shared-memory expert "
+                 f"parameters, gradient ring, sonard state) is included in its total. The x axis stretches "
+                 f"each phase to the same width (profiling slows ops unevenly).\n")
+        L.append(f"![memory timeline]({png})\n")
+        del r
+    L += ipc_section(res)
+    plot_ipc(res, out)
+    L.append("\n## Targets\n")
+    L.append("| target | case | measured | verdict |")
+    L.append("|---|---|---|---|")
+    for t in kt + tt:
+        verdict = "met" if t["met"] else "MISSED"
+        by = t.get("by", "")
+        L.append(f"| {t['target']} | {t['case']} | {t['measured']} | {verdict}{' (' + by + ')' if by else ''} |")
+    L.append("")
+    L += analysis(res)
+    (out / "benchmarks.md").write_text("\n".join(L) + "\n")
+
+
+def analysis(res: dict) -> list[str]:
+    """Why targets are met or missed: the mechanisms, with this run's numbers."""
+    L = ["## Why\n"]
+    rows, copy_bw, _ = kernel_rows(res)
+    by = {(r["impl"], r["dtype"], r["numel"]): r for r in rows}
+    sizes = sorted({r["numel"] for r in rows})
+    big = sizes[-1]
+    g, f = by.get(("go-ieee", "float32", big)), by.get(("torch-fused", "float32", big))
+    small = by.get(("go-ieee", "float32", sizes[0]))
+    single = by.get(("torch-single", "float32", big))
+    if g and f:
+        per = ", ".join(f"{size_name(n)}: Go {by[('go-ieee', 'float32', n)]['gb_per_s']:.1f} vs fused "
+                        f"{by[('torch-fused', 'float32', n)]['gb_per_s']:.1f} GB/s" for n in sizes
+                        if ("go-ieee", "float32", n) in by and ("torch-fused", "float32", n) in by)
+        txt = (f"- **Kernel, float32** ({per}; copy {copy_bw:.1f} GB/s). At {size_name(big)} the Go engine runs at "
+               f"{f['median_s'] / g['median_s']:.2f}x torch fused and {pct(g['gb_per_s'] / (g.get('case_copy') or copy_bw))} "
+               "of the copy bandwidth measured around it. ")
+        if small and small["numel"] < big:
+            txt += (f"Its rate on a {size_name(small['numel'])} tensor (working set in cache) is "
+                    f"{small['elements_per_s'] / 1e9:.2f} G elem/s against {g['elements_per_s'] / 1e9:.2f} at "
+                    f"{size_name(big)}, so at large sizes memory, not arithmetic, sets its speed. ")
+        txt += ("Where the Go kernel trails fused, the likely causes (not verified with hardware counters) are: "
+                "torch's fused CPU kernel makes one pass with AVX-512 vectors (capability AVX512 here) while the Go "
+                "kernel is AVX2 and makes two passes per 512-element block (p and m are loaded twice and p stored "
+                "twice, from L1), i.e. more load/store operations per element competing with the memory streams. ")
+        if single:
+            txt += (f"torch's default single-tensor path (and foreach) makes one pass over memory per op, about "
+                    f"eight, so it is {single['median_s'] / g['median_s']:.1f}x slower than the Go engine at "
+                    f"{size_name(big)}. ")
+        gcb = g.get("case_copy") or copy_bw
+        if g["gb_per_s"] > gcb:
+            txt += (f"The copy reference is weak on this VM: even at {size_name(big)} (a {16 * big >> 20} MiB float32 "
+                    "working set, above the 480 MiB L3 the VM reports) AdamW moves more counted bytes per second "
+                    f"than a 256 MiB copy ({g['gb_per_s']:.1f} and fused {f['gb_per_s']:.1f} vs {gcb:.1f} GB/s). A copy "
+                    "has one read and one write stream per core, AdamW four and three; the likely reason (not "
+                    "verified) is per-core bandwidth limited by how many cache misses a core keeps in flight, "
+                    "which more streams raise. The 70% target is therefore met with a wide margin, and torch fused in the "
+                    "same run is the stricter reference. ")
+        else:
+            txt += ("AdamW streams four arrays in and three out; ordinary stores also read each line they write "
+                    "(read-for-ownership), so the bus carries about 40 bytes per element for the 28 counted. ")
+        txt += ("Multi-threaded torch suffers most from other processes' load (its OpenMP threads wait for each "
+                "other at every op), which explains its outliers.")
+        L.append(txt)
+    gb, fb = by.get(("go-ieee", "bfloat16", big)), by.get(("torch-fused", "bfloat16", big))
+    bf_rates = ", ".join(f"{by[('go-ieee', 'bfloat16', n)]['elements_per_s'] / 1e9:.2f}" for n in sizes
+                         if ("go-ieee", "bfloat16", n) in by)
+    if gb and fb:
+        L.append(f"- **Kernel, bfloat16** ({size_name(big)}: Go {gb['gb_per_s']:.1f} vs fused {fb['gb_per_s']:.1f} GB/s). "
+                 "The Go kernel rounds to bfloat16 after every op, as torch's single-tensor path does (the "
+                 "bit-for-bit reference); fused computes in float32 and rounds once per state, so it does less "
+                 "work per element (and gives different bits). The Go bf16 kernel is 8-wide AVX2 and compute "
+                 f"bound: its rate hardly changes with size ({bf_rates} "
+                 "G elem/s from the smallest to the largest tensor), so its speed is set by the per-op "
+                 "rounding it must do to be bit-exact; an AVX-512 version of it would be the next step.")
+    mk = by.get(("go-mkl", "float32", big))
+    if g and mk:
+        L.append(f"- **MKL sqrt** ({size_name(big)}: {mk['gb_per_s']:.1f} GB/s vs {g['gb_per_s']:.1f} GB/s IEEE). "
+                 "torch's `vmsSqrt` (needed for bit-for-bit equality on AVX-512 machines) is called through cgo "
+                 "once per 512-element block, where the IEEE path is a plain assembly loop over the same "
+                 "block; the cgo transition and MKL's high-accuracy routine cost a few percent.")
+    mem_lines, time_lines, rss_note = [], [], []
+    for r in res["train"] + res.get("depth", []):
+        ms = r["methods"]
+        a, c, d, e = ms.get("a"), ms.get("c"), ms.get("d"), ms.get("e")
+        if not (a and d):
+            continue
+        la = r["shape"]["layers"]
+        eg, el = r["expert_grad_bytes"], r["expert_grad_bytes_per_layer"]
+        got = _mem(a) - _mem(d)
+        mem_lines.append(f"{MODEL_NAME[r['model']]} {r['impl']}, {la} layers: saving {got / MiB:.1f} MiB of "
+                         f"{(eg - el) / MiB:.1f} MiB theoretical ({got / (eg - el):.0%}), {1 - _mem(d) / _mem(a):.1%} of (a)'s "
+                         f"peak; bound share x (1 - 1/L) / 4 = {r['counts']['share'] * (1 - 1 / la) / 4:.1%}")
+        if a.get("median_step_s") == a.get("median_step_s") and r in res["train"]:  # not NaN
+            t = d["median_step_s"] / a["median_step_s"]
+            extra = f", (e) {e['median_step_s'] / d['median_step_s']:.2f}x (d)" if e else ""
+            extra += f", (d) {d['median_step_s'] / c['median_step_s']:.2f}x (c)" if c else ""
+            time_lines.append(f"{MODEL_NAME[r['model']]} {r['impl']}: (d) {t:.2f}x (a){extra}")
+            if "server_proc" in d and not rss_note:
+                rss_note.append(f"sonard's resident anonymous memory is {d['server_proc'].get('RssAnon', 0) / MiB:.0f} MiB "
+                                f"against {d['server']['state_bytes'] / MiB:.0f} MiB of optimizer state: loading "
+                                "libtorch_cpu.so for MKL's sqrt (`--torch-lib`, which SonarAdamW's private server "
+                                "uses on MKL builds of torch) runs its static initialisers and costs about 58 MiB "
+                                "(measured: a bare sonard holds 2.4 MiB, with --torch-lib 59 MiB); the tables count "
+                                "state_bytes, as the brief asks")
+    if mem_lines:
+        L.append("- **Peak memory.** Standard training peaks at the end of backward with every gradient alive: "
+                 "parameters + gradients + two AdamW states, four copies of the model (fp32). Sonar removes the "
+                 "expert gradients except the one-layer shared-memory ring and the layer autograd is still "
+                 "producing, so the saving relative to (a) is bounded by expert share x (1 - 1/L) / 4 (about 20% "
+                 "at L = 8, 21.8% at L = 16 for OLMoE's share) and shrinks by the activations, which are in both "
+                 "peaks (gradient checkpointing keeps them to about one layer here). The 19% target therefore "
+                 "needs depth: the bound is within about 1.5 points of 19% at 8 layers and activations take more "
+                 "than that, while the real models' 16 and 32 layers leave room. The 90%-of-theoretical target needs the layer "
+                 "autograd is accumulating to be small next to the rest: with the eager backend autograd builds "
+                 "each batched expert gradient from per-expert `select_backward` pieces (a full-size zero "
+                 "tensor per expert, summed), which holds up to two full copies of `gate_up_proj`'s gradient at "
+                 "once in every method; grouped_mm produces it in one piece. Relative to optimizer-in-backward "
+                 "(c), which frees every gradient at once, Sonar holds about one more layer (the ring), so about "
+                 "(L - 2)/(L - 1) of the theoretical saving is expected: 86% at L = 8, 93% at 16, 97% at 32. "
+                 "Measured: " + "; ".join(mem_lines) + ".")
+        if rss_note:
+            L.append("- **sonard's own memory.** " + rss_note[0] + ".")
+    if time_lines:
+        L.append("- **Step time.** On 2 cores sonard's AdamW runs on the same cores as torch's backward (2 OpenMP "
+                 "threads + 2 engine workers), so overlapping the update with backward cannot hide it the way a "
+                 "GPU stream does; what Sonar saves is the clipping pass and torch's single-tensor AdamW over the "
+                 "expert tensors (replaced by the Go kernel, several times faster: section 1), and it "
+                 "adds a copy of each expert gradient into the ring and a round trip per request. Per-expert "
+                 "requests (e) multiply the round trips by the expert count. Load from other processes slows "
+                 "torch's OpenMP ops far more than the Go engine (threads wait for each other at every op), which "
+                 "favours Sonar on a busy machine. Measured: " + "; ".join(time_lines) + ".")
+    L.append("")
+    return L

@@ -1,0 +1,141 @@
+"""Sonar-MoE benchmark suite: one entry point that measures everything and writes the report.
+
+    python bench/run.py            # full run (~15-20 min on 2 cores): docs/benchmarks.md, docs/*.png
+    python bench/run.py --quick    # ~3 min smoke run: writes bench/quick/ (not docs/)
+    python bench/run.py --report-only bench/results/full.json   # re-render a saved run
+
+It builds bin/sonard and bin/sonar-bench (go build), then runs
+  1. kernels: the Go engine in-process (cmd/sonar-bench: IEEE and MKL sqrt), torch CPU AdamW
+     (single-tensor, foreach, fused), copy bandwidth, sonard end to end (bench/kernel.py);
+  2. training: small OLMoE (eager and grouped_mm experts) and GraniteMoe configs whose expert
+     share matches the real models, five optimizer methods each (bench/train.py);
+  3. the report: tables, targets met or missed, docs/memory-timeline.png, docs/ipc-latency.png.
+Timings are reported, never asserted. Raw numbers go to bench/results/<mode>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import common
+from common import ROOT
+
+PY = sys.executable
+
+FULL = dict(sizes="1M,16M,64M", reps=9, pings=2000, layers=8, hidden=128, batch=4, seq=64, warmup=3, steps=30,
+            models=[("olmoe", "eager"), ("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
+            depth=[("olmoe", "grouped_mm", 16), ("granite", "grouped_mm", 32)])
+QUICK = dict(sizes="1M,16M", reps=3, pings=500, layers=4, hidden=128, batch=4, seq=64, warmup=1, steps=5,
+             models=[("olmoe", "eager"), ("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
+             depth=[("olmoe", "grouped_mm", 8)])
+
+
+def build(env: dict[str, str]) -> None:
+    go = shutil.which("go")
+    if go is None:
+        raise SystemExit("go is needed to build bin/sonard and bin/sonar-bench")
+    for target, pkg in (("bin/sonard", "./cmd/sonard"), ("bin/sonar-bench", "./cmd/sonar-bench")):
+        subprocess.run([go, "build", "-o", target, pkg], check=True, cwd=ROOT, env=env)
+
+
+def machine(env: dict[str, str]) -> dict:
+    import torch
+    flags = common.cpu_flags()
+    go = subprocess.run(["go", "version"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT)
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "nproc": os.cpu_count(), "cpu_model": common.cpu_model(),
+        "isa": " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags),
+        "mem_gib": round(common.mem_total_gib(), 1), "kernel": platform.release(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "capability": torch.backends.cpu.get_cpu_capability(),
+        "go": go, "commit": git.stdout.strip() or "unknown", "load_start": common.load_avg(),
+    }
+
+
+def run_all(cfg: dict, quick: bool, env: dict[str, str]) -> dict:
+    res: dict = {"mode": "quick" if quick else "full", "config": {k: v for k, v in cfg.items()}}
+    res["machine"] = machine(env)
+    lib = common.torch_lib()
+    cmds = []
+    print("kernels: Go engine (cmd/sonar-bench), torch AdamW, copy, sonard end to end (bench/kernel.py)",
+          file=sys.stderr, flush=True)
+    py_cmd = [PY, "bench/kernel.py", "--sizes", cfg["sizes"], "--reps", str(cfg["reps"]), "--pings", str(cfg["pings"]),
+              "--go-bench", "bin/sonar-bench", "--torch-lib", lib]
+    res["torch"] = common.run_json(py_cmd, env)
+    cmds.append(py_cmd)
+    res["train"] = []
+    for model, impl in cfg["models"]:
+        print(f"training: {model} / {impl}", file=sys.stderr, flush=True)
+        cmd = [PY, "bench/train.py", "--model", model, "--impl", impl, "--layers", str(cfg["layers"]),
+               "--hidden", str(cfg["hidden"]), "--batch", str(cfg["batch"]), "--seq", str(cfg["seq"]),
+               "--warmup", str(cfg["warmup"]), "--steps", str(cfg["steps"])]
+        res["train"].append(common.run_json(cmd, env))
+        cmds.append(cmd)
+    res["depth"] = []
+    for model, impl, layers in cfg["depth"]:
+        print(f"memory at depth {layers}: {model} / {impl}", file=sys.stderr, flush=True)
+        cmd = [PY, "bench/train.py", "--model", model, "--impl", impl, "--layers", str(layers),
+               "--hidden", str(cfg["hidden"]), "--batch", str(cfg["batch"]), "--seq", str(cfg["seq"]),
+               "--warmup", "2", "--steps", "0", "--methods", "acd", "--timeline", ""]
+        res["depth"].append(common.run_json(cmd, env))
+        cmds.append(cmd)
+    res["machine"]["load_end"] = common.load_avg()
+    res["commands"] = [" ".join("$TORCH_LIB" if c == lib else c.replace(str(ROOT) + os.sep, "") if c != PY
+                                else "$PY" for c in cmd) for cmd in cmds]
+    return res
+
+
+def scrub(obj, env: dict[str, str]):
+    """Replace this machine's paths (repo, venv, torch library) in the saved results."""
+    subs = sorted({(str(ROOT), "."), (sys.prefix, "$VENV"), (common.torch_lib(), "$TORCH_LIB"),
+                   (env.get("SONARD", ""), "$SONARD")} - {("", "$SONARD")}, key=lambda kv: -len(kv[0]))
+    if isinstance(obj, dict):
+        return {k: scrub(v, env) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [scrub(v, env) for v in obj]
+    if isinstance(obj, float):
+        return float(f"{obj:.6g}")
+    if isinstance(obj, str):
+        for a, b in subs:
+            obj = obj.replace(a, b)
+    return obj
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="~3 minute smoke run (smaller sizes, fewer steps)")
+    ap.add_argument("--out", help="directory of the report and PNGs (default: docs, or bench/quick with --quick)")
+    ap.add_argument("--report-only", metavar="JSON", help="re-render the report from saved results")
+    a = ap.parse_args()
+    out = Path(a.out) if a.out else ROOT / ("bench/quick" if a.quick else "docs")
+    out.mkdir(parents=True, exist_ok=True)
+    if a.report_only:
+        res = json.loads(Path(a.report_only).read_text())
+    else:
+        env = dict(os.environ)
+        env.setdefault("SONARD", str(ROOT / "bin" / "sonard"))
+        build(env)
+        t = time.perf_counter()
+        res = run_all(QUICK if a.quick else FULL, a.quick, env)
+        res["wall_s"] = time.perf_counter() - t
+        results = ROOT / "bench" / "results"
+        results.mkdir(exist_ok=True)
+        (results / f"{res['mode']}.json").write_text(json.dumps(scrub(res, env)))
+    import report
+    report.write(res, out)
+    print(f"wrote {out / 'benchmarks.md'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""Training benchmark of one small MoE config: five optimizer methods trained side by side on
+the same batches, one step of each in turn (round-robin, so drift of the machine's load
+hits every method alike). Prints one JSON document.
+
+Methods:
+  a  torch.optim.AdamW + clip_grad_norm_(all params, 1.0)
+  b  torch.optim.AdamW, no clipping
+  c  optimizer-in-backward over all params: one torch AdamW per parameter, stepped in a
+     post-accumulate-grad hook (the PyTorch tutorial's method; no global clipping possible)
+  d  SonarAdamW(max_grad_norm=1.0): batched expert tensors updated by sonard during backward
+  e  SonarAdamW(max_grad_norm=1.0, split_experts=True): one request per expert slice
+
+Memory (per method, one extra profiled step after the timed ones): the trainer's tensor
+bytes are the bytes alive before the step (parameters outside shared memory, gradients,
+optimizer state, buffers: enumerated, storages counted once) plus the running sum of
+torch's CPU allocator events (torch.profiler, profile_memory=True) during the step; the
+peak of that sum is the trainer's peak. Sonar adds what lives outside torch's allocator:
+the shared-memory segments (expert parameters, gradient ring) and sonard's optimizer
+state (stats()['server']['state_bytes']).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import gc
+import json
+import sys
+import time
+from typing import Any, Callable
+
+import common
+import torch
+from torch import nn
+
+import models
+import sonar_moe
+import tiny_moe
+
+METHODS = {
+    "a": "torch AdamW + clip (all params)",
+    "b": "torch AdamW, no clip",
+    "c": "optimizer-in-backward (all params)",
+    "d": "SonarAdamW batched",
+    "e": "SonarAdamW split_experts",
+}
+LR, WD, CLIP = 1e-3, 0.01, 1.0
+
+# Time spent in SonarAdamW's gradient hook and waiting in step(): wrap the class methods in
+# this process (before any optimizer is built, since hooks bind the method at construction).
+_TIMERS: dict[int, dict[str, float]] = {}
+
+
+def _timed(name: str, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrap(self, *a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(self, *a, **kw)
+        finally:
+            d = _TIMERS.setdefault(id(self), {})
+            d[name] = d.get(name, 0.0) + time.perf_counter() - t
+    return wrap
+
+
+sonar_moe.SonarAdamW._on_grad = _timed("hook_s", sonar_moe.SonarAdamW._on_grad)
+sonar_moe.SonarAdamW._drain = _timed("drain_s", sonar_moe.SonarAdamW._drain)
+
+
+class Method:
+    def __init__(self, key: str, model: nn.Module) -> None:
+        self.key, self.model = key, model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sonar: sonar_moe.SonarAdamW | None = None
+        self.opt: Any = None
+        self.per_param: dict[nn.Parameter, torch.optim.Optimizer] = {}
+        if key in ("a", "b"):
+            self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WD)
+        elif key == "c":
+            for p in self.params:
+                self.per_param[p] = torch.optim.AdamW([p], lr=LR, weight_decay=WD)
+                p.register_post_accumulate_grad_hook(self._in_backward)
+        else:
+            self.sonar = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
+                                              split_experts=(key == "e"))
+            self.opt = self.sonar
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.hook_s: list[float] = []
+        self.drain_s: list[float] = []
+
+    def _in_backward(self, p: torch.Tensor) -> None:
+        o = self.per_param[p]
+        o.step()
+        o.zero_grad(set_to_none=True)
+
+    def step(self, batch: dict[str, torch.Tensor]) -> float:
+        loss = self.model(**batch).loss
+        loss.backward()
+        if self.key == "a":
+            torch.nn.utils.clip_grad_norm_(self.params, CLIP)
+        if self.opt is not None:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    def timed_step(self, batch: dict[str, torch.Tensor], record: bool) -> None:
+        tm = _TIMERS.setdefault(id(self.sonar), {}) if self.sonar is not None else {}
+        h0, d0 = tm.get("hook_s", 0.0), tm.get("drain_s", 0.0)
+        t = time.perf_counter()
+        loss = self.step(batch)
+        dt = time.perf_counter() - t
+        self.losses.append(loss)
+        if record:
+            self.times.append(dt)
+            if self.sonar is not None:
+                self.hook_s.append(tm.get("hook_s", 0.0) - h0)
+                self.drain_s.append(tm.get("drain_s", 0.0) - d0)
+
+    # ---------------------------------------------------------------- memory
+    def live_bytes(self) -> dict[str, int]:
+        """Bytes in torch's CPU allocator alive between steps, by kind (storages counted once),
+        and the bytes Sonar keeps outside it."""
+        seen: set[int] = set()
+        shm = set()
+        if self.sonar is not None:
+            shm = {e.param.untyped_storage().data_ptr() for e in self.sonar._experts.values()}  # noqa: SLF001
+
+        def size(t: torch.Tensor | None) -> int:
+            if t is None or not isinstance(t, torch.Tensor):
+                return 0
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr in seen or ptr in shm or ptr == 0:
+                return 0
+            seen.add(ptr)
+            return st.nbytes()
+
+        out = {"params": sum(size(p) for p in self.model.parameters()),
+               "buffers": sum(size(b) for b in self.model.buffers()),
+               "grads": sum(size(p.grad) for p in self.model.parameters())}
+        states = []
+        if self.key in ("a", "b"):
+            states = [self.opt.state]
+        elif self.key == "c":
+            states = [o.state for o in self.per_param.values()]
+        elif self.sonar is not None:
+            states = [self.sonar._dense.state, self.sonar.state]  # noqa: SLF001
+        out["optimizer_state"] = sum(size(v) for st in states for s in st.values() for v in s.values())
+        if self.sonar is not None:
+            s = self.sonar.stats()
+            seg = self.sonar._param_seg  # noqa: SLF001
+            out["shm_params"] = seg.size if seg is not None else 0
+            out["shm_ring"] = s["ring_bytes"]
+            out["server_state"] = int(s["server"]["state_bytes"])
+        return out
+
+    def profiled_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """One step under the memory profiler: peak bytes and a (time, bytes) timeline."""
+        gc.collect()
+        live = self.live_bytes()
+        base = live["params"] + live["buffers"] + live["grads"] + live["optimizer_state"]
+        outside = live.get("shm_params", 0) + live.get("shm_ring", 0) + live.get("server_state", 0)
+        from torch.profiler import ProfilerActivity, profile, record_function
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with record_function("bench::forward"):
+                loss = self.model(**batch).loss
+            with record_function("bench::backward"):
+                loss.backward()
+            with record_function("bench::optimizer"):
+                if self.key == "a":
+                    torch.nn.utils.clip_grad_norm_(self.params, CLIP)
+                if self.opt is not None:
+                    self.opt.step()
+                    self.opt.zero_grad(set_to_none=True)
+        evs = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+        t0 = evs[0].start_ns() if evs else 0
+        phases = {}
+        cur, peak, t_peak = 0, 0, 0.0
+        tl_t, tl_b = [0.0], [base]
+        for e in evs:
+            name = e.name()
+            if name.startswith("bench::"):
+                phases[name.removeprefix("bench::")] = ((e.start_ns() - t0) / 1e6, (e.end_ns() - t0) / 1e6)
+            elif name == "[memory]":  # CPU allocator events (no other device here)
+                cur += e.nbytes()
+                ms = (e.start_ns() - t0) / 1e6
+                tl_t.append(ms)
+                tl_b.append(base + cur)
+                if cur > peak:
+                    peak, t_peak = cur, ms
+        end = max((p[1] for p in phases.values()), default=tl_t[-1])
+        # Thin the timeline for the plot: keep every local change, at most ~4000 points.
+        stride = max(1, len(tl_t) // 4000)
+        tl = [(tl_t[i], tl_b[i]) for i in range(0, len(tl_t), stride)] + [(end, tl_b[-1])]
+        return {"live_before": live, "trainer_base": base, "trainer_peak": base + peak, "outside": outside,
+                "total_peak": base + peak + outside, "peak_at_ms": t_peak, "phases": phases,
+                "timeline": tl, "loss": float(loss.detach())}
+
+    def close(self) -> None:
+        if self.sonar is not None:
+            self.sonar.close()
+
+
+def heldout_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> float:
+    model.eval()
+    with torch.no_grad():
+        v = sum(float(model(**b).loss) for b in batches) / len(batches)
+    model.train()
+    return v
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=("olmoe", "granite"), default="olmoe")
+    ap.add_argument("--impl", default="eager", help="experts implementation: eager, grouped_mm, batched_mm")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
+    ap.add_argument("--methods", default="abcde")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--timeline", default="ad", help="methods whose profiled-step timeline is kept")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-checkpointing", action="store_true",
+                    help="keep all activations (default: gradient checkpointing, non-reentrant)")
+    a = ap.parse_args()
+    import transformers
+    transformers.logging.set_verbosity_error()
+
+    dtype = getattr(torch, a.dtype)
+    shape, small, real = models.small_shape(a.model, a.hidden, a.layers)
+    data = tiny_moe.load_corpus(400_000)
+    split = int(len(data) * 0.9)
+    gen = torch.Generator().manual_seed(a.seed)
+    n_train = a.warmup + a.steps + 1
+    train = [{"input_ids": x, "labels": x} for x in tiny_moe.batches(data[:split], a.batch, a.seq, gen, count=n_train)]
+    held = [{"input_ids": x, "labels": x} for x in tiny_moe.batches(data[split:], a.batch, a.seq, gen, count=4)]
+
+    base_model = shape.build(a.impl, dtype, a.seed)
+    state = copy.deepcopy(base_model.state_dict())
+    methods: list[Method] = []
+    for k in a.methods:
+        m = shape.build(a.impl, dtype, a.seed)
+        m.load_state_dict(state)
+        if not a.no_checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.config.use_cache = False
+        methods.append(Method(k, m))
+    del base_model, state
+    gc.collect()
+
+    print(f"  {a.model}/{a.impl}: {small['total'] / 1e6:.2f} M params, expert share {small['share']:.4f} "
+          f"(real {real['share']:.4f}), methods {a.methods}", file=sys.stderr, flush=True)
+    t_start = time.perf_counter()
+    for i in range(a.warmup + a.steps):
+        if i == a.warmup:
+            for m in methods:  # latencies and request counts of the timed steps only
+                if m.sonar is not None:
+                    m.lat0 = len(m.sonar._conn.latencies)  # noqa: SLF001
+                    m.req0 = m.sonar.stats(server=False)["step_requests"]
+        for m in methods:
+            m.timed_step(train[i], record=i >= a.warmup)
+    train_s = time.perf_counter() - t_start
+    res_methods = {}
+    for m in methods:
+        r: dict[str, Any] = {"label": METHODS[m.key], "median_step_s": common.median(m.times),
+                             "step_times_s": m.times, "losses": m.losses}
+        if m.sonar is not None:
+            n_lat = len(m.sonar._conn.latencies)  # noqa: SLF001 - before stats() adds its own round trip
+            st = m.sonar.stats()
+            r["sonar"] = {k: v for k, v in st.items() if k != "server"}
+            r["server"] = st["server"]
+            lat = sorted(m.sonar._conn.latencies[getattr(m, "lat0", 0):n_lat])  # noqa: SLF001
+            r["latencies_s"] = lat
+            r["latency_ms_p50"] = 1e3 * lat[len(lat) // 2] if lat else float("nan")
+            r["latency_ms_p99"] = 1e3 * lat[min(len(lat) - 1, len(lat) * 99 // 100)] if lat else float("nan")
+            r["requests_per_step"] = (st["step_requests"] - getattr(m, "req0", 0)) / max(a.steps, 1)
+            r["hook_s_median"] = common.median(m.hook_s)
+            r["drain_s_median"] = common.median(m.drain_s)
+            proc = m.sonar._conn.process  # noqa: SLF001
+            if proc is not None:
+                r["server_proc"] = common.proc_status(proc.pid)
+        r["heldout_loss"] = heldout_loss(m.model, held)
+        res_methods[m.key] = r
+    # Memory: one profiled step per method (after the timed ones; its timing is not used).
+    for m in methods:
+        mem = m.profiled_step(train[a.warmup + a.steps])
+        if m.key not in a.timeline:
+            mem.pop("timeline")
+        res_methods[m.key]["memory"] = mem
+    for m in methods:
+        m.close()
+    e_bytes = small["expert"] * torch.finfo(dtype).bits // 8
+    out = {
+        "model": a.model, "impl": a.impl, "dtype": a.dtype, "shape": shape.asdict(), "counts": small,
+        "real": {**models.REAL[a.model], **real}, "batch": a.batch, "seq": a.seq, "warmup": a.warmup,
+        "steps": a.steps, "threads": torch.get_num_threads(), "checkpointing": not a.no_checkpointing, "train_wall_s": train_s,
+        "expert_grad_bytes": e_bytes, "expert_grad_bytes_per_layer": e_bytes // a.layers,
+        "load_avg": common.load_avg(), "methods": res_methods,
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
