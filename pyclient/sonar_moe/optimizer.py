@@ -218,27 +218,8 @@ class SonarAdamW(torch.optim.Optimizer):
             with torch.no_grad():
                 view.copy_(e.param)
             e.param.data = view
-        g = self.param_groups[0]
-        hyper = {"lr": float(g["lr"]), "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]),
-                 "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]),
-                 "amsgrad": bool(g["amsgrad"]), "maximize": bool(g["maximize"])}
-        specs = []
-        for e in experts:
-            if self.split_experts and e.param.dim() >= 3:
-                e.parts = e.param.shape[0]
-            shape = list(e.param.shape[1:]) if e.parts > 1 else list(e.param.shape)
-            for i in range(e.parts):
-                specs.append({"name": e.name if e.parts == 1 else f"{e.name}.{i}", "shape": shape,
-                              "dtype": _DTYPES[e.param.dtype], "hyper": hyper,
-                              "param": {"seg": seg, "off": e.offset + i * e.part_bytes, "nbytes": e.part_bytes}})
-        ids = iter(self._conn.call("register", {"tensors": specs})["ids"])
-        for e in experts:
-            e.tids = [next(ids) for _ in range(e.parts)]
+        self._register(experts, lambda e: (seg, e.offset))
         # The gradient ring holds ring_layers of the largest layer's expert gradients.
-        per_group: dict[str, int] = {}
-        for e in experts:
-            per_group[e.key] = per_group.get(e.key, 0) + Ring.slot_bytes(e.nbytes)
-            self._groups.setdefault(e.key, _Group(0)).size += 1
         layer: dict[str, int] = {}
         for e in experts:  # batched tensors of one layer share the module prefix
             lk = e.key.rsplit("experts", 1)[0]
@@ -248,15 +229,23 @@ class SonarAdamW(torch.optim.Optimizer):
             self._ring_seg = self._attach(self._ring.segment)
         finally:
             self._ring.segment.unlink()
-        for e in experts:
-            self.state[e.param]["step"] = torch.tensor(0.0, dtype=torch.float32)
-            self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
 
     def _start_cuda(self, experts: list[_Expert], hello: dict[str, Any], devices: set[torch.device]) -> None:
         """CUDA experts: registered in place by IPC handle; no shared memory, no ring."""
         assert self._conn is not None
         self._cuda = _cuda.start(self._conn, hello, devices)
         log.info("sonard updates the expert tensors on %s (%s)", next(iter(devices)), hello.get("cuda"))
+
+        def ref(e: _Expert) -> tuple[int, int]:
+            r = self._cuda.param_ref(e.param)
+            return r["seg"], r["off"]
+
+        self._register(experts, ref)
+
+    def _register(self, experts: list[_Expert], where: Callable[[_Expert], tuple[int, int]]) -> None:
+        """Register the expert tensors (one per expert slice with split_experts) whose memory
+        starts at where(e) = (segment id, offset), group them, and hook them."""
+        assert self._conn is not None
         g = self.param_groups[0]
         hyper = {"lr": float(g["lr"]), "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]),
                  "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]),
@@ -266,11 +255,11 @@ class SonarAdamW(torch.optim.Optimizer):
             if self.split_experts and e.param.dim() >= 3:
                 e.parts = e.param.shape[0]
             shape = list(e.param.shape[1:]) if e.parts > 1 else list(e.param.shape)
-            ref = self._cuda.param_ref(e.param)
+            seg, off = where(e)
             for i in range(e.parts):
                 specs.append({"name": e.name if e.parts == 1 else f"{e.name}.{i}", "shape": shape,
                               "dtype": _DTYPES[e.param.dtype], "hyper": hyper,
-                              "param": {"seg": ref["seg"], "off": ref["off"] + i * e.part_bytes, "nbytes": e.part_bytes}})
+                              "param": {"seg": seg, "off": off + i * e.part_bytes, "nbytes": e.part_bytes}})
         ids = iter(self._conn.call("register", {"tensors": specs})["ids"])
         for e in experts:
             e.tids = [next(ids) for _ in range(e.parts)]
