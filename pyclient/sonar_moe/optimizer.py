@@ -71,7 +71,7 @@ class _Expert:
 class _Group:
     size: int
     items: list[dict[str, Any]] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
+    slots: list[Any] = field(default_factory=list)  # ring offsets, or CUDA gradient holders
 
 
 class SonarAdamW(torch.optim.Optimizer):
@@ -321,11 +321,7 @@ class SonarAdamW(torch.optim.Optimizer):
         self._hand_over(param, grad, owned=False)
 
     def _hand_over(self, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
-        """Copy one expert gradient into a slot and send it. owned: grad is p.grad, freed here."""
-        if self._cuda is not None:
-            self._hand_over_cuda(p, grad, owned)
-            return
-        assert self._conn is not None and self._ring is not None
+        """Hand one expert gradient to the server. owned: grad is p.grad, freed here."""
         if self._closed:
             raise SonarError("SonarAdamW is closed")
         e = self._experts[id(p)]
@@ -335,6 +331,14 @@ class SonarAdamW(torch.optim.Optimizer):
             self._counts["skipped_nonfinite"] += 1
             log.warning("skipping the update of %s: its gradient is not finite", e.name)
             return
+        if self._cuda is not None:
+            self._hand_over_cuda(e, p, grad, owned)
+        else:
+            self._hand_over_shm(e, p, grad, owned)
+
+    def _hand_over_shm(self, e: _Expert, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
+        """CPU: copy the gradient into a ring slot (freeing the original when owned) and queue it."""
+        assert self._conn is not None and self._ring is not None
         if self.max_expert_grad_norm is not None and owned:
             # Per-tensor clipping, exactly clip_grad_norm_([p], c): NOT global-norm clipping.
             torch.nn.utils.clip_grad_norm_([p], self.max_expert_grad_norm)
@@ -357,36 +361,33 @@ class SonarAdamW(torch.optim.Optimizer):
                 p.grad = saved
         del grad
         self._alive -= nbytes
+        self._queue(e, self._ring_seg, off, off)
+
+    def _queue(self, e: _Expert, seg: int, off: int, release: Any) -> None:
+        """Queue the step of e's gradient at (seg, off): one request per expert slice with
+        split_experts, else one per layer group. `release` (a ring offset, or a CUDA gradient
+        holder) is given back when the request that used it last is answered."""
         e.micro += 1
         apply = e.micro >= self.grad_accumulation_steps
         step, scalars = self._next_step(e) if apply else (0, {})
-        items = [{"tensor": tid, "grad": {"seg": self._ring_seg, "off": off + i * e.part_bytes, "nbytes": e.part_bytes},
+        items = [{"tensor": tid, "grad": {"seg": seg, "off": off + i * e.part_bytes, "nbytes": e.part_bytes},
                   "apply": apply, "step": step, "scalars": scalars} for i, tid in enumerate(e.tids)]
-        if e.parts > 1:  # one request per expert slice; the last reply frees the slot
+        if e.parts > 1:
             for i, it in enumerate(items):
-                self._send_items([it], [off] if i == len(items) - 1 else [])
+                self._send_items([it], [release] if i == len(items) - 1 else [])
             return
         item = items[0]
         grp = self._groups[e.key]
         if any(i["tensor"] == item["tensor"] for i in grp.items):
             self._send(grp)  # an earlier backward left this layer incomplete (experts without tokens)
         grp.items.append(item)
-        grp.slots.append(off)
+        grp.slots.append(release)
         if len(grp.items) >= grp.size:
             self._send(grp)
 
-    def _hand_over_cuda(self, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
-        """CUDA: share the gradient by handle, record the event, send; keep it until the reply."""
+    def _hand_over_cuda(self, e: _Expert, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
+        """CUDA: share the gradient by handle, record the event, queue; keep it until the reply."""
         assert self._conn is not None and self._cuda is not None
-        if self._closed:
-            raise SonarError("SonarAdamW is closed")
-        e = self._experts[id(p)]
-        if self.nonfinite == "skip" and not bool(torch.isfinite(grad).all()):
-            if owned:
-                p.grad = None
-            self._counts["skipped_nonfinite"] += 1
-            log.warning("skipping the update of %s: its gradient is not finite", e.name)
-            return
         if self.max_expert_grad_norm is not None:
             # Per-tensor clipping, exactly clip_grad_norm_([p], c); a caller's gradient stays untouched.
             if not owned:
@@ -402,23 +403,7 @@ class SonarAdamW(torch.optim.Optimizer):
         ref, holder = self._cuda.grad_ref(grad.contiguous())
         del grad
         self._cuda.record()
-        e.micro += 1
-        apply = e.micro >= self.grad_accumulation_steps
-        step, scalars = self._next_step(e) if apply else (0, {})
-        items = [{"tensor": tid, "grad": {"seg": ref["seg"], "off": ref["off"] + i * e.part_bytes, "nbytes": e.part_bytes},
-                  "apply": apply, "step": step, "scalars": scalars} for i, tid in enumerate(e.tids)]
-        if e.parts > 1:  # one request per expert slice; the last reply releases the gradient
-            for i, it in enumerate(items):
-                self._send_items([it], [holder] if i == len(items) - 1 else [])
-            return
-        item = items[0]
-        grp = self._groups[e.key]
-        if any(i["tensor"] == item["tensor"] for i in grp.items):
-            self._send(grp)
-        grp.items.append(item)
-        grp.slots.append(holder)  # type: ignore[arg-type]
-        if len(grp.items) >= grp.size:
-            self._send(grp)
+        self._queue(e, ref["seg"], ref["off"], holder)
 
     def _next_step(self, e: _Expert) -> tuple[int, dict[str, Any]]:
         step_t = self.state[e.param]["step"]
@@ -432,7 +417,7 @@ class SonarAdamW(torch.optim.Optimizer):
         grp.items, grp.slots = [], []
         self._send_items(items, slots)
 
-    def _send_items(self, items: list[dict[str, Any]], slots: list[int]) -> None:
+    def _send_items(self, items: list[dict[str, Any]], slots: list[Any]) -> None:
         assert self._conn is not None
         self._counts["step_requests"] += 1
         self._counts["grads_sent"] += sum(1 for i in items if i["grad"]["seg"])
