@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,3 +29,36 @@ def sonard_binary() -> str:
 def shm_names() -> set[str]:
     """The sonar-* shared-memory segments that exist now."""
     return {n for n in os.listdir("/dev/shm") if n.startswith("sonar-")}
+
+
+def sonard_command(binary: str, addr: str, *extra: str) -> list[str]:
+    """A sonard command line listening on addr, with this torch's float32 sqrt library
+    (as SonarAdamW passes it to a private server) so updates stay bitwise."""
+    from sonar_moe._client import torch_sqrt_library
+
+    args = [binary, "--listen", addr, *extra]
+    lib = torch_sqrt_library()
+    if lib:
+        args += ["--torch-lib", lib]
+    return args
+
+
+@pytest.fixture()
+def shared_server(sonard_binary: str, tmp_path: Path) -> Iterator[str]:
+    """A sonard started by the test and shared by several clients; its address."""
+    addr = f"ipc://{tmp_path}/run/sonard.sock"
+    proc = subprocess.Popen(sonard_command(sonard_binary, addr, "--log-level", "warn"))
+    yield addr
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0
+
+
+def server_stats(addr: str) -> dict[str, Any]:
+    """The counters of the server at addr, over a connection of its own."""
+    from sonar_moe._client import Connection
+
+    conn = Connection(addr, timeout=10)
+    try:
+        return conn.call("stats", {})
+    finally:
+        conn.close()

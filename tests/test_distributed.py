@@ -17,7 +17,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ import torch
 
 import sonar_moe
 import tiny_moe as tm
-from sonar_moe._client import Connection, torch_sqrt_library
+from conftest import server_stats
 from sonar_moe.distributed import ignore_experts_in_ddp
 
 WORKER = str(Path(__file__).with_name("dist_worker.py"))
@@ -59,26 +58,6 @@ def launch(cmd: str, world: int, *extra: str, timeout: float = 240) -> list[str]
     return outs
 
 
-@pytest.fixture()
-def shared_server(sonard_binary: str, tmp_path: Path) -> Iterator[str]:
-    """A sonard started by the test, shared by every rank."""
-    addr = f"ipc://{tmp_path}/run/sonard.sock"
-    args = [sonard_binary, "--listen", addr, "--log-level", "warn"]
-    lib = torch_sqrt_library()
-    if lib:
-        args += ["--torch-lib", lib]
-    proc = subprocess.Popen(args)
-    yield addr
-    proc.terminate()
-    assert proc.wait(timeout=10) == 0
-
-
-def server_stats(addr: str) -> dict:
-    conn = Connection(addr, timeout=10)
-    try:
-        return conn.call("stats", {})
-    finally:
-        conn.close()
 
 
 def test_ddp_comm_hook_is_bitwise_torch_adamw(shared_server: str) -> None:

@@ -14,7 +14,7 @@ import torch
 
 import sonar_moe
 import tiny_moe as tm
-from conftest import shm_names
+from conftest import shm_names, sonard_command
 
 
 def test_version_flag(sonard_binary: str) -> None:
@@ -115,15 +115,11 @@ def test_metrics_endpoint(sonard_binary: str, tmp_path: Path) -> None:
     import socket
     import urllib.request
 
-    from sonar_moe._client import torch_sqrt_library
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     sock = tmp_path / "m" / "s.sock"
-    args = [sonard_binary, "--listen", f"ipc://{sock}", "--metrics-addr", f"127.0.0.1:{port}"]
-    if torch_sqrt_library():
-        args += ["--torch-lib", torch_sqrt_library()]
+    args = sonard_command(sonard_binary, f"ipc://{sock}", "--metrics-addr", f"127.0.0.1:{port}")
     proc = subprocess.Popen(args, stderr=subprocess.DEVNULL)
     try:
         model = tm.build(tm.MoEConfig(), 0)

@@ -6,35 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from sonar_moe._client import Connection, torch_sqrt_library
+from conftest import server_stats
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 
 
-@pytest.fixture()
-def shared_server(sonard_binary: str, tmp_path: Path) -> Iterator[str]:
-    addr = f"ipc://{tmp_path}/run/sonard.sock"
-    args = [sonard_binary, "--listen", addr, "--log-level", "warn"]
-    lib = torch_sqrt_library()
-    if lib:
-        args += ["--torch-lib", lib]
-    proc = subprocess.Popen(args)
-    yield addr
-    proc.terminate()
-    assert proc.wait(timeout=10) == 0
-
-
-def server_stats(addr: str) -> dict:
-    conn = Connection(addr, timeout=10)
-    try:
-        return conn.call("stats", {})
-    finally:
-        conn.close()
 
 
 def test_four_trainers_share_one_server_without_cross_talk(shared_server: str) -> None:

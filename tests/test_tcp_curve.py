@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from sonar_moe import SonarError
-from sonar_moe._client import Connection, torch_sqrt_library
+from conftest import sonard_command
+from sonar_moe._client import Connection
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 
@@ -30,12 +31,8 @@ def curve_server(sonard_binary: str, tmp_path: Path) -> Iterator[tuple[str, Path
     assert (tmp_path / "server.secret").stat().st_mode & 0o777 == 0o600
     (tmp_path / "allowed").write_text((tmp_path / "client.public").read_text())
     addr = f"tcp://127.0.0.1:{free_port()}"
-    args = [sonard_binary, "--listen", addr, "--curve-secret-file", str(tmp_path / "server.secret"),
-            "--curve-clients-file", str(tmp_path / "allowed"), "--log-level", "warn"]
-    lib = torch_sqrt_library()
-    if lib:
-        args += ["--torch-lib", lib]
-    proc = subprocess.Popen(args)
+    proc = subprocess.Popen(sonard_command(sonard_binary, addr, "--curve-secret-file", str(tmp_path / "server.secret"),
+                                           "--curve-clients-file", str(tmp_path / "allowed"), "--log-level", "warn"))
     yield addr, tmp_path
     proc.terminate()
     assert proc.wait(timeout=10) == 0
