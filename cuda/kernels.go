@@ -215,34 +215,26 @@ func kernelFor(prefix string, dt optimizer.DType) (string, error) {
 // MaxBatchTensors tensors. The host does not wait; record an event to know
 // when the update is done.
 func (k *Kernels) AdamW(s *Stream, dt optimizer.DType, items []Tensor) error {
-	name, err := kernelFor("sonar_adamw", dt)
-	if err != nil {
-		return err
-	}
-	for len(items) > 0 {
-		n := min(len(items), MaxBatchTensors)
-		batch, chunks, err := PackBatch(items[:n])
-		if err != nil {
-			return err
-		}
-		if err := k.fn[name].Launch(s, Dim3{X: gridFor(chunks, k.dv.SMs)}, Dim3{X: threadsPerBlock}, 0, NewArgs().Bytes(batch)); err != nil {
-			return err
-		}
-		items = items[n:]
-	}
-	return nil
+	return launchBatches(k, s, "sonar_adamw", dt, items, PackBatch)
 }
 
 // Accumulate queues Dst += Src (in the dtype, as autograd accumulates .grad)
 // for every item on s.
 func (k *Kernels) Accumulate(s *Stream, dt optimizer.DType, items []AddItem) error {
-	name, err := kernelFor("sonar_add", dt)
+	return launchBatches(k, s, "sonar_add", dt, items, packAdd)
+}
+
+// launchBatches launches kernel prefix (for dtype dt) once per
+// MaxBatchTensors items, each batch packed into one kernel parameter.
+func launchBatches[T any](k *Kernels, s *Stream, prefix string, dt optimizer.DType, items []T,
+	pack func([]T) ([]byte, uint64, error)) error {
+	name, err := kernelFor(prefix, dt)
 	if err != nil {
 		return err
 	}
 	for len(items) > 0 {
 		n := min(len(items), MaxBatchTensors)
-		batch, chunks, err := packAdd(items[:n])
+		batch, chunks, err := pack(items[:n])
 		if err != nil {
 			return err
 		}
