@@ -4,15 +4,12 @@ import (
 	"bytes"
 	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"unsafe"
 
-	"github.com/ebitengine/purego"
-	"github.com/sonar-moe/sonar/optimizer"
+	"github.com/sonar-moe/sonar/cuda/cudatest"
 )
 
 func TestOpenWithoutDriver(t *testing.T) {
@@ -104,128 +101,20 @@ func TestResultNames(t *testing.T) {
 	}
 }
 
-// fakeDriverC is a stand-in libcuda.so.1: every function the binding uses,
-// with device memory in host memory, so that the purego calling convention
-// of each signature (the 64-byte handles passed by value, the 11 arguments
-// of cuLaunchKernel) is exercised for real without a GPU.
-const fakeDriverC = `
-#include <stdlib.h>
-#include <string.h>
-typedef unsigned long long u64;
-typedef struct { char r[64]; } H;
-static int fail_code; static char fail_op[64];
-static int chk(const char* op) { if (fail_code && !strcmp(op, fail_op)) { int c = fail_code; fail_code = 0; return c; } return 0; }
-void fake_fail(const char* op, int code) { strncpy(fail_op, op, 63); fail_code = code; }
-static void* cur_ctx; static int retained, released;
-static H last_mem_handle, last_event_handle; static unsigned last_ipc_flags; static int ipc_closed;
-static unsigned launch_dims[7]; static void* launch_stream; static unsigned char launch_param[8192]; static int launch_nparams;
-static char loaded_image[64];
-int fake_state(int what) { switch (what) { case 0: return retained; case 1: return released; case 2: return (int)last_ipc_flags; case 3: return ipc_closed; } return -1; }
-void fake_launch(unsigned* dims, void** stream, unsigned char* param, int n) { memcpy(dims, launch_dims, sizeof launch_dims); *stream = launch_stream; memcpy(param, launch_param, n); }
-void fake_handles(H* mem, H* ev) { *mem = last_mem_handle; *ev = last_event_handle; }
-const char* fake_image(void) { return loaded_image; }
-int cuGetErrorString(int c, const char** s) { if (c == 2) { *s = "out of memory"; return 0; } if (c == 999) { *s = "unknown error"; return 0; } return 1; }
-int cuGetErrorName(int c, const char** s) { *s = "X"; return 0; }
-int cuInit(unsigned f) { return chk("cuInit"); }
-int cuDriverGetVersion(int* v) { *v = 13000; return 0; }
-int cuDeviceGetCount(int* n) { *n = 1; return chk("cuDeviceGetCount"); }
-int cuDeviceGet(int* d, int o) { if (o != 0) return 101; *d = 0; return 0; }
-int cuDeviceGetName(char* n, int len, int d) { strncpy(n, "Fake H200", len); return 0; }
-int cuDeviceGetAttribute(int* v, int a, int d) { *v = a == 75 ? 9 : a == 76 ? 0 : a == 16 ? 132 : -1; return 0; }
-int cuDeviceTotalMem_v2(size_t* b, int d) { *b = (size_t)141 << 30; return 0; }
-int cuDevicePrimaryCtxRetain(void** c, int d) { *c = (void*)0xC0; retained++; return 0; }
-int cuDevicePrimaryCtxRelease_v2(int d) { released++; return 0; }
-int cuCtxSetCurrent(void* c) { cur_ctx = c; return c == (void*)0xC0 ? 0 : 201; }
-int cuMemAlloc_v2(u64* p, size_t n) { int e = chk("cuMemAlloc_v2"); if (e) return e; *p = (u64)malloc(n); return 0; }
-int cuMemFree_v2(u64 p) { free((void*)p); return 0; }
-int cuMemGetInfo_v2(size_t* f, size_t* t) { *f = 100; *t = 200; return 0; }
-int cuMemGetAddressRange_v2(u64* base, size_t* size, u64 p) { *base = p; *size = 4096; return chk("cuMemGetAddressRange_v2"); }
-int cuMemcpyHtoD_v2(u64 dst, const void* src, size_t n) { memcpy((void*)dst, src, n); return 0; }
-int cuMemcpyDtoH_v2(void* dst, u64 src, size_t n) { memcpy(dst, (void*)src, n); return 0; }
-int cuMemcpyDtoDAsync_v2(u64 dst, u64 src, size_t n, void* s) { memmove((void*)dst, (void*)src, n); return 0; }
-int cuMemsetD8Async(u64 dst, unsigned char v, size_t n, void* s) { memset((void*)dst, v, n); return 0; }
-int cuStreamCreate(void** s, unsigned f) { *s = (void*)(0x5000 + (u64)f); return 0; }
-int cuStreamDestroy_v2(void* s) { return 0; }
-int cuStreamSynchronize(void* s) { return chk("cuStreamSynchronize"); }
-int cuStreamWaitEvent(void* s, void* e, unsigned f) { return e == (void*)0xE1 ? 0 : 400; }
-int cuEventCreate(void** e, unsigned f) { *e = (void*)(0xE000 + (u64)f); return 0; }
-int cuEventRecord(void* e, void* s) { return 0; }
-int cuEventSynchronize(void* e) { return 0; }
-static int queries; int cuEventQuery(void* e) { return queries++ == 0 ? 600 : 0; }
-int cuEventElapsedTime(float* ms, void* a, void* b) { *ms = 1.5f; return 0; }
-int cuEventDestroy_v2(void* e) { return 0; }
-int cuIpcGetEventHandle(H* h, void* e) { memset(h, 0x42, sizeof *h); return 0; }
-int cuIpcOpenEventHandle(void** e, H h) { last_event_handle = h; *e = (void*)0xE1; return 0; }
-int cuIpcGetMemHandle(H* h, u64 p) { memset(h, 0x24, sizeof *h); return 0; }
-int cuIpcOpenMemHandle_v2(u64* p, H h, unsigned flags) { int e = chk("cuIpcOpenMemHandle_v2"); if (e) return e; last_mem_handle = h; last_ipc_flags = flags; *p = 0x7f0000000000ULL + (unsigned char)h.r[0] * 0x100000ULL; return 0; }
-int cuIpcCloseMemHandle(u64 p) { ipc_closed++; return 0; }
-int cuModuleLoadData(void** m, const void* img) { strncpy(loaded_image, (const char*)img, 63); *m = (void*)0x30; return chk("cuModuleLoadData"); }
-int cuModuleUnload(void* m) { return 0; }
-int cuModuleGetFunction(void** f, void* m, const char* name) { if (strncmp(name, "sonar_", 6)) return 500; *f = (void*)(0xF000 + strlen(name)); return 0; }
-int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shmem,
-                   void* stream, void** params, void** extra) {
-  unsigned d[7] = {gx, gy, gz, bx, by, bz, shmem}; memcpy(launch_dims, d, sizeof d); launch_stream = stream;
-  if (extra) return 1;
-  memcpy(launch_param, params[0], 3888); return chk("cuLaunchKernel");
-}
-`
-
-var (
-	fakeOnce sync.Once
-	fakePath string
-	fakeErr  error
-)
-
-// fakeDriver builds the stand-in driver with the host C compiler (the test
-// is skipped where there is none) and opens it.
-func fakeDriver(t *testing.T) (*Driver, uintptr) {
+// fakeDriver opens the stand-in driver of package cudatest.
+func fakeDriver(t *testing.T) (*Driver, *cudatest.Fake) {
 	t.Helper()
-	fakeOnce.Do(func() {
-		cc, err := exec.LookPath("cc")
-		if err != nil {
-			fakeErr = err
-			return
-		}
-		dir, err := os.MkdirTemp("", "sonar-fakecuda")
-		if err != nil {
-			fakeErr = err
-			return
-		}
-		src := filepath.Join(dir, "fake.c")
-		if err := os.WriteFile(src, []byte(fakeDriverC), 0o644); err != nil {
-			fakeErr = err
-			return
-		}
-		fakePath = filepath.Join(dir, "libcuda.so.1")
-		if out, err := exec.Command(cc, "-shared", "-fPIC", "-O1", "-o", fakePath, src).CombinedOutput(); err != nil {
-			fakeErr = errors.New(string(out))
-		}
-	})
-	if fakeErr != nil {
-		t.Skipf("cannot build the fake driver: %v", fakeErr)
-	}
-	d, err := OpenLibrary(fakePath)
+	f := cudatest.Driver(t)
+	d, err := OpenLibrary(f.Path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	h, err := purego.Dlopen(fakePath, purego.RTLD_NOW)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return d, h
-}
-
-func fakeFunc[T any](t *testing.T, h uintptr, name string) T {
-	t.Helper()
-	var f T
-	purego.RegisterLibFunc(&f, h, name)
-	return f
+	return d, f
 }
 
 func TestFakeDriverDeviceAndMemory(t *testing.T) {
-	d, h := fakeDriver(t)
-	state := fakeFunc[func(int32) int32](t, h, "fake_state")
-	fail := fakeFunc[func(string, int32)](t, h, "fake_fail")
+	d, f := fakeDriver(t)
+	state, fail := f.State, f.Fail
 	if d.Version() != 13000 {
 		t.Errorf("version %d", d.Version())
 	}
@@ -298,10 +187,9 @@ func TestFakeDriverDeviceAndMemory(t *testing.T) {
 }
 
 func TestFakeDriverIPCAndEvents(t *testing.T) {
-	d, h := fakeDriver(t)
-	state := fakeFunc[func(int32) int32](t, h, "fake_state")
-	fail := fakeFunc[func(string, int32)](t, h, "fake_fail")
-	handles := fakeFunc[func(mem, ev *IPCMemHandle)](t, h, "fake_handles")
+	d, f := fakeDriver(t)
+	state, fail := f.State, f.Fail
+	handles := func(mem, ev *IPCMemHandle) { f.Handles(&mem.Reserved, &ev.Reserved) }
 	dv, err := d.Device(0)
 	if err != nil {
 		t.Fatal(err)
@@ -338,7 +226,7 @@ func TestFakeDriverIPCAndEvents(t *testing.T) {
 	if err := dv.CloseIPCMem(p); err != nil {
 		t.Error(err)
 	}
-	if eh, err := dv.IPCMemHandle(p); err != nil || eh.Reserved[0] != 0x24 {
+	if eh, err := dv.IPCMemHandle(p); err != nil || eh.Reserved[20] != 0x24 {
 		t.Errorf("IPCMemHandle %v %v", eh, err)
 	}
 
@@ -394,66 +282,6 @@ func TestFakeDriverIPCAndEvents(t *testing.T) {
 		if err := e.Destroy(); err != nil {
 			t.Error(err)
 		}
-	}
-}
-
-// TestFakeDriverKernels compiles the real kernels (when NVRTC is here),
-// "loads" them into the fake driver and checks what a launch passes.
-func TestFakeDriverKernels(t *testing.T) {
-	d, h := fakeDriver(t)
-	nv := testNVRTC(t)
-	fail := fakeFunc[func(string, int32)](t, h, "fake_fail")
-	image := fakeFunc[func() string](t, h, "fake_image")
-	launch := fakeFunc[func(dims *[7]uint32, stream *uintptr, param *byte, n int32)](t, h, "fake_launch")
-	dv, err := d.Device(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dv.Close()
-	k, err := LoadKernels(dv, nv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if k.Arch != 90 || !strings.HasPrefix(image(), "//") {
-		t.Errorf("arch %d, module image starts %q", k.Arch, image())
-	}
-	s, _ := dv.NewStream()
-	sc := optimizer.ScalarsFor(optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}, 1)
-	items := make([]Tensor, MaxBatchTensors+2)
-	for i := range items {
-		items[i] = Tensor{Param: 1, Grad: 2, ExpAvg: 3, ExpAvgSq: 4, Numel: int64(i+1) * 100000, Scalars: sc}
-	}
-	if err := k.AdamW(s, optimizer.BFloat16, items); err != nil {
-		t.Fatal(err)
-	}
-	var dims [7]uint32
-	var stream uintptr
-	param := make([]byte, batchSize)
-	launch(&dims, &stream, &param[0], int32(len(param)))
-	want, chunks, _ := PackBatch(items[MaxBatchTensors:]) // the second launch
-	if !bytes.Equal(param, want) {
-		t.Error("the kernel received a different batch than PackBatch built")
-	}
-	if dims != [7]uint32{gridFor(chunks, 132), 1, 1, threadsPerBlock, 1, 1, 0} || stream != s.h {
-		t.Errorf("launch dims %v stream %#x", dims, stream)
-	}
-	fail("cuLaunchKernel", int32(ErrorLaunchOutOfRes))
-	if err := k.Accumulate(s, optimizer.Float32, []AddItem{{Dst: 1, Src: 2, Numel: 5}}); CodeOf(err) != ErrorLaunchOutOfRes ||
-		!strings.Contains(err.Error(), "sonar_add_f32") {
-		t.Errorf("launch failure: %v", err)
-	}
-	if err := k.AdamW(s, optimizer.DType(7), items[:1]); err == nil {
-		t.Error("unknown dtype accepted")
-	}
-	if err := k.AdamW(s, optimizer.Float32, []Tensor{{Numel: 1}}); err == nil {
-		t.Error("null pointers accepted")
-	}
-	fail("cuModuleLoadData", int32(ErrorUnsupportedPTX))
-	if _, err := LoadKernels(dv, nv); err == nil || !strings.Contains(err.Error(), "newer than the driver, CUDA 13.0") {
-		t.Errorf("PTX too new: %v", err)
-	}
-	if err := k.Close(); err != nil {
-		t.Error(err)
 	}
 }
 

@@ -1,4 +1,4 @@
-// Sonar-MoE AdamW kernels, compiled at run time by NVRTC (cuda/kernels.go).
+// Sonar-MoE AdamW kernels, compiled at run time by NVRTC (optimizer/device/kernels.go).
 //
 // One launch updates a batch of tensors (multi-tensor, as torch's foreach
 // kernels do): the kernel parameter is a SonarBatch of up to
@@ -31,7 +31,7 @@
 // lists which of these facts were read from torch's sources and which are
 // only confirmed by the GPU check.
 
-// BEGIN LAYOUT (kept in sync with cuda/adamw.go; a test compiles this block
+// BEGIN LAYOUT (kept in sync with optimizer/device/kernels.go; a test compiles this block
 // with the host C compiler and compares offsetof/sizeof)
 #define SONAR_MAX_TENSORS 44
 #define SONAR_CHUNK 65536

@@ -1,4 +1,4 @@
-package cuda
+package device
 
 import (
 	_ "embed"
@@ -6,19 +6,20 @@ import (
 	"fmt"
 	"math"
 
+	"github.com/sonar-moe/sonar/cuda"
 	"github.com/sonar-moe/sonar/optimizer"
 )
 
-//go:embed kernels/adamw.cu
+//go:embed adamw.cu
 var adamwSource string
 
-// KernelSource is the CUDA C source of the AdamW kernels (kernels/adamw.cu).
+// KernelSource is the CUDA C source of the AdamW kernels (adamw.cu).
 func KernelSource() string { return adamwSource }
 
-// Kernel names in kernels/adamw.cu.
+// Kernel names in adamw.cu.
 var kernelNames = []string{"sonar_adamw_f32", "sonar_adamw_bf16", "sonar_add_f32", "sonar_add_bf16"}
 
-// The batch layout of kernels/adamw.cu (SonarTensor, SonarBatch). A test
+// The batch layout of adamw.cu (SonarTensor, SonarBatch). A test
 // compiles the source's layout block with the host C compiler and checks
 // these numbers.
 const (
@@ -63,7 +64,7 @@ func CompileOptions(arch int) []string {
 }
 
 // CompileKernels compiles the embedded source to PTX for compute_<arch>.
-func CompileKernels(nv *NVRTC, arch int) ([]byte, error) {
+func CompileKernels(nv *cuda.NVRTC, arch int) ([]byte, error) {
 	ptx, err := nv.Compile(adamwSource, "adamw.cu", CompileOptions(arch))
 	if err != nil {
 		return nil, fmt.Errorf("compiling the AdamW kernels for compute_%d: %w", arch, err)
@@ -71,39 +72,39 @@ func CompileKernels(nv *NVRTC, arch int) ([]byte, error) {
 	return ptx, nil
 }
 
-// Tensor is one tensor of an AdamW batch: device pointers (Param, ExpAvg,
+// Launch is one tensor of an AdamW batch: device pointers (Param, ExpAvg,
 // ExpAvgSq and, with amsgrad, MaxExpAvgSq updated in place; Grad read) and
 // the step's scalars, computed by the client as torch does.
-type Tensor struct {
-	Param, Grad, ExpAvg, ExpAvgSq, MaxExpAvgSq DevicePtr
+type Launch struct {
+	Param, Grad, ExpAvg, ExpAvgSq, MaxExpAvgSq cuda.DevicePtr
 	Numel                                      int64
 	Scalars                                    optimizer.Scalars
 }
 
 // AddItem is one tensor of an accumulation batch: Dst += Src.
 type AddItem struct {
-	Dst, Src DevicePtr
+	Dst, Src cuda.DevicePtr
 	Numel    int64
 }
 
 // PackBatch lays out up to MaxBatchTensors tensors as the kernels' SonarBatch
 // parameter and returns it with the number of chunks it covers.
-func PackBatch(items []Tensor) ([]byte, uint64, error) {
+func PackBatch(items []Launch) ([]byte, uint64, error) {
 	if len(items) == 0 || len(items) > MaxBatchTensors {
-		return nil, 0, fmt.Errorf("cuda: batch of %d tensors (1..%d)", len(items), MaxBatchTensors)
+		return nil, 0, fmt.Errorf("device: batch of %d tensors (1..%d)", len(items), MaxBatchTensors)
 	}
 	b := make([]byte, batchSize)
 	le := binary.LittleEndian
 	var chunks uint64
 	for i, it := range items {
 		if it.Numel <= 0 {
-			return nil, 0, fmt.Errorf("cuda: tensor %d: numel %d", i, it.Numel)
+			return nil, 0, fmt.Errorf("device: tensor %d: numel %d", i, it.Numel)
 		}
 		if it.Param == 0 || it.Grad == 0 || it.ExpAvg == 0 || it.ExpAvgSq == 0 {
-			return nil, 0, fmt.Errorf("cuda: tensor %d: null device pointer", i)
+			return nil, 0, fmt.Errorf("device: tensor %d: null device pointer", i)
 		}
 		if it.Scalars.Amsgrad && it.MaxExpAvgSq == 0 {
-			return nil, 0, fmt.Errorf("cuda: tensor %d: amsgrad without max_exp_avg_sq", i)
+			return nil, 0, fmt.Errorf("device: tensor %d: amsgrad without max_exp_avg_sq", i)
 		}
 		d := b[i*tensorDescSize : (i+1)*tensorDescSize]
 		sc := it.Scalars
@@ -148,9 +149,9 @@ func scalarFlags(sc optimizer.Scalars) uint32 {
 
 // packAdd lays out an accumulation batch (Dst as param, Src as grad).
 func packAdd(items []AddItem) ([]byte, uint64, error) {
-	ts := make([]Tensor, len(items))
+	ts := make([]Launch, len(items))
 	for i, it := range items {
-		ts[i] = Tensor{Param: it.Dst, Grad: it.Src, ExpAvg: it.Dst, ExpAvgSq: it.Dst, Numel: it.Numel}
+		ts[i] = Launch{Param: it.Dst, Grad: it.Src, ExpAvg: it.Dst, ExpAvgSq: it.Dst, Numel: it.Numel}
 	}
 	return PackBatch(ts)
 }
@@ -164,16 +165,16 @@ func gridFor(chunks uint64, sms int) uint32 {
 
 // Kernels are the AdamW kernels loaded on one device.
 type Kernels struct {
-	dv   *Device
-	mod  *Module
-	fn   map[string]*Function
+	dv   *cuda.Device
+	mod  *cuda.Module
+	fn   map[string]*cuda.Function
 	Arch int    // the compute_<Arch> the PTX was built for
 	PTX  []byte // as compiled (NUL-terminated)
 }
 
 // LoadKernels compiles the kernels with NVRTC for dv's compute capability
 // (or the newest architecture below it that NVRTC knows) and loads them.
-func LoadKernels(dv *Device, nv *NVRTC) (*Kernels, error) {
+func LoadKernels(dv *cuda.Device, nv *cuda.NVRTC) (*Kernels, error) {
 	arch, err := nv.PickArch(dv.Major, dv.Minor)
 	if err != nil {
 		return nil, fmt.Errorf("loading kernels on %s: %w", dv.Name, err)
@@ -182,11 +183,16 @@ func LoadKernels(dv *Device, nv *NVRTC) (*Kernels, error) {
 	if err != nil {
 		return nil, err
 	}
+	return LoadPTX(dv, ptx, arch)
+}
+
+// LoadPTX loads kernels already compiled for compute_<arch> (CompileKernels).
+func LoadPTX(dv *cuda.Device, ptx []byte, arch int) (*Kernels, error) {
 	mod, err := dv.LoadModule(ptx)
 	if err != nil {
 		return nil, fmt.Errorf("loading kernels on %s: %w", dv.Name, err)
 	}
-	k := &Kernels{dv: dv, mod: mod, fn: map[string]*Function{}, Arch: arch, PTX: ptx}
+	k := &Kernels{dv: dv, mod: mod, fn: map[string]*cuda.Function{}, Arch: arch, PTX: ptx}
 	for _, n := range kernelNames {
 		f, err := mod.Function(n)
 		if err != nil {
@@ -208,25 +214,25 @@ func kernelFor(prefix string, dt optimizer.DType) (string, error) {
 	case optimizer.BFloat16:
 		return prefix + "_bf16", nil
 	}
-	return "", fmt.Errorf("cuda: dtype %v not supported", dt)
+	return "", fmt.Errorf("device: dtype %v not supported", dt)
 }
 
 // AdamW queues one AdamW step of every tensor on s: one launch per
 // MaxBatchTensors tensors. The host does not wait; record an event to know
 // when the update is done.
-func (k *Kernels) AdamW(s *Stream, dt optimizer.DType, items []Tensor) error {
+func (k *Kernels) AdamW(s *cuda.Stream, dt optimizer.DType, items []Launch) error {
 	return launchBatches(k, s, "sonar_adamw", dt, items, PackBatch)
 }
 
 // Accumulate queues Dst += Src (in the dtype, as autograd accumulates .grad)
 // for every item on s.
-func (k *Kernels) Accumulate(s *Stream, dt optimizer.DType, items []AddItem) error {
+func (k *Kernels) Accumulate(s *cuda.Stream, dt optimizer.DType, items []AddItem) error {
 	return launchBatches(k, s, "sonar_add", dt, items, packAdd)
 }
 
 // launchBatches launches kernel prefix (for dtype dt) once per
 // MaxBatchTensors items, each batch packed into one kernel parameter.
-func launchBatches[T any](k *Kernels, s *Stream, prefix string, dt optimizer.DType, items []T,
+func launchBatches[T any](k *Kernels, s *cuda.Stream, prefix string, dt optimizer.DType, items []T,
 	pack func([]T) ([]byte, uint64, error)) error {
 	name, err := kernelFor(prefix, dt)
 	if err != nil {
@@ -238,7 +244,7 @@ func launchBatches[T any](k *Kernels, s *Stream, prefix string, dt optimizer.DTy
 		if err != nil {
 			return err
 		}
-		if err := k.fn[name].Launch(s, Dim3{X: gridFor(chunks, k.dv.SMs)}, Dim3{X: threadsPerBlock}, 0, NewArgs().Bytes(batch)); err != nil {
+		if err := k.fn[name].Launch(s, cuda.Dim3{X: gridFor(chunks, k.dv.SMs)}, cuda.Dim3{X: threadsPerBlock}, 0, cuda.NewArgs().Bytes(batch)); err != nil {
 			return err
 		}
 		items = items[n:]

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"encoding/json"
 	"errors"
 	"os"
@@ -83,10 +82,8 @@ func TestWithoutGPU(t *testing.T) {
 	if _, err := cuda.Open(); err == nil {
 		t.Skip("this machine has a CUDA driver")
 	}
-	var out bytes.Buffer
 	for name, run := range map[string]func() error{
-		"info":  info,
-		"serve": func() error { return serve(strings.NewReader(`{"op":"quit"}`), &out) },
+		"info": info,
 		"files": func() error {
 			return files(writeSpec(t, Spec{DType: "float32", Steps: 1, Tensors: []SpecTensor{{Numel: 1}}, Scalars: [][]ScalarsJSON{{{}}}}))
 		},

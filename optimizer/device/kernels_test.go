@@ -1,4 +1,4 @@
-package cuda
+package device
 
 import (
 	"bytes"
@@ -9,9 +9,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
+	"github.com/sonar-moe/sonar/cuda"
 	"github.com/sonar-moe/sonar/optimizer"
 )
 
@@ -116,40 +118,53 @@ int main() {
 
 type mathCase struct {
 	bf16  bool
-	k     refScalars
+	k     optimizer.Scalars
 	p, g  float32
 	m, v  float32
 	vmax  float32
 	label string
 }
 
+func roundBF16(f float32) float32 { return optimizer.BF16ToF32(optimizer.ForeachBF16(f)) }
+
+// foreachOne is optimizer's foreach reference on one element.
+func foreachOne(c mathCase) [4]float32 {
+	if c.bf16 {
+		b := optimizer.ForeachBF16
+		p, g, m, v, vm := []uint16{b(c.p)}, []uint16{b(c.g)}, []uint16{b(c.m)}, []uint16{b(c.v)}, []uint16{b(c.vmax)}
+		optimizer.ForeachStepBF16(p, g, m, v, vm, c.k)
+		f := optimizer.BF16ToF32
+		return [4]float32{f(p[0]), f(m[0]), f(v[0]), f(vm[0])}
+	}
+	p, g, m, v, vm := []float32{c.p}, []float32{c.g}, []float32{c.m}, []float32{c.v}, []float32{c.vmax}
+	optimizer.ForeachStepF32(p, g, m, v, vm, c.k)
+	return [4]float32{p[0], m[0], v[0], vm[0]}
+}
+
 // TestHostMathMatchesRef runs the kernel's element arithmetic (compiled for
 // the host, with C's correctly rounded fmaf, sqrtf and division standing in
-// for __fmaf_rn, __fsqrt_rn and __fdiv_rn) against RefStep's, bit for bit,
-// on random and edge-case inputs. It proves the CUDA C and the Go reference
-// say the same thing; the GPU check then compares both with torch.
+// for __fmaf_rn, __fsqrt_rn and __fdiv_rn) against optimizer.ForeachStep's,
+// bit for bit, on random and edge-case inputs. It proves the CUDA C and the
+// Go reference say the same thing; the GPU check then compares both with
+// torch.
 func TestHostMathMatchesRef(t *testing.T) {
 	bin := hostBuild(t, hostPrelude, section(t, "LAYOUT"), section(t, "MATH"), mathHarness)
 	r := rand.New(rand.NewPCG(7, 11))
 	var cases []mathCase
-	base := refScalarsOf(optimizer.ScalarsFor(optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 1e-2}, 3))
-	base.flags = flagDecay
+	base := optimizer.ScalarsFor(optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 1e-2}, 3)
 	variants := []struct {
 		label string
-		mod   func(k *refScalars)
+		mod   func(k *optimizer.Scalars)
 	}{
-		{"default", func(k *refScalars) {}},
-		{"amsgrad", func(k *refScalars) { k.flags |= flagAmsgrad }},
-		{"maximize", func(k *refScalars) { k.flags |= flagMaximize }},
-		{"no-decay", func(k *refScalars) { k.flags &^= flagDecay }},
-		{"big-lerp-weight", func(k *refScalars) { k.w = 0.75 }},
-		{"beta2=0 (addcmul value 1)", func(k *refScalars) { k.b2, k.omb2 = 0, 1 }},
-		{"addcdiv value 1", func(k *refScalars) { k.negStep = 1 }},
-		{"step 1000", func(k *refScalars) {
-			s := optimizer.ScalarsFor(optimizer.Hyper{LR: 3e-4, Beta1: 0.9, Beta2: 0.95, Eps: 1e-6, WeightDecay: 0.1}, 1000)
-			n := refScalarsOf(s)
-			n.flags = k.flags
-			*k = n
+		{"default", func(k *optimizer.Scalars) {}},
+		{"amsgrad", func(k *optimizer.Scalars) { k.Amsgrad = true }},
+		{"maximize", func(k *optimizer.Scalars) { k.Maximize = true }},
+		{"no-decay", func(k *optimizer.Scalars) { k.ApplyDecay = false }},
+		{"big-lerp-weight", func(k *optimizer.Scalars) { k.Beta1W = 0.75 }},
+		{"beta2=0 (addcmul value 1)", func(k *optimizer.Scalars) { k.Beta2, k.OneMinusB2 = 0, 1 }},
+		{"addcdiv value 1", func(k *optimizer.Scalars) { k.NegStepSize = 1 }},
+		{"step 1000", func(k *optimizer.Scalars) {
+			*k = optimizer.ScalarsFor(optimizer.Hyper{LR: 3e-4, Beta1: 0.9, Beta2: 0.95, Eps: 1e-6, WeightDecay: 0.1}, 1000)
 		}},
 	}
 	special := []float32{0, float32(math.Copysign(0, -1)), 1e-40, -1e-40, 1, -1, 3e38, float32(math.Inf(1)), float32(math.NaN())}
@@ -188,10 +203,12 @@ func TestHostMathMatchesRef(t *testing.T) {
 		if c.bf16 {
 			bf = 1
 		}
-		for _, u := range []uint32{bf, c.k.flags} {
+		for _, u := range []uint32{bf, scalarFlags(c.k)} {
 			_ = binary.Write(&in, le, u)
 		}
-		for _, f := range []float32{c.k.decay, c.k.w, c.k.b2, c.k.omb2, c.k.negStep, c.k.bc2s, c.k.eps, c.p, c.g, c.m, c.v, c.vmax} {
+		k := c.k
+		for _, f := range []float32{float32(k.Decay), float32(k.Beta1W), float32(k.Beta2), float32(k.OneMinusB2),
+			float32(k.NegStepSize), float32(k.BC2Sqrt), float32(k.Eps), c.p, c.g, c.m, c.v, c.vmax} {
 			_ = binary.Write(&in, le, math.Float32bits(f))
 		}
 	}
@@ -206,17 +223,16 @@ func TestHostMathMatchesRef(t *testing.T) {
 	}
 	bad := 0
 	for i, c := range cases {
-		round := identity
+		ref := foreachOne(c)
+		acc := c.p + c.g
 		if c.bf16 {
-			round = roundBF16
+			acc = roundBF16(acc)
 		}
-		p, m, v, vm := refElement(c.p, c.g, c.m, c.v, c.vmax, c.k, round)
-		acc := round(c.p + c.g)
-		want := []float32{p, m, v, vm, acc}
+		want := []float32{ref[0], ref[1], ref[2], ref[3], acc}
 		for j, w := range want {
 			got := math.Float32frombits(le.Uint32(out[20*i+4*j:]))
 			same := math.Float32bits(got) == math.Float32bits(w) || (got != got && w != w) // NaN payloads: host C vs device differ
-			if c.k.flags&flagAmsgrad == 0 && j == 3 {
+			if !c.k.Amsgrad && j == 3 {
 				same = true
 			}
 			if !same {
@@ -237,24 +253,24 @@ func TestPackBatch(t *testing.T) {
 	sc := optimizer.ScalarsFor(optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 1e-2}, 2)
 	ams := sc
 	ams.Amsgrad = true
-	item := func(numel int64, s optimizer.Scalars) Tensor {
-		return Tensor{Param: 0x1000, Grad: 0x2000, ExpAvg: 0x3000, ExpAvgSq: 0x4000, MaxExpAvgSq: 0x5000, Numel: numel, Scalars: s}
+	item := func(numel int64, s optimizer.Scalars) Launch {
+		return Launch{Param: 0x1000, Grad: 0x2000, ExpAvg: 0x3000, ExpAvgSq: 0x4000, MaxExpAvgSq: 0x5000, Numel: numel, Scalars: s}
 	}
 	tests := []struct {
 		name   string
-		items  []Tensor
+		items  []Launch
 		chunks uint64
 		err    string
 	}{
-		{"one small", []Tensor{item(10, sc)}, 1, ""},
-		{"exact chunk", []Tensor{item(ChunkElems, sc)}, 1, ""},
-		{"chunk plus one", []Tensor{item(ChunkElems+1, sc)}, 2, ""},
-		{"several", []Tensor{item(3*ChunkElems, sc), item(1, ams), item(2*ChunkElems-1, sc)}, 6, ""},
+		{"one small", []Launch{item(10, sc)}, 1, ""},
+		{"exact chunk", []Launch{item(ChunkElems, sc)}, 1, ""},
+		{"chunk plus one", []Launch{item(ChunkElems+1, sc)}, 2, ""},
+		{"several", []Launch{item(3*ChunkElems, sc), item(1, ams), item(2*ChunkElems-1, sc)}, 6, ""},
 		{"empty", nil, 0, "batch of 0"},
-		{"too many", make([]Tensor, MaxBatchTensors+1), 0, "batch of 45"},
-		{"zero numel", []Tensor{item(0, sc)}, 0, "numel 0"},
-		{"null pointer", []Tensor{{Grad: 1, ExpAvg: 1, ExpAvgSq: 1, Numel: 1}}, 0, "null device pointer"},
-		{"amsgrad without vmax", []Tensor{{Param: 1, Grad: 1, ExpAvg: 1, ExpAvgSq: 1, Numel: 1, Scalars: ams}}, 0, "amsgrad"},
+		{"too many", make([]Launch, MaxBatchTensors+1), 0, "batch of 45"},
+		{"zero numel", []Launch{item(0, sc)}, 0, "numel 0"},
+		{"null pointer", []Launch{{Grad: 1, ExpAvg: 1, ExpAvgSq: 1, Numel: 1}}, 0, "null device pointer"},
+		{"amsgrad without vmax", []Launch{{Param: 1, Grad: 1, ExpAvg: 1, ExpAvgSq: 1, Numel: 1, Scalars: ams}}, 0, "amsgrad"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -281,8 +297,8 @@ func TestPackBatch(t *testing.T) {
 			var first uint64
 			for i, it := range tc.items {
 				d := b[i*tensorDescSize:]
-				if DevicePtr(le.Uint64(d[offParam:])) != it.Param || DevicePtr(le.Uint64(d[offGrad:])) != it.Grad ||
-					DevicePtr(le.Uint64(d[offExpAvg:])) != it.ExpAvg || DevicePtr(le.Uint64(d[offExpAvgSq:])) != it.ExpAvgSq {
+				if cuda.DevicePtr(le.Uint64(d[offParam:])) != it.Param || cuda.DevicePtr(le.Uint64(d[offGrad:])) != it.Grad ||
+					cuda.DevicePtr(le.Uint64(d[offExpAvg:])) != it.ExpAvg || cuda.DevicePtr(le.Uint64(d[offExpAvgSq:])) != it.ExpAvgSq {
 					t.Errorf("tensor %d: pointers wrong", i)
 				}
 				vm := le.Uint64(d[offMaxExpAvgSq:])
@@ -319,74 +335,45 @@ func TestGridFor(t *testing.T) {
 	}
 }
 
-// TestRefCloseToCPU keeps the reference honest in a coarser way: over many
-// steps it must stay within a few ulp of the CPU engine (which rounds a few
-// operations differently: addcmul's product and bfloat16 eps).
-func TestRefCloseToCPU(t *testing.T) {
-	r := rand.New(rand.NewPCG(1, 2))
-	const n = 4096
-	h := optimizer.Hyper{LR: 1e-2, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.1}
-	p0, m0, v0 := make([]float32, n), make([]float32, n), make([]float32, n)
-	p1, m1, v1 := make([]float32, n), make([]float32, n), make([]float32, n)
-	for i := range p0 {
-		p0[i] = float32(r.NormFloat64())
-		p1[i] = p0[i]
-	}
-	g := make([]float32, n)
-	same := 0
-	for step := int64(1); step <= 20; step++ {
-		for i := range g {
-			g[i] = float32(r.NormFloat64() * 0.1)
+// TestCompileKernels compiles the embedded kernels with a real NVRTC (no GPU
+// needed) and checks the PTX: every entry point is there, the float
+// arithmetic is the IEEE kind the source asks for, and the 4 KB batch
+// parameter is not copied to local memory.
+func TestCompileKernels(t *testing.T) {
+	nv := testNVRTC(t)
+	maj, mnr := nv.Version()
+	t.Logf("NVRTC %d.%d from %s, archs %v", maj, mnr, nv.Path(), nv.SupportedArchs())
+	for _, arch := range []int{90, 80, 75} {
+		if a, err := nv.PickArch(arch/10, arch%10); err != nil || a != arch {
+			t.Logf("sm_%d not supported by this NVRTC (%d, %v)", arch, a, err)
+			continue
 		}
-		sc := optimizer.ScalarsFor(h, step)
-		RefStepF32(p0, g, m0, v0, nil, sc)
-		optimizer.StepF32(p1, g, m1, v1, nil, sc, nil)
-	}
-	for i := range p0 {
-		if p0[i] == p1[i] {
-			same++
+		ptx, err := CompileKernels(nv, arch)
+		if err != nil {
+			t.Fatalf("compute_%d: %v", arch, err)
 		}
-		if d := math.Abs(float64(p0[i] - p1[i])); d > 1e-5*math.Abs(float64(p1[i]))+1e-7 {
-			t.Fatalf("element %d: reference %v, CPU engine %v", i, p0[i], p1[i])
-		}
-	}
-	t.Logf("%d of %d parameters bitwise equal to the CPU path after 20 steps", same, n)
-}
-
-func TestRefStepBytes(t *testing.T) {
-	sc := optimizer.ScalarsFor(optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 1e-2}, 1)
-	for _, dt := range []optimizer.DType{optimizer.Float32, optimizer.BFloat16} {
-		n := 64
-		sz := dt.Size()
-		p, g, m, v := make([]byte, n*sz), make([]byte, n*sz), make([]byte, n*sz), make([]byte, n*sz)
-		for i := 0; i < n; i++ {
-			switch dt {
-			case optimizer.Float32:
-				binary.LittleEndian.PutUint32(p[4*i:], math.Float32bits(1))
-				binary.LittleEndian.PutUint32(g[4*i:], math.Float32bits(0.5))
-			default:
-				binary.LittleEndian.PutUint16(p[2*i:], RefBF16(1))
-				binary.LittleEndian.PutUint16(g[2*i:], RefBF16(0.5))
+		s := string(ptx)
+		for _, k := range kernelNames {
+			if !strings.Contains(s, ".entry "+k+"(") {
+				t.Errorf("compute_%d: no entry %s", arch, k)
 			}
 		}
-		if err := RefStep(dt, p, g, m, v, nil, sc); err != nil {
-			t.Fatal(err)
+		for _, bad := range []string{"div.approx", "sqrt.approx", ".ftz.", "rcp.approx", "mad.f32"} {
+			if strings.Contains(s, bad) {
+				t.Errorf("compute_%d: PTX has %q: not IEEE float arithmetic", arch, bad)
+			}
 		}
-		// Step 1 of AdamW moves every parameter by about -lr (sign of g) after decay.
-		var got float32
-		if dt == optimizer.Float32 {
-			got = math.Float32frombits(binary.LittleEndian.Uint32(p))
-		} else {
-			got = optimizer.BF16ToF32(binary.LittleEndian.Uint16(p))
+		if arch >= 80 && !strings.Contains(s, "cvt.rn.bf16.f32") {
+			t.Errorf("compute_%d: bfloat16 rounding should be cvt.rn.bf16.f32", arch)
 		}
-		if math.Abs(float64(got)-(1*(1-1e-5)-1e-3)) > 1e-2 {
-			t.Errorf("%v: p after one step = %v", dt, got)
+		// No per-thread copy of the batch (a local depot of >= 1 KB).
+		for _, m := range regexp.MustCompile(`__local_depot\d*\[(\d+)\]`).FindAllStringSubmatch(s, -1) {
+			if len(m[1]) >= 4 {
+				t.Errorf("compute_%d: local memory %s bytes: the batch parameter is copied per thread", arch, m[1])
+			}
 		}
-		if err := RefAdd(dt, g, g); err != nil {
-			t.Fatal(err)
+		if !strings.Contains(s, "fma.rn.f32") || !strings.Contains(s, "div.rn.f32") || !strings.Contains(s, "sqrt.rn.f32") {
+			t.Errorf("compute_%d: expected fma.rn, div.rn and sqrt.rn in the PTX", arch)
 		}
-	}
-	if err := RefStep(optimizer.DType(9), nil, nil, nil, nil, nil, sc); err == nil {
-		t.Error("unknown dtype accepted")
 	}
 }

@@ -1,15 +1,12 @@
-// Command kernelcheck runs Sonar-MoE's CUDA AdamW kernels outside the server,
+// Command sonar-kernelcheck runs Sonar-MoE's CUDA AdamW kernels outside the server,
 // for the GPU check (scripts/gpu-check): it needs a CUDA driver and NVRTC at
 // run time, nothing at build time.
 //
-//	kernelcheck info            device, driver, NVRTC and kernel build, as JSON
-//	kernelcheck files DIR       run the steps DIR/spec.json describes on the
+//	sonar-kernelcheck info            device, driver, NVRTC and kernel build, as JSON
+//	sonar-kernelcheck files DIR       run the steps DIR/spec.json describes on the
 //	                            tensors in DIR's files; write the kernel's and
 //	                            the Go reference's results next to them
-//	kernelcheck bench ...       kernel throughput on device buffers
-//	kernelcheck serve           a stand-in for sonard's CUDA path: JSON
-//	                            requests on stdin, replies on stdout; client
-//	                            tensors are reached through CUDA IPC handles
+//	sonar-kernelcheck bench ...       kernel throughput on device buffers
 //
 // Every mode prints JSON on stdout; errors go to stderr with exit status 1.
 package main
@@ -25,11 +22,12 @@ import (
 
 	"github.com/sonar-moe/sonar/cuda"
 	"github.com/sonar-moe/sonar/optimizer"
+	"github.com/sonar-moe/sonar/optimizer/device"
 )
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: kernelcheck info | files DIR | bench [-dtype D -numel N -iters K] | serve")
+		fmt.Fprintln(os.Stderr, "usage: sonar-kernelcheck info | files DIR | bench [-dtype D -numel N -iters K]")
 		os.Exit(2)
 	}
 	var err error
@@ -38,19 +36,17 @@ func main() {
 		err = info()
 	case "files":
 		if len(os.Args) != 3 {
-			err = errors.New("usage: kernelcheck files DIR")
+			err = errors.New("usage: sonar-kernelcheck files DIR")
 		} else {
 			err = files(os.Args[2])
 		}
 	case "bench":
 		err = bench(os.Args[2:])
-	case "serve":
-		err = serve(os.Stdin, os.Stdout)
 	default:
 		err = fmt.Errorf("unknown mode %q", os.Args[1])
 	}
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "kernelcheck:", err)
+		fmt.Fprintln(os.Stderr, "sonar-kernelcheck:", err)
 		os.Exit(1)
 	}
 }
@@ -60,7 +56,7 @@ type gpu struct {
 	drv *cuda.Driver
 	dev *cuda.Device
 	nv  *cuda.NVRTC
-	k   *cuda.Kernels
+	k   *device.Kernels
 }
 
 func openGPU() (*gpu, error) {
@@ -77,7 +73,7 @@ func openGPU() (*gpu, error) {
 		_ = dev.Close()
 		return nil, err
 	}
-	k, err := cuda.LoadKernels(dev, nv)
+	k, err := device.LoadKernels(dev, nv)
 	if err != nil {
 		_ = dev.Close()
 		return nil, err
@@ -112,7 +108,7 @@ func info() error {
 		"device": g.dev.Name, "cc": fmt.Sprintf("%d.%d", g.dev.Major, g.dev.Minor), "sms": g.dev.SMs,
 		"mem_total": total, "mem_free": free,
 		"nvrtc": g.nv.Path(), "nvrtc_version": fmt.Sprintf("%d.%d", maj, mnr), "arch": fmt.Sprintf("compute_%d", g.k.Arch),
-		"ptx_bytes": len(g.k.PTX), "options": cuda.CompileOptions(g.k.Arch),
+		"ptx_bytes": len(g.k.PTX), "options": device.CompileOptions(g.k.Arch),
 	})
 }
 
@@ -140,7 +136,7 @@ func (s ScalarsJSON) scalars() optimizer.Scalars {
 // Scalars[s][i] are step s's scalars of tensor i. Inputs are DIR/t<i>_p.bin,
 // _m.bin, _v.bin, _vmax.bin (amsgrad) and _g<s>.bin (raw little-endian
 // values of the dtype); outputs DIR/t<i>_<p|m|v|vmax>.gpu.bin (kernel) and
-// .ref.bin (cuda.RefStep).
+// .ref.bin (optimizer.ForeachStep).
 type Spec struct {
 	DType   string          `json:"dtype"`
 	Steps   int             `json:"steps"`
@@ -269,7 +265,7 @@ func files(dir string) error {
 	}
 	var kernelMs []float32
 	for step := 0; step < sp.Steps; step++ {
-		items := make([]cuda.Tensor, len(ts))
+		items := make([]device.Launch, len(ts))
 		for i, t := range ts {
 			gb, err := readExact(filepath.Join(dir, fmt.Sprintf("t%d_g%d.bin", i, step)), t.nb)
 			if err != nil {
@@ -279,9 +275,9 @@ func files(dir string) error {
 				return err
 			}
 			sc := sp.Scalars[step][i].scalars()
-			items[i] = cuda.Tensor{Param: t.dev["p"], Grad: t.grad, ExpAvg: t.dev["m"], ExpAvgSq: t.dev["v"],
+			items[i] = device.Launch{Param: t.dev["p"], Grad: t.grad, ExpAvg: t.dev["m"], ExpAvgSq: t.dev["v"],
 				MaxExpAvgSq: t.dev["vmax"], Numel: sp.Tensors[i].Numel, Scalars: sc}
-			if err := cuda.RefStep(dt, t.host["p"], gb, t.host["m"], t.host["v"], t.host["vmax"], sc); err != nil {
+			if err := optimizer.ForeachStep(dt, t.host["p"], gb, t.host["m"], t.host["v"], t.host["vmax"], sc); err != nil {
 				return err
 			}
 		}
@@ -349,7 +345,7 @@ func bench(args []string) error {
 	per := *numel / int64(*tensors)
 	nb := per * int64(dt.Size())
 	sc := optimizer.ScalarsFor(optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}, 1)
-	var items []cuda.Tensor
+	var items []device.Launch
 	var bufs []cuda.DevicePtr
 	defer func() {
 		for _, b := range bufs {
@@ -367,7 +363,7 @@ func bench(args []string) error {
 				return err
 			}
 		}
-		items = append(items, cuda.Tensor{Param: p[0], Grad: p[1], ExpAvg: p[2], ExpAvgSq: p[3], Numel: per, Scalars: sc})
+		items = append(items, device.Launch{Param: p[0], Grad: p[1], ExpAvg: p[2], ExpAvgSq: p[3], Numel: per, Scalars: sc})
 	}
 	start, _ := g.dev.NewEvent(cuda.EventTiming)
 	end, _ := g.dev.NewEvent(cuda.EventTiming)
