@@ -74,6 +74,11 @@ type Hello struct {
 	Torch      string `msgpack:"torch"`
 	Threads    int    `msgpack:"threads"`
 	Capability string `msgpack:"capability"`
+	// SqrtLib is the library whose vmsSqrt the client's torch uses for
+	// float32 sqrt (its libtorch_cpu.so), "" when that sqrt is IEEE. The
+	// server loads it for this session; only local (ipc://) clients may
+	// name one.
+	SqrtLib string `msgpack:"sqrt_lib,omitempty"`
 }
 
 // HelloReply answers Hello.
@@ -82,7 +87,7 @@ type HelloReply struct {
 	Protocol int    `msgpack:"protocol"`
 	PID      int    `msgpack:"pid"`
 	Workers  int    `msgpack:"workers"`
-	Sqrt     string `msgpack:"sqrt"` // "ieee" or "mkl:<library>"
+	Sqrt     string `msgpack:"sqrt"` // this session's: "ieee" or "mkl:<library>"
 	// CUDA describes the server's GPU ("NVIDIA H200, cc 9.0, compute_90"),
 	// empty when the server has no CUDA path.
 	CUDA string `msgpack:"cuda,omitempty"`
@@ -204,6 +209,26 @@ type StateXfer struct {
 type ExportReply struct {
 	Step    int64 `msgpack:"step"`
 	Amsgrad bool  `msgpack:"amsgrad"`
+}
+
+// ByeReply answers bye.
+type ByeReply struct {
+	Bye bool `msgpack:"bye"`
+}
+
+// ShutdownReply answers shutdown.
+type ShutdownReply struct {
+	Shutdown bool `msgpack:"shutdown"`
+}
+
+// DetachReply answers detach with the segment detached.
+type DetachReply struct {
+	Seg uint32 `msgpack:"seg"`
+}
+
+// EventReply answers cuda_event.
+type EventReply struct {
+	Event bool `msgpack:"event"`
 }
 
 // Detach unmaps a segment the session attached.

@@ -39,10 +39,6 @@ type DeviceMapper interface {
 	MapDevice(handle []byte, size int64) (DeviceMapping, error)
 }
 
-// ErrCUDAUnsupported is returned (wrapped) where the machine has no CUDA
-// driver or device.
-var ErrCUDAUnsupported = errors.New("ipcbridge: CUDA IPC is not supported on this machine")
-
 // ipcCache is what CUDAMapper needs of cuda.IPCCache.
 type ipcCache interface {
 	Acquire(h cuda.IPCMemHandle) (cuda.DevicePtr, int64, error)
@@ -55,33 +51,9 @@ type CUDAMapper struct {
 	cache ipcCache
 }
 
-// NewCUDAMapper opens the CUDA driver and device ordinal and returns a
-// mapper whose cache keeps at most maxIdle unused allocations open. On a
-// machine without CUDA the error matches ErrCUDAUnsupported (and
-// cuda.ErrNoDriver where the driver is missing). The caller closes the cache
-// (all mappings) and then the device.
-func NewCUDAMapper(ordinal, maxIdle int) (*CUDAMapper, *cuda.IPCCache, *cuda.Device, error) {
-	drv, err := cuda.Open()
-	if err != nil {
-		return nil, nil, nil, fmt.Errorf("%w: %w", ErrCUDAUnsupported, err)
-	}
-	n, err := drv.DeviceCount()
-	if err != nil {
-		return nil, nil, nil, fmt.Errorf("%w: %w", ErrCUDAUnsupported, err)
-	}
-	if ordinal < 0 || ordinal >= n {
-		return nil, nil, nil, fmt.Errorf("%w: device %d requested, %d visible", ErrCUDAUnsupported, ordinal, n)
-	}
-	dev, err := drv.Device(ordinal)
-	if err != nil {
-		return nil, nil, nil, fmt.Errorf("opening CUDA device %d: %w", ordinal, err)
-	}
-	cache := cuda.NewIPCCache(dev, maxIdle)
-	return NewCUDAMapperWith(cache), cache, dev, nil
-}
-
-// NewCUDAMapperWith returns a mapper over an existing cache.
-func NewCUDAMapperWith(cache *cuda.IPCCache) *CUDAMapper { return &CUDAMapper{cache: cache} }
+// NewCUDAMapper returns a mapper over cache (a *cuda.IPCCache of the
+// server's device, or a test's stand-in).
+func NewCUDAMapper(cache ipcCache) *CUDAMapper { return &CUDAMapper{cache: cache} }
 
 // MapDevice implements DeviceMapper.
 func (m *CUDAMapper) MapDevice(handle []byte, size int64) (DeviceMapping, error) {
@@ -124,7 +96,7 @@ func (c *cudaMapping) Ptr(off, n, align int64) (cuda.DevicePtr, error) {
 	c.mu.Lock()
 	closed := c.closed
 	c.mu.Unlock()
-	if err := checkRange(c.name, c.size, closed, off, n, align); err != nil {
+	if err := checkRange("allocation", c.name, c.size, closed, off, n, align); err != nil {
 		return 0, err
 	}
 	return c.base + cuda.DevicePtr(off), nil
@@ -139,21 +111,6 @@ func (c *cudaMapping) Close() error {
 	c.closed = true
 	if err := c.cache.Release(c.h); err != nil {
 		return fmt.Errorf("releasing %s: %w", c.name, err)
-	}
-	return nil
-}
-
-// checkRange is the device twin of slice: the same checks, the same words.
-func checkRange(name string, size int64, closed bool, off, n, align int64) error {
-	switch {
-	case closed:
-		return fmt.Errorf("allocation %q is closed", name)
-	case off < 0 || n <= 0:
-		return fmt.Errorf("allocation %q: range [%d, +%d) invalid", name, off, n)
-	case off > size || n > size-off:
-		return fmt.Errorf("allocation %q: range [%d, %d) outside its %d bytes", name, off, off+n, size)
-	case align > 1 && off%align != 0:
-		return fmt.Errorf("allocation %q: offset %d not aligned to %d bytes", name, off, align)
 	}
 	return nil
 }

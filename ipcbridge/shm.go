@@ -129,18 +129,26 @@ func (s *shmMapping) Close() error {
 	return nil
 }
 
-// slice is the one bounds check every access goes through.
+// slice is the shared-memory access: the one bounds check, then the bytes.
 func slice(data []byte, name string, off, n, align int64) ([]byte, error) {
-	size := int64(len(data))
-	switch {
-	case data == nil:
-		return nil, fmt.Errorf("segment %q is closed", name)
-	case off < 0 || n <= 0:
-		return nil, fmt.Errorf("segment %q: range [%d, +%d) invalid", name, off, n)
-	case off > size || n > size-off:
-		return nil, fmt.Errorf("segment %q: range [%d, %d) outside its %d bytes", name, off, off+n, size)
-	case align > 1 && off%align != 0:
-		return nil, fmt.Errorf("segment %q: offset %d not aligned to %d bytes", name, off, align)
+	if err := checkRange("segment", name, int64(len(data)), data == nil, off, n, align); err != nil {
+		return nil, err
 	}
 	return data[off : off+n : off+n], nil
+}
+
+// checkRange is the one bounds check every access to client memory goes
+// through, shared memory and CUDA allocations alike (kind names which).
+func checkRange(kind, name string, size int64, closed bool, off, n, align int64) error {
+	switch {
+	case closed:
+		return fmt.Errorf("%s %q is closed", kind, name)
+	case off < 0 || n <= 0:
+		return fmt.Errorf("%s %q: range [%d, +%d) invalid", kind, name, off, n)
+	case off > size || n > size-off:
+		return fmt.Errorf("%s %q: range [%d, %d) outside its %d bytes", kind, name, off, off+n, size)
+	case align > 1 && off%align != 0:
+		return fmt.Errorf("%s %q: offset %d not aligned to %d bytes", kind, name, off, align)
+	}
+	return nil
 }

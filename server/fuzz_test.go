@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/sonar-moe/sonar/backend/cpu"
 	"github.com/sonar-moe/sonar/ipc"
 	"github.com/sonar-moe/sonar/ipcbridge"
 	"github.com/sonar-moe/sonar/optimizer"
@@ -67,25 +68,21 @@ func FuzzHandle(f *testing.F) {
 // (gradients, 4096 B) attached and tensor 3 ("w", 256 float32) registered
 // and stepped once, plus the parameter memory and the tensor.
 func fuzzServer(t *testing.T, dir string, n int) (*Server, []byte, *optimizer.Tensor) {
-	s := New(zap.NewNop(), ipcbridge.ShmMapper{Dir: dir, Unlink: true}, &optimizer.Engine{Workers: 1, MinChunk: 1 << 16, SqrtName: "ieee"})
-	var param []byte
+	s := New(zap.NewNop(), &cpu.Backend{Mapper: ipcbridge.ShmMapper{Dir: dir, Unlink: true}, Workers: 1})
 	for i, name := range []string{fmt.Sprintf("sonar-p%d", n), fmt.Sprintf("sonar-g%d", n)} {
 		path := filepath.Join(dir, name)
-		if err := os.WriteFile(path, make([]byte, 4096), 0o600); err != nil {
+		init := make([]byte, 4096)
+		x := optimizer.F32s(init)
+		for j := range x {
+			x[j] = float32(j%17-8) * 0.125
+		}
+		if err := os.WriteFile(path, init, 0o600); err != nil {
 			t.Fatal(err)
 		}
 		if _, err := s.Handle("c", mustReq(t, ipc.OpAttach, ipc.Attach{Shm: name, Size: 4096})); err != nil {
 			t.Fatal(err)
 		}
-		m := s.sessions["c"].segments[uint32(i+1)]
-		b, _ := m.Bytes(0, 4096, 4)
-		x := optimizer.F32s(b)
-		for j := range x {
-			x[j] = float32(j%17-8) * 0.125
-		}
-		if i == 0 {
-			param = b
-		}
+		_ = i
 	}
 	reg := ipc.Register{Tensors: []ipc.TensorSpec{{Name: "w", Shape: []int64{256}, DType: "float32",
 		Param: ipc.MemRef{Seg: 1, Bytes: 1024}, Hyper: ipc.HyperMsg{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}}}}
@@ -97,7 +94,11 @@ func fuzzServer(t *testing.T, dir string, n int) (*Server, []byte, *optimizer.Te
 	if _, err := s.Handle("c", mustReq(t, ipc.OpStep, st)); err != nil {
 		t.Fatal(err)
 	}
-	return s, param[:1024], s.sessions["c"].tensors[3].Tensor
+	tn, ok := cpu.State(s.sessions["c"].tensors[3].state)
+	if !ok {
+		t.Fatal("tensor 3 is not a CPU tensor")
+	}
+	return s, tn.Param, tn
 }
 
 func mustReq(t *testing.T, op string, body any) ipc.Request {

@@ -20,6 +20,7 @@ type metrics struct {
 	perReq   *prometheus.CounterVec
 
 	tensors, stateBytes, segments, segBytes, sessions *prometheus.Desc
+	deviceState, deviceSegments, ipcOpen              *prometheus.Desc
 	clientTensors, clientState                        *prometheus.Desc
 }
 
@@ -36,13 +37,16 @@ func newMetrics() *metrics {
 			Buckets: prometheus.ExponentialBuckets(10e-6, 2, 18)}),
 		perReq: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "sonard_client_requests_total",
 			Help: "Requests served, by client process."}, []string{"client", "pid"}),
-		tensors:       prometheus.NewDesc("sonard_tensors", "Registered tensors.", nil, nil),
-		stateBytes:    prometheus.NewDesc("sonard_state_bytes", "Bytes of optimizer state held.", nil, nil),
-		segments:      prometheus.NewDesc("sonard_segments", "Attached shared-memory segments.", nil, nil),
-		segBytes:      prometheus.NewDesc("sonard_segment_bytes", "Bytes of attached shared memory.", nil, nil),
-		sessions:      prometheus.NewDesc("sonard_sessions", "Connected client sessions.", nil, nil),
-		clientTensors: prometheus.NewDesc("sonard_client_tensors", "Registered tensors, by client process.", []string{"client", "pid"}, nil),
-		clientState:   prometheus.NewDesc("sonard_client_state_bytes", "Bytes of optimizer state held, by client process.", []string{"client", "pid"}, nil),
+		tensors:        prometheus.NewDesc("sonard_tensors", "Registered tensors.", nil, nil),
+		stateBytes:     prometheus.NewDesc("sonard_state_bytes", "Bytes of optimizer state held.", nil, nil),
+		segments:       prometheus.NewDesc("sonard_segments", "Attached shared-memory segments.", nil, nil),
+		segBytes:       prometheus.NewDesc("sonard_segment_bytes", "Bytes of attached shared memory.", nil, nil),
+		sessions:       prometheus.NewDesc("sonard_sessions", "Connected client sessions.", nil, nil),
+		deviceState:    prometheus.NewDesc("sonard_device_state_bytes", "Bytes of optimizer state held in GPU memory.", nil, nil),
+		deviceSegments: prometheus.NewDesc("sonard_device_segments", "Attached client CUDA allocations.", nil, nil),
+		ipcOpen:        prometheus.NewDesc("sonard_ipc_open_bytes", "Bytes of client CUDA allocations open in the IPC cache.", nil, nil),
+		clientTensors:  prometheus.NewDesc("sonard_client_tensors", "Registered tensors, by client process and backend.", []string{"client", "pid", "backend"}, nil),
+		clientState:    prometheus.NewDesc("sonard_client_state_bytes", "Bytes of optimizer state held, by client process and backend.", []string{"client", "pid", "backend"}, nil),
 	}
 }
 
@@ -67,7 +71,8 @@ type collector struct{ s *Server }
 
 func (c collector) Describe(ch chan<- *prometheus.Desc) {
 	m := c.s.m
-	for _, d := range []*prometheus.Desc{m.tensors, m.stateBytes, m.segments, m.segBytes, m.sessions, m.clientTensors, m.clientState} {
+	for _, d := range []*prometheus.Desc{m.tensors, m.stateBytes, m.segments, m.segBytes, m.sessions, m.deviceState,
+		m.deviceSegments, m.ipcOpen, m.clientTensors, m.clientState} {
 		ch <- d
 	}
 }
@@ -82,14 +87,15 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(m.segments, prometheus.GaugeValue, float64(st.Segments))
 	ch <- prometheus.MustNewConstMetric(m.segBytes, prometheus.GaugeValue, float64(st.SegmentBytes))
 	ch <- prometheus.MustNewConstMetric(m.sessions, prometheus.GaugeValue, float64(st.Sessions))
+	ch <- prometheus.MustNewConstMetric(m.deviceState, prometheus.GaugeValue, float64(st.DeviceStateBytes))
+	ch <- prometheus.MustNewConstMetric(m.deviceSegments, prometheus.GaugeValue, float64(st.DeviceSegments))
+	ch <- prometheus.MustNewConstMetric(m.ipcOpen, prometheus.GaugeValue, float64(st.IPCOpenBytes))
 	for id, ss := range c.s.sessions {
-		var state int64
-		for _, t := range ss.tensors {
-			state += int64(t.StateBytes())
-		}
 		pid := strconv.Itoa(ss.hello.PID)
-		ch <- prometheus.MustNewConstMetric(m.clientTensors, prometheus.GaugeValue, float64(len(ss.tensors)), id, pid)
-		ch <- prometheus.MustNewConstMetric(m.clientState, prometheus.GaugeValue, float64(state), id, pid)
+		for b, u := range ss.usage() {
+			ch <- prometheus.MustNewConstMetric(m.clientTensors, prometheus.GaugeValue, float64(u.tensors), id, pid, b)
+			ch <- prometheus.MustNewConstMetric(m.clientState, prometheus.GaugeValue, float64(u.stateBytes), id, pid, b)
+		}
 	}
 }
 

@@ -1,9 +1,12 @@
 // Package server is sonard's service: it binds the ipc protocol to the
-// optimizer engine and the shared-memory bridge. It keeps one session per
-// client (its attached segments and registered tensors), validates every
-// request completely before touching memory, so a bad request changes no
-// parameter or state byte, and releases a session's memory when the client
-// says goodbye or the server stops.
+// backends that own client memory and optimizer state (package backend: the
+// CPU one, and the CUDA one where a device exists). It keeps one session per
+// client (its segments, its tensors, one backend session per backend it
+// uses), validates every request completely before touching memory, so a bad
+// request changes no parameter or state byte, and releases a session's
+// memory when the client says goodbye, its process exits, or the server
+// stops. A segment's backend is chosen once, by the request that attaches
+// it; its tensors follow it, and no handler branches on the backend again.
 package server
 
 import (
@@ -11,57 +14,81 @@ import (
 	"fmt"
 	"os"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
-	"unsafe"
 
-	"github.com/sonar-moe/sonar/cuda"
+	"github.com/sonar-moe/sonar"
+	"github.com/sonar-moe/sonar/backend"
 	"github.com/sonar-moe/sonar/ipc"
-	"github.com/sonar-moe/sonar/ipcbridge"
 	"github.com/sonar-moe/sonar/optimizer"
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 )
 
-// Version is the release version of sonard and of the Python package (the
-// repository's VERSION file; a test keeps them equal).
-const Version = "0.1.0"
+// Version is the release version of sonard (the repository's VERSION file).
+var Version = sonar.Version
+
+// SqrtLoader loads the float32 square root a client's torch uses from the
+// library it names; name describes it ("mkl:<path>").
+type SqrtLoader func(path string) (sqrt optimizer.VecSqrt, name string, err error)
+
+// Backends names the backend each attach operation uses.
+var opBackend = map[string]string{ipc.OpAttach: "cpu", ipc.OpAttachCUDA: "cuda", ipc.OpCUDAEvent: "cuda"}
+
+type segment struct {
+	id      uint32
+	backend string
+	seg     backend.Segment
+}
 
 type tensor struct {
-	*optimizer.Tensor
-	id    uint32
-	shape []int64
-	seg   uint32
+	id      uint32
+	name    string
+	dtype   optimizer.DType
+	numel   int64
+	shape   []int64
+	hyper   optimizer.Hyper
+	seg     *segment
+	param   backend.Ref
+	state   backend.Tensor
+	backend string
 }
+
+func (t *tensor) bytes() int64 { return t.numel * int64(t.dtype.Size()) }
 
 type session struct {
 	client   string
 	hello    ipc.Hello
-	segments map[uint32]ipcbridge.Mapping
+	sqrt     optimizer.VecSqrt
+	sqrtName string
+	open     map[string]backend.Session // by backend name, opened on first use
+	segments map[uint32]*segment
 	tensors  map[uint32]*tensor
 	lastSeen time.Time
 	pidfd    int // the client process (pidfd_open), -1 when unknown
-	// CUDA path (cuda.go): attached client allocations, tensors in them,
-	// and the client's interprocess event.
-	dsegments map[uint32]ipcbridge.DeviceMapping
-	dtensors  map[uint32]*gpuTensor
-	event     *cuda.Event
 }
 
 // Server implements ipc.Handler.
 type Server struct {
 	log      *zap.Logger
-	mapper   ipcbridge.Mapper
-	engine   *optimizer.Engine
+	backends map[string]backend.Backend
+	unavail  map[string]string // backend name -> why it is missing
 	sessions map[string]*session
 	nextID   uint32
 	shutdown chan struct{}
 	closed   atomic.Bool
 	mu       sync.Mutex // guards the sessions against metrics scrapes
 	m        *metrics
-	gpu      *GPU        // nil: no CUDA path
-	gpuDone  *cuda.Event // the server's completion event (created on first use)
+	// Workers is what hello reports of the CPU engine.
+	Workers int
+	// LoadSqrt loads a client's float32 square root (nil: every client
+	// must use the IEEE one).
+	LoadSqrt SqrtLoader
+	// LocalClients says every client is a process of this user on this host
+	// (an ipc:// socket, mode 0600): only they may name a library to load.
+	LocalClients bool
 	// IdleTimeout releases sessions without a watchable client process
 	// after this long without a request (0: never).
 	IdleTimeout time.Duration
@@ -72,11 +99,19 @@ type Server struct {
 	stepMicrosN                               int
 }
 
-// New returns a server using mapper for client memory.
-func New(log *zap.Logger, mapper ipcbridge.Mapper, engine *optimizer.Engine) *Server {
-	return &Server{log: log, mapper: mapper, engine: engine, sessions: map[string]*session{},
+// New returns a server over the given backends (by their Name).
+func New(log *zap.Logger, backends ...backend.Backend) *Server {
+	s := &Server{log: log, backends: map[string]backend.Backend{}, unavail: map[string]string{}, sessions: map[string]*session{},
 		shutdown: make(chan struct{}), byOp: map[string]int64{}, stepMicros: make([]int64, 0, 4096), m: newMetrics()}
+	for _, b := range backends {
+		s.backends[b.Name()] = b
+	}
+	return s
 }
+
+// Unavailable records why a backend is missing (said in the refusal of its
+// requests).
+func (s *Server) Unavailable(name, why string) { s.unavail[name] = why }
 
 // Done is closed when a client asked the server to shut down.
 func (s *Server) Done() <-chan struct{} { return s.shutdown }
@@ -84,12 +119,34 @@ func (s *Server) Done() <-chan struct{} { return s.shutdown }
 func (s *Server) sess(client string) *session {
 	ss := s.sessions[client]
 	if ss == nil {
-		ss = &session{client: client, segments: map[uint32]ipcbridge.Mapping{}, tensors: map[uint32]*tensor{}, pidfd: -1,
-			dsegments: map[uint32]ipcbridge.DeviceMapping{}, dtensors: map[uint32]*gpuTensor{}}
+		ss = &session{client: client, open: map[string]backend.Session{}, segments: map[uint32]*segment{},
+			tensors: map[uint32]*tensor{}, pidfd: -1, sqrtName: "ieee"}
 		s.sessions[client] = ss
 	}
 	ss.lastSeen = time.Now()
 	return ss
+}
+
+// backendSession returns the session's session of backend name, opening it
+// on first use.
+func (s *Server) backendSession(ss *session, name string) (backend.Session, error) {
+	if bs := ss.open[name]; bs != nil {
+		return bs, nil
+	}
+	b := s.backends[name]
+	if b == nil {
+		why := s.unavail[name]
+		if why == "" {
+			why = "not enabled"
+		}
+		return nil, &backend.ErrUnavailable{Name: name, Why: why}
+	}
+	bs, err := b.Open(backend.Client{Name: ss.client, Sqrt: ss.sqrt, SqrtName: ss.sqrtName})
+	if err != nil {
+		return nil, fmt.Errorf("%s backend: %w", name, err)
+	}
+	ss.open[name] = bs
+	return bs, nil
 }
 
 // Handle serves one request.
@@ -124,258 +181,275 @@ func knownOp(op string) string {
 	return "unknown"
 }
 
+// decode decodes req's body into a fresh T and calls f with it.
+func decode[T any](req ipc.Request, f func(T) (any, error)) (any, error) {
+	var v T
+	if err := ipc.DecodeBody(req, &v); err != nil {
+		return nil, err
+	}
+	return f(v)
+}
+
 func (s *Server) handle(client string, req ipc.Request) (any, error) {
 	switch req.Op {
 	case ipc.OpHello:
-		var h ipc.Hello
-		if err := ipc.DecodeBody(req, &h); err != nil {
-			return nil, err
-		}
-		ss := s.sess(client)
-		ss.hello = h
-		ss.watch(h.PID)
-		s.log.Info("client connected", zap.String("client", client), zap.String("name", h.Client), zap.Int("pid", h.PID),
-			zap.String("torch", h.Torch), zap.Int("threads", h.Threads), zap.String("capability", h.Capability))
-		return ipc.HelloReply{Server: Version, Protocol: ipc.Version, PID: os.Getpid(), Workers: s.engine.Workers, Sqrt: s.engine.SqrtName,
-			CUDA: s.cudaName()}, nil
+		return decode(req, func(h ipc.Hello) (any, error) { return s.hello(s.sess(client), h) })
 	case ipc.OpAttach:
-		var a ipc.Attach
-		if err := ipc.DecodeBody(req, &a); err != nil {
-			return nil, err
-		}
-		return s.attach(s.sess(client), a)
+		return decode(req, func(a ipc.Attach) (any, error) { return s.attach(s.sess(client), req.Op, []byte(a.Shm), a.Size) })
 	case ipc.OpAttachCUDA:
-		var a ipc.AttachCUDA
-		if err := ipc.DecodeBody(req, &a); err != nil {
-			return nil, err
-		}
-		return s.attachCUDA(s.sess(client), a)
+		return decode(req, func(a ipc.AttachCUDA) (any, error) { return s.attach(s.sess(client), req.Op, a.Handle, a.Size) })
 	case ipc.OpCUDAEvent:
-		var e ipc.CUDAEvent
-		if err := ipc.DecodeBody(req, &e); err != nil {
-			return nil, err
-		}
-		return s.cudaEvent(s.sess(client), e)
+		return decode(req, func(e ipc.CUDAEvent) (any, error) { return s.event(s.sess(client), e) })
 	case ipc.OpRegister:
-		var r ipc.Register
-		if err := ipc.DecodeBody(req, &r); err != nil {
-			return nil, err
-		}
-		return s.register(s.sess(client), r)
+		return decode(req, func(r ipc.Register) (any, error) { return s.register(s.sess(client), r) })
 	case ipc.OpStep:
-		var st ipc.Step
-		if err := ipc.DecodeBody(req, &st); err != nil {
-			return nil, err
-		}
-		return s.step(s.sess(client), st)
-	case ipc.OpExport, ipc.OpImport:
-		var x ipc.StateXfer
-		if err := ipc.DecodeBody(req, &x); err != nil {
-			return nil, err
-		}
-		if req.Op == ipc.OpExport {
-			return s.export(s.sess(client), x)
-		}
-		return s.importState(s.sess(client), x)
+		return decode(req, func(st ipc.Step) (any, error) { return s.step(s.sess(client), st) })
+	case ipc.OpExport:
+		return decode(req, func(x ipc.StateXfer) (any, error) { return s.transfer(s.sess(client), x, true) })
+	case ipc.OpImport:
+		return decode(req, func(x ipc.StateXfer) (any, error) { return s.transfer(s.sess(client), x, false) })
 	case ipc.OpDetach:
-		var d ipc.Detach
-		if err := ipc.DecodeBody(req, &d); err != nil {
-			return nil, err
-		}
-		return s.detach(s.sess(client), d)
+		return decode(req, func(d ipc.Detach) (any, error) { return s.detach(s.sess(client), d) })
 	case ipc.OpStats:
 		return s.stats(), nil
 	case ipc.OpBye:
 		s.release(client)
-		return map[string]bool{"bye": true}, nil
+		return ipc.ByeReply{Bye: true}, nil
 	case ipc.OpShutdown:
 		s.release(client)
 		if s.closed.CompareAndSwap(false, true) {
 			close(s.shutdown)
 		}
-		return map[string]bool{"shutdown": true}, nil
+		return ipc.ShutdownReply{Shutdown: true}, nil
 	}
 	return nil, fmt.Errorf("%w: unknown op %q", ipc.ErrProtocol, req.Op)
 }
 
-func (s *Server) attach(ss *session, a ipc.Attach) (any, error) {
-	m, err := s.mapper.Map(a.Shm, a.Size)
-	if err != nil {
-		return nil, fmt.Errorf("attach: %w", err)
+func (s *Server) hello(ss *session, h ipc.Hello) (any, error) {
+	sqrt, name := optimizer.VecSqrt(nil), "ieee"
+	if h.SqrtLib != "" {
+		switch {
+		case !s.LocalClients:
+			return nil, errors.New("sqrt_lib is accepted only from clients on this host (an ipc:// sonard)")
+		case s.LoadSqrt == nil:
+			return nil, errors.New("this sonard cannot load a client's float32 sqrt library")
+		case !strings.HasPrefix(h.SqrtLib, "/"):
+			return nil, fmt.Errorf("sqrt_lib %q: want an absolute path", h.SqrtLib)
+		}
+		var err error
+		if sqrt, name, err = s.LoadSqrt(h.SqrtLib); err != nil {
+			return nil, fmt.Errorf("sqrt_lib: %w", err)
+		}
 	}
-	s.nextID++
-	id := s.nextID
-	ss.segments[id] = m
-	s.log.Debug("segment attached", zap.String("client", ss.client), zap.String("shm", a.Shm), zap.Int64("size", a.Size), zap.Uint32("seg", id))
-	return ipc.AttachReply{Seg: id}, nil
+	if _, opened := ss.open["cpu"]; opened && name != ss.sqrtName {
+		return nil, fmt.Errorf("hello changes the float32 sqrt (%s -> %s) of a session that already attached memory", ss.sqrtName, name)
+	}
+	ss.hello, ss.sqrt, ss.sqrtName = h, sqrt, name
+	ss.watch(h.PID)
+	s.log.Info("client connected", zap.String("client", ss.client), zap.String("name", h.Client), zap.Int("pid", h.PID),
+		zap.String("torch", h.Torch), zap.Int("threads", h.Threads), zap.String("capability", h.Capability), zap.String("sqrt", name))
+	rep := ipc.HelloReply{Server: Version, Protocol: ipc.Version, PID: os.Getpid(), Workers: s.Workers, Sqrt: name}
+	if b := s.backends["cuda"]; b != nil {
+		rep.CUDA = b.Describe()
+	}
+	return rep, nil
 }
 
-// memory resolves a MemRef of the session, checking range and alignment.
-func (ss *session) memory(ref ipc.MemRef, want int64, align int64) ([]byte, error) {
-	m := ss.segments[ref.Seg]
-	if m == nil {
-		if ss.dsegments[ref.Seg] != nil {
-			return nil, fmt.Errorf("segment %d is CUDA memory, the tensor is CPU memory", ref.Seg)
-		}
-		return nil, fmt.Errorf("unknown segment %d", ref.Seg)
+func (s *Server) attach(ss *session, op string, handle []byte, size int64) (any, error) {
+	name := opBackend[op]
+	bs, err := s.backendSession(ss, name)
+	if err != nil {
+		return nil, err
+	}
+	seg, err := bs.Attach(handle, size)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", op, err)
+	}
+	s.nextID++
+	ss.segments[s.nextID] = &segment{id: s.nextID, backend: name, seg: seg}
+	s.log.Debug("segment attached", zap.String("client", ss.client), zap.String("backend", name), zap.String("name", seg.Name()),
+		zap.Int64("size", seg.Size()), zap.Uint32("seg", s.nextID))
+	return ipc.AttachReply{Seg: s.nextID}, nil
+}
+
+func (s *Server) event(ss *session, e ipc.CUDAEvent) (any, error) {
+	bs, err := s.backendSession(ss, opBackend[ipc.OpCUDAEvent])
+	if err != nil {
+		return nil, err
+	}
+	if err := bs.SetEvent(e.Handle); err != nil {
+		return nil, fmt.Errorf("cuda_event: %w", err)
+	}
+	return ipc.EventReply{Event: true}, nil
+}
+
+// resolve checks a reference of the session: its segment, the size the
+// tensor needs and the range.
+func (ss *session) resolve(ref ipc.MemRef, want, align int64) (*segment, backend.Ref, error) {
+	seg := ss.segments[ref.Seg]
+	if seg == nil {
+		return nil, backend.Ref{}, fmt.Errorf("unknown segment %d", ref.Seg)
 	}
 	if ref.Bytes != want {
-		return nil, fmt.Errorf("reference is %d bytes, tensor needs %d", ref.Bytes, want)
+		return nil, backend.Ref{}, fmt.Errorf("reference is %d bytes, tensor needs %d", ref.Bytes, want)
 	}
-	return m.Bytes(ref.Offset, ref.Bytes, align)
+	r, err := backend.Resolve(seg.seg, ref.Offset, ref.Bytes, align)
+	return seg, r, err
+}
+
+// resolveFor is resolve for memory that must belong to t's backend.
+func (ss *session) resolveFor(t *tensor, ref ipc.MemRef) (backend.Ref, error) {
+	seg, r, err := ss.resolve(ref, t.bytes(), int64(t.dtype.Size()))
+	if err != nil {
+		return r, err
+	}
+	if seg.backend != t.backend {
+		return r, fmt.Errorf("segment %d is %s memory, the tensor is %s memory", ref.Seg, seg.backend, t.backend)
+	}
+	if r.Overlaps(t.param) {
+		return r, errors.New("memory overlaps the parameter")
+	}
+	return r, nil
 }
 
 func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 	// Validate all first; register all or none.
 	made := make([]*tensor, 0, len(r.Tensors))
-	var dmade []*gpuTensor                   // CUDA tensors (parameter in an attach_cuda segment)
-	isGPU := make([]bool, 0, len(r.Tensors)) // per spec, in request order
 	names := make(map[string]bool, len(r.Tensors))
+	for _, t := range ss.tensors {
+		names[t.name] = true
+	}
 	for _, spec := range r.Tensors {
 		d, err := optimizer.ParseDType(spec.DType)
 		if err != nil {
 			return nil, fmt.Errorf("tensor %q: %w", spec.Name, err)
 		}
-		for _, t := range ss.tensors {
-			if t.Name == spec.Name {
-				return nil, fmt.Errorf("tensor %q already registered (id %d)", spec.Name, t.id)
-			}
-		}
-		for _, t := range ss.dtensors {
-			if t.name == spec.Name {
-				return nil, fmt.Errorf("tensor %q already registered (id %d)", spec.Name, t.id)
-			}
-		}
 		if names[spec.Name] {
+			for _, t := range ss.tensors {
+				if t.name == spec.Name {
+					return nil, fmt.Errorf("tensor %q already registered (id %d)", spec.Name, t.id)
+				}
+			}
 			return nil, fmt.Errorf("tensor %q appears twice", spec.Name)
 		}
 		names[spec.Name] = true
-		if ss.dsegments[spec.Param.Seg] != nil {
-			gt, err := s.prepareCUDATensor(ss, spec, d)
-			if err != nil {
-				return nil, err
-			}
-			dmade = append(dmade, gt)
-			isGPU = append(isGPU, true)
-			continue
+		h := optimizer.Hyper{LR: spec.Hyper.LR, Beta1: spec.Hyper.Beta1, Beta2: spec.Hyper.Beta2, Eps: spec.Hyper.Eps,
+			WeightDecay: spec.Hyper.WeightDecay, Amsgrad: spec.Hyper.Amsgrad, Maximize: spec.Hyper.Maximize}
+		if err := h.Validate(); err != nil {
+			return nil, fmt.Errorf("tensor %q: %w", spec.Name, err)
 		}
-		numel := spec.Numel()
-		nb := numel * int64(d.Size())
-		mem, err := ss.memory(spec.Param, nb, int64(d.Size()))
+		t := &tensor{name: spec.Name, dtype: d, numel: spec.Numel(), shape: spec.Shape, hyper: h}
+		seg, param, err := ss.resolve(spec.Param, t.bytes(), int64(d.Size()))
 		if err != nil {
 			return nil, fmt.Errorf("tensor %q param: %w", spec.Name, err)
 		}
-		isGPU = append(isGPU, false)
-		h := optimizer.Hyper{LR: spec.Hyper.LR, Beta1: spec.Hyper.Beta1, Beta2: spec.Hyper.Beta2, Eps: spec.Hyper.Eps,
-			WeightDecay: spec.Hyper.WeightDecay, Amsgrad: spec.Hyper.Amsgrad, Maximize: spec.Hyper.Maximize}
-		ot, err := optimizer.NewTensor(spec.Name, d, int(numel), h, mem)
+		t.seg, t.param, t.backend = seg, param, seg.backend
+		made = append(made, t)
+	}
+	// Create per backend, in request order within each; on a failure the
+	// backends that already created are rolled back by closing nothing:
+	// creation is all-or-none per backend, and a request mixing backends is
+	// refused before any state is made.
+	for _, t := range made[min(1, len(made)):] {
+		if t.backend != made[0].backend {
+			return nil, fmt.Errorf("tensor %q is %s memory, tensor %q is %s memory: one register request holds one kind",
+				t.name, t.backend, made[0].name, made[0].backend)
+		}
+	}
+	if len(made) > 0 {
+		bs, err := s.backendSession(ss, made[0].backend)
 		if err != nil {
 			return nil, err
 		}
-		made = append(made, &tensor{Tensor: ot, shape: spec.Shape, seg: spec.Param.Seg})
-	}
-	if len(dmade) > 0 {
-		if err := s.allocCUDATensors(dmade); err != nil {
+		specs := make([]backend.Spec, len(made))
+		for i, t := range made {
+			specs[i] = backend.Spec{Name: t.name, DType: t.dtype, Numel: t.numel, Hyper: t.hyper, Param: t.param}
+		}
+		states, err := bs.Create(specs)
+		if err != nil {
 			return nil, err
 		}
-	}
-	ids := make([]uint32, len(isGPU))
-	ci, gi := 0, 0
-	for i, g := range isGPU {
-		s.nextID++
-		ids[i] = s.nextID
-		if g {
-			dmade[gi].id = s.nextID
-			ss.dtensors[s.nextID] = dmade[gi]
-			gi++
-		} else {
-			made[ci].id = s.nextID
-			ss.tensors[s.nextID] = made[ci]
-			ci++
+		for i, t := range made {
+			t.state = states[i]
 		}
+	}
+	ids := make([]uint32, len(made))
+	for i, t := range made {
+		s.nextID++
+		t.id = s.nextID
+		ids[i] = t.id
+		ss.tensors[t.id] = t
 	}
 	s.log.Debug("tensors registered", zap.String("client", ss.client), zap.Int("count", len(ids)))
 	return ipc.RegisterReply{IDs: ids}, nil
 }
 
-type stepWork struct {
-	t    *tensor
-	grad []byte
-	it   ipc.StepItem
+func scalarsOf(sc ipc.ScalarsMsg) optimizer.Scalars {
+	return optimizer.Scalars{Decay: sc.Decay, ApplyDecay: sc.ApplyDecay, Beta1W: sc.Beta1W, Beta2: sc.Beta2,
+		OneMinusB2: sc.OneMinusB2, NegStepSize: sc.NegStepSize, BC2Sqrt: sc.BC2Sqrt, Eps: sc.Eps,
+		Amsgrad: sc.Amsgrad, Maximize: sc.Maximize}
 }
 
 func (s *Server) step(ss *session, st ipc.Step) (any, error) {
-	if ss.dtensors[st.Items[0].Tensor] != nil {
-		return s.stepCUDA(ss, st)
-	}
-	if st.WaitEvent {
-		return nil, errors.New("wait_event is for CUDA tensors only")
-	}
 	start := time.Now()
-	work := make([]stepWork, 0, len(st.Items))
+	items := make([]backend.Item, 0, len(st.Items))
+	var rep ipc.StepReply
+	var first *tensor
 	for i, it := range st.Items {
 		t := ss.tensors[it.Tensor]
 		if t == nil {
-			if ss.dtensors[it.Tensor] != nil {
-				return nil, fmt.Errorf("item %d: tensor %d is a CUDA tensor: one step request holds CPU or CUDA tensors, not both", i, it.Tensor)
-			}
 			return nil, fmt.Errorf("item %d: unknown tensor %d", i, it.Tensor)
 		}
-		var grad []byte
+		if first == nil {
+			first = t
+		} else if t.backend != first.backend {
+			return nil, fmt.Errorf("item %d: tensor %d is %s memory, item 0 is %s memory: one step request holds one kind, not both",
+				i, it.Tensor, t.backend, first.backend)
+		}
+		for _, o := range items {
+			if o.Tensor == t.state {
+				return nil, fmt.Errorf("item %d (%s): tensor appears twice in one request", i, t.name)
+			}
+		}
+		item := backend.Item{Tensor: t.state, Apply: it.Apply, Scalars: scalarsOf(it.Scalars)}
 		if it.Grad.Seg != 0 {
-			g, err := ss.memory(it.Grad, int64(t.Bytes()), int64(t.DType.Size()))
+			g, err := ss.resolveFor(t, it.Grad)
 			if err != nil {
-				return nil, fmt.Errorf("item %d (%s) grad: %w", i, t.Name, err)
+				return nil, fmt.Errorf("item %d (%s) grad: %w", i, t.name, err)
 			}
-			if overlaps(g, t.Param) {
-				return nil, fmt.Errorf("item %d (%s): gradient memory overlaps the parameter", i, t.Name)
-			}
-			grad = g
-		} else if t.Pending() == 0 {
-			return nil, fmt.Errorf("item %d (%s): nothing accumulated to apply", i, t.Name)
+			item.Grad = &g
+		} else if t.state.Pending() == 0 {
+			return nil, fmt.Errorf("item %d (%s): nothing accumulated to apply", i, t.name)
 		}
 		if it.Apply {
-			if it.Scalars.Amsgrad != t.Hyper.Amsgrad || it.Scalars.Maximize != t.Hyper.Maximize {
-				return nil, fmt.Errorf("item %d (%s): amsgrad/maximize differ from registration", i, t.Name)
+			if it.Scalars.Amsgrad != t.hyper.Amsgrad || it.Scalars.Maximize != t.hyper.Maximize {
+				return nil, fmt.Errorf("item %d (%s): amsgrad/maximize differ from registration", i, t.name)
 			}
-			if it.Step != t.Step+1 {
-				return nil, fmt.Errorf("item %d (%s): client step %d but server is at step %d", i, t.Name, it.Step, t.Step)
+			if it.Step != t.state.Step()+1 {
+				return nil, fmt.Errorf("item %d (%s): client step %d but server is at step %d", i, t.name, it.Step, t.state.Step())
 			}
-		}
-		work = append(work, stepWork{t: t, grad: grad, it: it})
-	}
-	var rep ipc.StepReply
-	for _, w := range work {
-		var err error
-		if w.it.Apply {
-			sc := w.it.Scalars
-			err = s.engine.Apply(w.t.Tensor, w.grad, optimizer.Scalars{Decay: sc.Decay, ApplyDecay: sc.ApplyDecay,
-				Beta1W: sc.Beta1W, Beta2: sc.Beta2, OneMinusB2: sc.OneMinusB2, NegStepSize: sc.NegStepSize,
-				BC2Sqrt: sc.BC2Sqrt, Eps: sc.Eps, Amsgrad: sc.Amsgrad, Maximize: sc.Maximize})
 			rep.Applied++
 		} else {
-			err = s.engine.Accumulate(w.t.Tensor, w.grad)
 			rep.Accumulated++
 		}
-		if err != nil { // validated above: only reachable on an engine bug
-			return nil, fmt.Errorf("tensor %s: %w", w.t.Name, err)
-		}
-		rep.Bytes += int64(w.t.Bytes())
+		rep.Bytes += t.bytes()
+		items = append(items, item)
+	}
+	if first == nil {
+		return nil, fmt.Errorf("%w: step without items", ipc.ErrProtocol)
+	}
+	bs, err := s.backendSession(ss, first.backend)
+	if err != nil {
+		return nil, err
+	}
+	if err := bs.Step(items, st.WaitEvent); err != nil {
+		return nil, err
 	}
 	rep.Micros = time.Since(start).Microseconds()
-	s.stepItems += int64(len(work))
+	s.stepItems += int64(len(items))
 	s.bytesUpdated += rep.Bytes
 	s.recordLatency(rep.Micros)
 	return rep, nil
-}
-
-func overlaps(a, b []byte) bool {
-	if len(a) == 0 || len(b) == 0 {
-		return false
-	}
-	a0, a1 := addr(a), addr(a)+uintptr(len(a))
-	b0, b1 := addr(b), addr(b)+uintptr(len(b))
-	return a0 < b1 && b0 < a1
 }
 
 func (s *Server) recordLatency(us int64) {
@@ -387,97 +461,67 @@ func (s *Server) recordLatency(us int64) {
 	s.stepMicrosN++
 }
 
-// stateMem resolves the three state references of a transfer; all must be
-// distinct from each other and from the parameter.
-func (ss *session) stateMem(t *tensor, x ipc.StateXfer) ([3][]byte, error) {
-	var out [3][]byte
-	refs := []ipc.MemRef{x.ExpAvg, x.ExpAvgSq}
-	if t.Hyper.Amsgrad {
-		refs = append(refs, x.MaxExpAvgSq)
-	}
-	for i, r := range refs {
-		b, err := ss.memory(r, int64(t.Bytes()), int64(t.DType.Size()))
-		if err != nil {
-			return out, fmt.Errorf("tensor %s state part %d: %w", t.Name, i, err)
-		}
-		if overlaps(b, t.Param) {
-			return out, fmt.Errorf("tensor %s state part %d overlaps the parameter", t.Name, i)
-		}
-		for j := 0; j < i; j++ {
-			if overlaps(b, out[j]) {
-				return out, fmt.Errorf("tensor %s state parts %d and %d overlap", t.Name, j, i)
-			}
-		}
-		out[i] = b
-	}
-	return out, nil
-}
-
-// stateXfer resolves the tensor and state memory of an export or import;
-// the tensor must have no accumulated gradient waiting to be applied.
-func (ss *session) stateXfer(x ipc.StateXfer) (*tensor, [3][]byte, error) {
+// transfer is export (out) or import of a tensor's state through references
+// of the session: all distinct from each other and from the parameter, and
+// no accumulated gradient waiting.
+func (s *Server) transfer(ss *session, x ipc.StateXfer, out bool) (any, error) {
 	t := ss.tensors[x.Tensor]
 	if t == nil {
-		return nil, [3][]byte{}, fmt.Errorf("unknown tensor %d", x.Tensor)
+		return nil, fmt.Errorf("unknown tensor %d", x.Tensor)
 	}
-	if t.Pending() > 0 {
-		return nil, [3][]byte{}, fmt.Errorf("tensor %s has %d accumulated gradients not yet applied", t.Name, t.Pending())
+	if n := t.state.Pending(); n > 0 {
+		return nil, fmt.Errorf("tensor %s has %d accumulated gradients not yet applied", t.name, n)
 	}
-	mem, err := ss.stateMem(t, x)
-	return t, mem, err
-}
-
-func (s *Server) export(ss *session, x ipc.StateXfer) (any, error) {
-	if t := ss.dtensors[x.Tensor]; t != nil {
-		return s.xferCUDA(ss, t, x, true)
+	if !out && x.Step < 0 {
+		return nil, fmt.Errorf("tensor %q: negative step %d", t.name, x.Step)
 	}
-	t, mem, err := ss.stateXfer(x)
+	refs := []ipc.MemRef{x.ExpAvg, x.ExpAvgSq}
+	if t.hyper.Amsgrad {
+		refs = append(refs, x.MaxExpAvgSq)
+	}
+	mem := make([]backend.Ref, len(refs))
+	for i, r := range refs {
+		m, err := ss.resolveFor(t, r)
+		if err != nil {
+			return nil, fmt.Errorf("tensor %s state part %d: %w", t.name, i, err)
+		}
+		for j := 0; j < i; j++ {
+			if m.Overlaps(mem[j]) {
+				return nil, fmt.Errorf("tensor %s state parts %d and %d overlap", t.name, j, i)
+			}
+		}
+		mem[i] = m
+	}
+	bs, err := s.backendSession(ss, t.backend)
 	if err != nil {
 		return nil, err
 	}
-	copy(mem[0], t.ExpAvg)
-	copy(mem[1], t.ExpAvgSq)
-	if t.Hyper.Amsgrad {
-		copy(mem[2], t.MaxExpAvgSq)
+	if out {
+		err = bs.Export(t.state, mem)
+	} else {
+		err = bs.Import(t.state, x.Step, mem)
 	}
-	return ipc.ExportReply{Step: t.Step, Amsgrad: t.Hyper.Amsgrad}, nil
-}
-
-func (s *Server) importState(ss *session, x ipc.StateXfer) (any, error) {
-	if t := ss.dtensors[x.Tensor]; t != nil {
-		return s.xferCUDA(ss, t, x, false)
-	}
-	t, mem, err := ss.stateXfer(x)
 	if err != nil {
 		return nil, err
 	}
-	if err := t.ImportState(x.Step, mem[0], mem[1], mem[2]); err != nil {
-		return nil, err
-	}
-	return ipc.ExportReply{Step: t.Step, Amsgrad: t.Hyper.Amsgrad}, nil
+	return ipc.ExportReply{Step: t.state.Step(), Amsgrad: t.hyper.Amsgrad}, nil
 }
 
 func (s *Server) detach(ss *session, d ipc.Detach) (any, error) {
-	if ok, err := s.detachCUDA(ss, d.Seg); ok {
-		if err != nil {
-			return nil, err
-		}
-		return map[string]uint32{"seg": d.Seg}, nil
-	}
-	m := ss.segments[d.Seg]
-	if m == nil {
+	seg := ss.segments[d.Seg]
+	if seg == nil {
 		return nil, fmt.Errorf("unknown segment %d", d.Seg)
 	}
 	for _, t := range ss.tensors {
-		if t.seg == d.Seg {
-			return nil, fmt.Errorf("segment %d holds tensor %s: cannot detach", d.Seg, t.Name)
+		if t.seg == seg {
+			return nil, fmt.Errorf("segment %d holds tensor %s: cannot detach", d.Seg, t.name)
 		}
 	}
 	delete(ss.segments, d.Seg)
-	if err := m.Close(); err != nil {
+	if err := seg.seg.Close(); err != nil {
 		return nil, err
 	}
-	return map[string]uint32{"seg": d.Seg}, nil
+	return ipc.DetachReply{Seg: d.Seg}, nil
 }
 
 // Stats returns the server's counters.
@@ -487,6 +531,33 @@ func (s *Server) Stats() ipc.Stats {
 	return s.stats()
 }
 
+// usage is what a session holds in one backend.
+type usage struct {
+	tensors, segments    int
+	stateBytes, segBytes int64
+}
+
+func (ss *session) usage() map[string]*usage {
+	u := map[string]*usage{}
+	get := func(b string) *usage {
+		if u[b] == nil {
+			u[b] = &usage{}
+		}
+		return u[b]
+	}
+	for _, t := range ss.tensors {
+		x := get(t.backend)
+		x.tensors++
+		x.stateBytes += t.state.StateBytes()
+	}
+	for _, seg := range ss.segments {
+		x := get(seg.backend)
+		x.segments++
+		x.segBytes += seg.seg.Size()
+	}
+	return u
+}
+
 func (s *Server) stats() ipc.Stats {
 	st := ipc.Stats{Requests: s.requests, Errors: s.errors, StepItems: s.stepItems, BytesUpdated: s.bytesUpdated,
 		Sessions: len(s.sessions), ByOp: map[string]int64{}}
@@ -494,16 +565,26 @@ func (s *Server) stats() ipc.Stats {
 		st.ByOp[k] = v
 	}
 	for _, ss := range s.sessions {
-		st.Tensors += len(ss.tensors)
-		st.Segments += len(ss.segments)
-		for _, t := range ss.tensors {
-			st.StateBytes += int64(t.StateBytes())
-		}
-		for _, m := range ss.segments {
-			st.SegmentBytes += m.Size()
+		for b, u := range ss.usage() {
+			st.Tensors += u.tensors
+			// Host memory (shared-memory segments, state in the server's
+			// heap) and device memory are reported apart.
+			if b == "cuda" {
+				st.DeviceStateBytes += u.stateBytes
+				st.DeviceSegments += u.segments
+			} else {
+				st.StateBytes += u.stateBytes
+				st.Segments += u.segments
+				st.SegmentBytes += u.segBytes
+			}
 		}
 	}
-	s.cudaStats(&st)
+	for _, b := range s.backends {
+		bst := b.Stats()
+		st.IPCOpen += bst.IPCOpen
+		st.IPCOpenBytes += bst.IPCOpenBytes
+		st.IPCOpens += bst.IPCOpens
+	}
 	if n := len(s.stepMicros); n > 0 {
 		l := append([]int64(nil), s.stepMicros...)
 		sort.Slice(l, func(i, j int) bool { return l[i] < l[j] })
@@ -560,17 +641,21 @@ func (s *Server) Tick(now time.Time) {
 	}
 }
 
-// release frees a client's tensors and unmaps its segments.
+// release frees a client's tensors and closes its segments, in every backend.
 func (s *Server) release(client string) {
 	ss := s.sessions[client]
 	if ss == nil {
 		return
 	}
 	var errs []error
-	for _, m := range ss.segments {
-		errs = append(errs, m.Close())
+	for _, seg := range ss.segments {
+		errs = append(errs, seg.seg.Close())
 	}
-	errs = append(errs, s.releaseCUDA(ss)...)
+	for name, bs := range ss.open {
+		if err := bs.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("%s backend: %w", name, err))
+		}
+	}
 	if err := errors.Join(errs...); err != nil {
 		s.log.Warn("releasing session", zap.String("client", client), zap.Error(err))
 	}
@@ -581,13 +666,17 @@ func (s *Server) release(client string) {
 	s.log.Info("client released", zap.String("client", client), zap.Int("tensors", len(ss.tensors)), zap.Int("segments", len(ss.segments)))
 }
 
-// Close releases every session.
+// Close releases every session, then the backends.
 func (s *Server) Close() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for c := range s.sessions {
 		s.release(c)
 	}
+	for name, b := range s.backends {
+		if err := b.Close(); err != nil {
+			s.log.Warn("closing backend", zap.String("backend", name), zap.Error(err))
+		}
+	}
+	s.backends = map[string]backend.Backend{}
 }
-
-func addr(b []byte) uintptr { return uintptr(unsafe.Pointer(&b[0])) }

@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/sonar-moe/sonar/backend/cpu"
 	"github.com/sonar-moe/sonar/ipc"
 	"github.com/sonar-moe/sonar/ipcbridge"
 	"github.com/sonar-moe/sonar/optimizer"
@@ -22,7 +23,7 @@ import (
 
 // segment is a shared-memory segment the test created, as a client does: a
 // mode 0600 file in the mapper's directory, mapped here too.
-type segment struct {
+type testSegment struct {
 	name string
 	mem  []byte
 	id   uint32 // server's id once attached
@@ -38,14 +39,14 @@ type harness struct {
 
 func newHarness(t *testing.T) *harness {
 	dir := t.TempDir()
-	eng := &optimizer.Engine{Workers: 2, MinChunk: 16, SqrtName: "ieee"}
-	s := New(zap.NewNop(), ipcbridge.ShmMapper{Dir: dir, Unlink: true}, eng)
+	s := New(zap.NewNop(), &cpu.Backend{Mapper: ipcbridge.ShmMapper{Dir: dir, Unlink: true}, Workers: 2, MinChunk: 16})
+	s.Workers = 2
 	t.Cleanup(s.Close)
 	return &harness{t: t, dir: dir, s: s, rng: rand.New(rand.NewPCG(1, 2))}
 }
 
 // newSegment creates a segment filled with random float32 N(0,1) values.
-func (h *harness) newSegment(name string, size int) *segment {
+func (h *harness) newSegment(name string, size int) *testSegment {
 	h.t.Helper()
 	path := filepath.Join(h.dir, name)
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
@@ -65,18 +66,18 @@ func (h *harness) newSegment(name string, size int) *segment {
 	for i := range x {
 		x[i] = float32(h.rng.NormFloat64())
 	}
-	return &segment{name: name, mem: mem}
+	return &testSegment{name: name, mem: mem}
 }
 
 // fillBF16 overwrites [off, off+2n) with random bfloat16 values of scale sd.
-func (h *harness) fillBF16(seg *segment, off, n int, sd float64) {
+func (h *harness) fillBF16(seg *testSegment, off, n int, sd float64) {
 	x := optimizer.U16s(seg.mem[off : off+2*n])
 	for i := range x {
 		x[i] = optimizer.F32ToBF16(float32(h.rng.NormFloat64() * sd))
 	}
 }
 
-func (h *harness) fillF32(seg *segment, off, n int, sd float64) {
+func (h *harness) fillF32(seg *testSegment, off, n int, sd float64) {
 	x := optimizer.F32s(seg.mem[off : off+4*n])
 	for i := range x {
 		x[i] = float32(h.rng.NormFloat64() * sd)
@@ -112,7 +113,7 @@ func (h *harness) must(client, op string, body any) any {
 	return rep
 }
 
-func (h *harness) attach(client string, seg *segment) {
+func (h *harness) attach(client string, seg *testSegment) {
 	h.t.Helper()
 	rep := h.must(client, ipc.OpAttach, ipc.Attach{Shm: seg.name, Size: int64(len(seg.mem))}).(ipc.AttachReply)
 	if rep.Seg == 0 {
@@ -151,7 +152,7 @@ func scalarsMsg(s optimizer.Scalars) ipc.ScalarsMsg {
 		NegStepSize: s.NegStepSize, BC2Sqrt: s.BC2Sqrt, Eps: s.Eps, Amsgrad: s.Amsgrad, Maximize: s.Maximize}
 }
 
-func (ts *tspec) spec(seg *segment) ipc.TensorSpec {
+func (ts *tspec) spec(seg *testSegment) ipc.TensorSpec {
 	return ipc.TensorSpec{Name: ts.name, Shape: ts.shape, DType: ts.dtype.String(),
 		Param: ipc.MemRef{Seg: seg.id, Offset: int64(ts.off), Bytes: int64(ts.nbytes())}, Hyper: hyperMsg(ts.hyper)}
 }
@@ -162,7 +163,7 @@ func (ts *tspec) spec(seg *segment) ipc.TensorSpec {
 type world struct {
 	*harness
 	client               string
-	params, grads, state *segment
+	params, grads, state *testSegment
 	ts                   []*tspec
 	mirrorEngine         *optimizer.Engine
 }
@@ -189,7 +190,7 @@ func newWorld(t *testing.T) *world {
 	if hello.Protocol != ipc.Version || hello.Sqrt != "ieee" || hello.Workers != 2 || hello.Server != Version {
 		t.Errorf("hello reply %+v", hello)
 	}
-	for _, seg := range []*segment{w.params, w.grads, w.state} {
+	for _, seg := range []*testSegment{w.params, w.grads, w.state} {
 		w.attach(w.client, seg)
 		if _, err := os.Stat(filepath.Join(h.dir, seg.name)); !os.IsNotExist(err) {
 			t.Errorf("%s not unlinked on attach: %v", seg.name, err)
@@ -239,7 +240,18 @@ func (w *world) gradBytes(ref ipc.MemRef) []byte {
 	return bytes.Clone(w.grads.mem[ref.Offset : ref.Offset+ref.Bytes])
 }
 
-func (w *world) server(i int) *tensor { return w.s.sessions[w.client].tensors[w.ts[i].id] }
+func (w *world) server(i int) *optimizer.Tensor {
+	return engineTensor(w.s.sessions[w.client].tensors[w.ts[i].id])
+}
+
+// engineTensor is the CPU engine's tensor behind a server tensor.
+func engineTensor(t *tensor) *optimizer.Tensor {
+	ot, ok := cpu.State(t.state)
+	if !ok {
+		panic("not a CPU tensor")
+	}
+	return ot
+}
 
 func (w *world) param(i int) []byte {
 	ts := w.ts[i]
@@ -335,14 +347,14 @@ type state struct {
 
 func (w *world) snapshot() state {
 	var s state
-	for _, seg := range []*segment{w.params, w.grads, w.state} {
+	for _, seg := range []*testSegment{w.params, w.grads, w.state} {
 		s.segs = append(s.segs, bytes.Clone(seg.mem))
 	}
 	var meta []string
 	for _, client := range slices.Sorted(maps.Keys(w.s.sessions)) {
 		ss := w.s.sessions[client]
 		for _, id := range slices.Sorted(maps.Keys(ss.tensors)) {
-			t := ss.tensors[id]
+			t := engineTensor(ss.tensors[id])
 			s.tensors = append(s.tensors, bytes.Clone(t.ExpAvg), bytes.Clone(t.ExpAvgSq), bytes.Clone(t.MaxExpAvgSq))
 			meta = append(meta, fmt.Sprintf("%s:%d:%s:%d:%d:%d", client, id, t.Name, t.Step, t.Pending(), t.StateBytes()))
 		}
@@ -611,7 +623,7 @@ func TestExportImportRoundTrip(t *testing.T) {
 		if imp := w.must(w.client, ipc.OpImport, x).(ipc.ExportReply); imp.Step != 2 || imp.Amsgrad != ts.hyper.Amsgrad {
 			t.Errorf("%s: import reply %+v", ts.name, imp)
 		}
-		cl := w.s.sessions[w.client].tensors[regRep.IDs[0]]
+		cl := engineTensor(w.s.sessions[w.client].tensors[regRep.IDs[0]])
 		if cl.Step != st.Step || !bytes.Equal(cl.ExpAvg, st.ExpAvg) || !bytes.Equal(cl.ExpAvgSq, st.ExpAvgSq) || !bytes.Equal(cl.MaxExpAvgSq, st.MaxExpAvgSq) {
 			t.Fatalf("%s: imported state differs", ts.name)
 		}

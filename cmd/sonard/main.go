@@ -19,6 +19,10 @@ import (
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
+	"github.com/sonar-moe/sonar"
+	"github.com/sonar-moe/sonar/backend"
+	"github.com/sonar-moe/sonar/backend/cpu"
+	"github.com/sonar-moe/sonar/backend/gpu"
 	"github.com/sonar-moe/sonar/cuda"
 	"github.com/sonar-moe/sonar/ipc"
 	"github.com/sonar-moe/sonar/ipcbridge"
@@ -48,7 +52,7 @@ Flags (each also settable by the environment variable named in its help):
 
 const usageFooter = `
 Exit codes: 0 clean shutdown (SIGINT, SIGTERM or a client's shutdown message) or --help/--version;
-1 runtime failure (cannot bind, cannot load --torch-lib, serve error); 2 bad flags or arguments.
+1 runtime failure (cannot bind, CUDA asked for and not usable, serve error); 2 bad flags or arguments.
 `
 
 func main() { os.Exit(run()) }
@@ -60,7 +64,6 @@ func run() int {
 	logFormat := fs.String("log-format", envOr("SONAR_LOG_FORMAT", "console"), "log format: console or json (env SONAR_LOG_FORMAT)")
 	workers := fs.Int("workers", envInt("SONAR_WORKERS", runtime.GOMAXPROCS(0)), "goroutines per tensor update (env SONAR_WORKERS)")
 	shmDir := fs.String("shm-dir", envOr("SONAR_SHM_DIR", "/dev/shm"), "directory of POSIX shared memory (env SONAR_SHM_DIR)")
-	torchLib := fs.String("torch-lib", os.Getenv("SONAR_TORCH_LIB"), "libtorch_cpu.so whose float32 sqrt (MKL vmsSqrt) to use, for bit-for-bit equality with that torch (env SONAR_TORCH_LIB); empty: IEEE sqrt")
 	idle := fs.Duration("idle-timeout", envDuration("SONAR_IDLE_TIMEOUT", 10*time.Minute), "release the state of a client not on this host after this long without a request (clients on this host are released when their process exits); 0: never (env SONAR_IDLE_TIMEOUT)")
 	curveSecret := fs.String("curve-secret-file", os.Getenv("SONAR_CURVE_SECRET_FILE"), "file holding the server's CURVE secret key (Z85, mode 0600); required for tcp:// (env SONAR_CURVE_SECRET_FILE)")
 	curveClients := fs.String("curve-clients-file", os.Getenv("SONAR_CURVE_CLIENTS_FILE"), "file of allowed client CURVE public keys, one Z85 key per line; required for tcp:// (env SONAR_CURVE_CLIENTS_FILE)")
@@ -86,7 +89,7 @@ func run() int {
 		return exitUsage
 	}
 	if *version {
-		fmt.Printf("sonard %s (protocol %d)\n", server.Version, ipc.Version)
+		fmt.Printf("sonard %s (protocol %d)\n", sonar.Version, ipc.Version)
 		return exitOK
 	}
 	if *genKeys != "" {
@@ -112,27 +115,29 @@ func run() int {
 	}
 	defer log.Sync() //nolint:errcheck
 
-	engine := optimizer.NewEngine()
-	engine.Workers = *workers
-	if *torchLib != "" {
-		sq, err := vml.Load(*torchLib)
-		if err != nil {
-			log.Error("--torch-lib", zap.Error(err))
-			return exitError
-		}
-		engine.Sqrt = sq.Apply
-		engine.SqrtName = "mkl:" + sq.Path
+	// MKL (a client's libtorch_cpu.so, loaded for its float32 sqrt) must
+	// not start threads of its own inside the engine's goroutines.
+	if os.Getenv("MKL_NUM_THREADS") == "" {
+		_ = os.Setenv("MKL_NUM_THREADS", "1")
 	}
-	srv := server.New(log, ipcbridge.ShmMapper{Dir: *shmDir, Unlink: true}, engine)
-	srv.IdleTimeout = *idle
 	cudaExplicit := os.Getenv("SONAR_CUDA_DEVICE") != ""
 	fs.Visit(func(f *flag.Flag) { cudaExplicit = cudaExplicit || f.Name == "cuda-device" })
-	closeCUDA, announceCUDA, err := setupCUDA(log, srv, *cudaDevice, *cudaMaxIdle, cudaExplicit)
+	gpuBackend, announceCUDA, err := openCUDA(log, *cudaDevice, *cudaMaxIdle, cudaExplicit)
 	if err != nil {
 		log.Error("CUDA", zap.Error(err))
 		return exitError
 	}
-	defer closeCUDA()
+	backends := []backend.Backend{cpu.New(ipcbridge.ShmMapper{Dir: *shmDir, Unlink: true}, *workers)}
+	if gpuBackend != nil {
+		backends = append(backends, gpuBackend)
+	}
+	srv := server.New(log, backends...)
+	srv.Unavailable("cuda", "no CUDA driver or device, or started with --cuda-device -1: use CPU expert tensors")
+	srv.Workers = *workers
+	srv.IdleTimeout = *idle
+	srv.LoadSqrt = loadSqrt
+	srv.LocalClients = strings.HasPrefix(*listen, "ipc://")
+	defer srv.Close() // sessions first (they hold mappings and device state), then the backends
 	tr, err := ipc.Listen(*listen, log, curve)
 	if err != nil {
 		log.Error("listen failed", zap.Error(err))
@@ -160,11 +165,10 @@ func run() int {
 		defer hs.Close()
 		log.Info("metrics", zap.String("url", "http://"+ln.Addr().String()+"/metrics"))
 	}
-	log.Info("sonard listening", zap.String("addr", *listen), zap.String("version", server.Version),
-		zap.Int("protocol", ipc.Version), zap.Int("workers", engine.Workers), zap.String("sqrt", engine.SqrtName), zap.Int("pid", os.Getpid()))
+	log.Info("sonard listening", zap.String("addr", *listen), zap.String("version", sonar.Version),
+		zap.Int("protocol", ipc.Version), zap.Int("workers", *workers), zap.Int("pid", os.Getpid()))
 	announceCUDA() // after "sonard listening", which stays the first line
 	serveErr := tr.Serve(ctx, srv)
-	srv.Close()
 	if err := tr.Close(); err != nil {
 		log.Warn("closing socket", zap.Error(err))
 	}
@@ -176,70 +180,43 @@ func run() int {
 	return exitOK
 }
 
-// setupCUDA turns on the server's CUDA path on device ordinal (-1: off).
-// Without a driver (or, unless asked for explicitly, without the device) it
-// logs "CUDA off" and returns no error; other
-// failures (NVRTC missing, kernels not loading) are errors when the device was
-// asked for explicitly, and "CUDA off" otherwise. The returned function
-// releases the sessions and the CUDA objects; announce logs the outcome.
-func setupCUDA(log *zap.Logger, srv *server.Server, ordinal, maxIdle int, explicit bool) (closeFn, announce func(), err error) {
-	nop := func() {}
+// loadSqrt loads the float32 square root of a client's torch (package vml).
+func loadSqrt(path string) (optimizer.VecSqrt, string, error) {
+	sq, err := vml.Load(path)
+	if err != nil {
+		return nil, "", err
+	}
+	return sq.Apply, "mkl:" + sq.Path, nil
+}
+
+// openCUDA opens the CUDA backend on device ordinal (-1: off). Without a
+// driver (or, unless asked for explicitly, without the device) it returns
+// no backend and no error; other failures (NVRTC missing, kernels not
+// loading) are errors when the device was asked for explicitly, and "CUDA
+// off" otherwise. announce logs the outcome.
+func openCUDA(log *zap.Logger, ordinal, maxIdle int, explicit bool) (*gpu.Backend, func(), error) {
 	off := func(level zapcore.Level, reason string) func() {
 		return func() { log.Log(level, "CUDA off: "+reason) }
 	}
 	if ordinal < 0 {
-		return nop, off(zapcore.InfoLevel, "--cuda-device -1"), nil
+		return nil, off(zapcore.InfoLevel, "--cuda-device -1"), nil
 	}
 	if maxIdle < 0 {
-		return nop, nop, fmt.Errorf("--cuda-max-idle %d: want >= 0", maxIdle)
+		return nil, nil, fmt.Errorf("--cuda-max-idle %d: want >= 0", maxIdle)
 	}
-	mapper, cache, dev, err := ipcbridge.NewCUDAMapper(ordinal, maxIdle)
+	b, err := gpu.Open(ordinal, maxIdle)
 	if err != nil {
-		if errors.Is(err, ipcbridge.ErrCUDAUnsupported) && (!explicit || errors.Is(err, cuda.ErrNoDriver)) {
-			return nop, off(zapcore.InfoLevel, err.Error()), nil
+		if errors.Is(err, gpu.ErrNoCUDA) && (!explicit || errors.Is(err, cuda.ErrNoDriver)) {
+			return nil, off(zapcore.InfoLevel, err.Error()), nil
 		}
-		return nop, nop, err
-	}
-	k, stream, err := loadCUDA(dev)
-	if err != nil {
-		_ = cache.Close()
-		_ = dev.Close()
 		if explicit {
-			return nop, nop, err
+			return nil, nil, err
 		}
-		return nop, off(zapcore.WarnLevel, err.Error()), nil
+		return nil, off(zapcore.WarnLevel, err.Error()), nil
 	}
-	srv.EnableCUDA(&server.GPU{Dev: dev, Kernels: k, Stream: stream, Mapper: mapper, Cache: cache})
-	announce = func() {
-		log.Info("CUDA on", zap.String("device", dev.Name), zap.Int("ordinal", ordinal),
-			zap.String("cc", fmt.Sprintf("%d.%d", dev.Major, dev.Minor)), zap.Int("compute", k.Arch), zap.Int("max_idle", maxIdle))
-	}
-	return func() {
-		srv.Close() // sessions first: they hold mappings and device state
-		srv.CloseCUDA()
-		for _, err := range []error{cache.Close(), k.Close(), stream.Destroy(), dev.Close()} {
-			if err != nil {
-				log.Warn("closing CUDA", zap.Error(err))
-			}
-		}
-	}, announce, nil
-}
-
-func loadCUDA(dev *cuda.Device) (*cuda.Kernels, *cuda.Stream, error) {
-	nv, err := cuda.OpenNVRTC()
-	if err != nil {
-		return nil, nil, err
-	}
-	k, err := cuda.LoadKernels(dev, nv)
-	if err != nil {
-		return nil, nil, err
-	}
-	stream, err := dev.NewStream()
-	if err != nil {
-		_ = k.Close()
-		return nil, nil, err
-	}
-	return k, stream, nil
+	return b, func() {
+		log.Info("CUDA on", zap.String("device", b.Describe()), zap.Int("ordinal", ordinal), zap.Int("max_idle", maxIdle))
+	}, nil
 }
 
 func newLogger(level, format string) (*zap.Logger, error) {

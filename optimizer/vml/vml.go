@@ -8,31 +8,13 @@
 // computes without MKL (and for bfloat16).
 package vml
 
-/*
-#cgo LDFLAGS: -ldl
-#include <dlfcn.h>
-#include <stdint.h>
-#include <stdlib.h>
-
-typedef void (*vms_fn)(int32_t n, const float *a, float *r, int64_t mode);
-
-static void *sonar_dlopen(const char *path, char **err) {
-	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-	if (!h) *err = dlerror();
-	return h;
-}
-static void *sonar_dlsym(void *h, const char *name) { return dlsym(h, name); }
-static void sonar_vms(void *f, int32_t n, const float *a, float *r, int64_t mode) {
-	((vms_fn)f)(n, a, r, mode);
-}
-*/
-import "C"
-
 import (
 	"fmt"
 	"os"
 	"sync"
 	"unsafe"
+
+	"github.com/ebitengine/purego"
 )
 
 // Mode is what ATen passes to MKL: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
@@ -40,7 +22,7 @@ const Mode = 0x2 | 0x140000 | 0x100
 
 // Sqrt computes dst[i] = sqrt(src[i]) with MKL's vmsSqrt.
 type Sqrt struct {
-	fn   unsafe.Pointer
+	vms  func(n int32, a, r unsafe.Pointer, mode int64)
 	Path string
 }
 
@@ -50,7 +32,10 @@ var (
 )
 
 // Load opens lib (a libtorch_cpu.so, or any library exporting vmsSqrt) once
-// per path and returns its square root.
+// per path, at run time through purego as package cuda loads the CUDA
+// libraries, and returns its square root. Set MKL_NUM_THREADS=1 in the
+// process before the first Load (sonard does) so that MKL starts no threads
+// of its own.
 func Load(lib string) (*Sqrt, error) {
 	mu.Lock()
 	defer mu.Unlock()
@@ -64,24 +49,15 @@ func Load(lib string) (*Sqrt, error) {
 	if !st.Mode().IsRegular() {
 		return nil, fmt.Errorf("vml: %s is not a regular file", lib)
 	}
-	// MKL must not start threads of its own inside the engine's goroutines.
-	if os.Getenv("MKL_NUM_THREADS") == "" {
-		_ = os.Setenv("MKL_NUM_THREADS", "1")
+	h, err := purego.Dlopen(lib, purego.RTLD_NOW|purego.RTLD_LOCAL)
+	if err != nil {
+		return nil, fmt.Errorf("vml: dlopen %s: %w", lib, err)
 	}
-	cpath := C.CString(lib)
-	defer C.free(unsafe.Pointer(cpath))
-	var cerr *C.char
-	h := C.sonar_dlopen(cpath, &cerr)
-	if h == nil {
-		return nil, fmt.Errorf("vml: dlopen %s: %s", lib, C.GoString(cerr))
-	}
-	name := C.CString("vmsSqrt")
-	defer C.free(unsafe.Pointer(name))
-	fn := C.sonar_dlsym(h, name)
-	if fn == nil {
+	if _, err := purego.Dlsym(h, "vmsSqrt"); err != nil {
 		return nil, fmt.Errorf("vml: %s does not export vmsSqrt", lib)
 	}
-	s := &Sqrt{fn: fn, Path: lib}
+	s := &Sqrt{Path: lib}
+	purego.RegisterLibFunc(&s.vms, h, "vmsSqrt")
 	loaded[lib] = s
 	return s, nil
 }
@@ -93,11 +69,8 @@ func (s *Sqrt) Apply(dst, src []float32) {
 	}
 	_ = dst[len(src)-1]
 	for len(src) > 0 {
-		n := len(src)
-		if n > 1<<30 {
-			n = 1 << 30
-		}
-		C.sonar_vms(s.fn, C.int32_t(n), (*C.float)(unsafe.Pointer(&src[0])), (*C.float)(unsafe.Pointer(&dst[0])), C.int64_t(Mode))
+		n := min(len(src), 1<<30)
+		s.vms(int32(n), unsafe.Pointer(&src[0]), unsafe.Pointer(&dst[0]), Mode)
 		src, dst = src[n:], dst[n:]
 	}
 }
