@@ -1,0 +1,228 @@
+package server
+
+import (
+	"bytes"
+	"encoding/binary"
+	"math/rand/v2"
+	"strings"
+	"testing"
+
+	"github.com/sonar-moe/sonar/backend/cpu"
+	"github.com/sonar-moe/sonar/backend/gpu"
+	"github.com/sonar-moe/sonar/cuda"
+	"github.com/sonar-moe/sonar/cuda/cudatest"
+	"github.com/sonar-moe/sonar/ipc"
+	"github.com/sonar-moe/sonar/ipcbridge"
+	"github.com/sonar-moe/sonar/optimizer/device"
+	"go.uber.org/zap"
+)
+
+// cudaWorld is a server with the CPU backend and a CUDA backend on the
+// stand-in driver of cuda/cudatest (device memory is host memory there;
+// kernels do not run but their launches are recorded), and a client's
+// device allocations: parameters, gradients and a state-transfer area.
+type cudaWorld struct {
+	*harness
+	f                   *cudatest.Fake
+	dev                 *cuda.Device
+	params, grads, xfer cuda.DevicePtr
+	seg                 map[cuda.DevicePtr]uint32
+}
+
+const cudaAlloc = 8192
+
+func newCUDAWorld(t *testing.T) *cudaWorld {
+	f := cudatest.Driver(t)
+	drv, err := cuda.OpenLibrary(f.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev, err := drv.Device(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k, err := device.LoadPTX(dev, []byte("// placeholder PTX\x00"), 90)
+	if err != nil {
+		t.Fatal(err)
+	}
+	eng, err := device.NewEngineWith(dev, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	s := New(zap.NewNop(), &cpu.Backend{Mapper: ipcbridge.ShmMapper{Dir: dir, Unlink: true}, Workers: 1}, gpu.New(dev, eng, 1))
+	t.Cleanup(s.Close) // runs last: closes the backends and the device
+	w := &cudaWorld{harness: &harness{t: t, dir: dir, s: s, rng: rand.New(rand.NewPCG(3, 4))}, f: f, dev: dev,
+		seg: map[cuda.DevicePtr]uint32{}}
+	for _, p := range []*cuda.DevicePtr{&w.params, &w.grads, &w.xfer} {
+		if *p, err = dev.Alloc(cudaAlloc); err != nil {
+			t.Fatal(err)
+		}
+		b := make([]byte, cudaAlloc)
+		for i := range b {
+			b[i] = byte(w.rng.IntN(256))
+		}
+		if err := dev.CopyHtoD(*p, b); err != nil {
+			t.Fatal(err)
+		}
+		ptr := *p
+		t.Cleanup(func() { _ = dev.Free(ptr) })
+	}
+	return w
+}
+
+// attachCUDA attaches allocation p as the client would, by its IPC handle.
+func (w *cudaWorld) attachCUDA(client string, p cuda.DevicePtr) uint32 {
+	h, err := w.dev.IPCMemHandle(p)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	rep := w.must(client, ipc.OpAttachCUDA, ipc.AttachCUDA{Handle: h.Reserved[:], Size: cudaAlloc}).(ipc.AttachReply)
+	w.seg[p] = rep.Seg
+	return rep.Seg
+}
+
+func (w *cudaWorld) read(p cuda.DevicePtr, off, n int64) []byte {
+	b := make([]byte, n)
+	if err := w.dev.CopyDtoH(b, p+cuda.DevicePtr(off)); err != nil {
+		w.t.Fatal(err)
+	}
+	return b
+}
+
+// TestCUDAPathOnStandInDriver drives the server's CUDA path end to end on
+// the stand-in driver: IPC opens and closes, event order, the launch
+// descriptors the kernels receive, state allocation, transfer and release,
+// and refusals that change nothing.
+func TestCUDAPathOnStandInDriver(t *testing.T) {
+	w := newCUDAWorld(t)
+	baseAllocs := w.f.State(cudatest.LiveAllocs)
+	opened, closed := w.f.State(cudatest.IPCOpened), w.f.State(cudatest.IPCClosed)
+	const c = "client"
+	hello := w.must(c, ipc.OpHello, ipc.Hello{Client: "test", PID: 0}).(ipc.HelloReply)
+	if hello.CUDA != "Fake H200, cc 9.0, compute_90" || hello.Sqrt != "ieee" {
+		t.Errorf("hello %+v", hello)
+	}
+	pSeg, gSeg, xSeg := w.attachCUDA(c, w.params), w.attachCUDA(c, w.grads), w.attachCUDA(c, w.xfer)
+	if got := w.f.State(cudatest.IPCOpened) - opened; got != 3 {
+		t.Errorf("%d IPC opens for 3 allocations", got)
+	}
+	evh := make([]byte, 64)
+	w.must(c, ipc.OpCUDAEvent, ipc.CUDAEvent{Handle: evh})
+
+	hyper := ipc.HyperMsg{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}
+	ams := hyper
+	ams.Amsgrad = true
+	reg := w.must(c, ipc.OpRegister, ipc.Register{Tensors: []ipc.TensorSpec{
+		{Name: "w1", Shape: []int64{4, 64}, DType: "float32", Param: ipc.MemRef{Seg: pSeg, Offset: 0, Bytes: 1024}, Hyper: ams},
+		{Name: "w2", Shape: []int64{101}, DType: "bfloat16", Param: ipc.MemRef{Seg: pSeg, Offset: 1024, Bytes: 202}, Hyper: hyper},
+	}}).(ipc.RegisterReply)
+	if got := w.f.State(cudatest.LiveAllocs) - baseAllocs; got != 5 {
+		t.Errorf("%d device allocations for the state of an amsgrad and a plain tensor, want 5", got)
+	}
+	st := w.s.Stats()
+	if st.DeviceStateBytes != 3*1024+2*202 || st.DeviceSegments != 3 || st.Tensors != 2 || st.StateBytes != 0 {
+		t.Errorf("stats after register: %+v", st)
+	}
+
+	sc := ipc.ScalarsMsg{Decay: 0.99999, ApplyDecay: true, Beta1W: 0.1, Beta2: 0.999, OneMinusB2: 0.001, NegStepSize: -1e-3, BC2Sqrt: 0.0316, Eps: 1e-8}
+	scAms := sc
+	scAms.Amsgrad = true
+	items := []ipc.StepItem{
+		{Tensor: reg.IDs[0], Grad: ipc.MemRef{Seg: gSeg, Offset: 0, Bytes: 1024}, Apply: true, Step: 1, Scalars: scAms},
+		{Tensor: reg.IDs[1], Grad: ipc.MemRef{Seg: gSeg, Offset: 2048, Bytes: 202}, Apply: true, Step: 1, Scalars: sc},
+	}
+	w.f.ClearLog()
+	rep := w.must(c, ipc.OpStep, ipc.Step{Items: items, WaitEvent: true}).(ipc.StepReply)
+	if rep.Applied != 2 || rep.Bytes != 1226 {
+		t.Errorf("step reply %+v", rep)
+	}
+	if got := strings.TrimSpace(w.f.Log()); got != "wait launch launch record sync" {
+		t.Errorf("stream operations %q: the kernels must wait for the client's event and finish before the reply", got)
+	}
+	// The last launch is the bfloat16 batch: one descriptor naming the
+	// client's parameter and gradient and the server's state.
+	var dims [7]uint32
+	var stream uintptr
+	param := make([]byte, 64)
+	w.f.Launch(&dims, &stream, &param[0], int32(len(param)))
+	le := binary.LittleEndian
+	if p, g, m, v := le.Uint64(param[0:]), le.Uint64(param[8:]), le.Uint64(param[16:]), le.Uint64(param[24:]); p != uint64(w.params)+1024 ||
+		g != uint64(w.grads)+2048 || m == 0 || v == 0 || m == v {
+		t.Errorf("descriptor: param %#x grad %#x m %#x v %#x (client param %#x grad %#x)", p, g, m, v, uint64(w.params), uint64(w.grads))
+	}
+	if n := le.Uint64(param[40:]); n != 101 {
+		t.Errorf("descriptor numel %d", n)
+	}
+
+	// Refusals: nothing is queued, no step advances.
+	shm := w.newSegment("sonar-cpu", 4096)
+	w.attach(c, shm)
+	cpuReg := w.must(c, ipc.OpRegister, ipc.Register{Tensors: []ipc.TensorSpec{{Name: "cpu", Shape: []int64{8}, DType: "float32",
+		Param: ipc.MemRef{Seg: shm.id, Bytes: 32}, Hyper: hyper}}}).(ipc.RegisterReply)
+	launches := w.f.State(cudatest.Launches)
+	mod := func(f func(*ipc.StepItem)) ipc.StepItem { it := items[0]; it.Step = 2; f(&it); return it }
+	for _, tc := range []struct {
+		name string
+		step ipc.Step
+		want string
+	}{
+		{"CPU and CUDA tensors in one request", ipc.Step{Items: []ipc.StepItem{mod(func(*ipc.StepItem) {}),
+			{Tensor: cpuReg.IDs[0], Grad: ipc.MemRef{Seg: shm.id, Offset: 1024, Bytes: 32}, Apply: true, Step: 1, Scalars: sc}}}, "one kind"},
+		{"gradient in shared memory", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Grad = ipc.MemRef{Seg: shm.id, Offset: 1024, Bytes: 1024} })}},
+			"is cpu memory, the tensor is cuda memory"},
+		{"gradient overlaps the parameter", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Grad = ipc.MemRef{Seg: pSeg, Offset: 512, Bytes: 1024} })}},
+			"overlaps the parameter"},
+		{"gradient outside the allocation", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Grad.Offset = cudaAlloc - 512 })}},
+			"outside its"},
+		{"wrong step", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Step = 5 })}}, "client step 5 but server is at step 1"},
+		{"amsgrad differs", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Scalars.Amsgrad = false })}}, "amsgrad/maximize differ"},
+		{"nothing accumulated", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Grad = ipc.MemRef{} })}}, "nothing accumulated"},
+	} {
+		if _, err := w.call(c, ipc.OpStep, tc.step); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: err = %v, want %q", tc.name, err, tc.want)
+		}
+	}
+	if _, err := w.call("other", ipc.OpStep, ipc.Step{Items: []ipc.StepItem{items[0]}, WaitEvent: true}); err == nil ||
+		!strings.Contains(err.Error(), "unknown tensor") {
+		t.Errorf("another client's tensor: %v", err)
+	}
+	if _, err := w.call(c, ipc.OpDetach, ipc.Detach{Seg: pSeg}); err == nil || !strings.Contains(err.Error(), "holds tensor") {
+		t.Errorf("detach of a segment holding tensors: %v", err)
+	}
+	if got := w.f.State(cudatest.Launches); got != launches {
+		t.Errorf("refused steps launched %d kernels", got-launches)
+	}
+
+	// Import random state, export it elsewhere: the bytes and the step come back.
+	ref := func(off int64, n int64) ipc.MemRef { return ipc.MemRef{Seg: xSeg, Offset: off, Bytes: n} }
+	x := ipc.StateXfer{Tensor: reg.IDs[0], Step: 9, ExpAvg: ref(0, 1024), ExpAvgSq: ref(1024, 1024), MaxExpAvgSq: ref(2048, 1024)}
+	if r := w.must(c, ipc.OpImport, x).(ipc.ExportReply); r.Step != 9 || !r.Amsgrad {
+		t.Errorf("import reply %+v", r)
+	}
+	want := w.read(w.xfer, 0, 3072)
+	x = ipc.StateXfer{Tensor: reg.IDs[0], ExpAvg: ref(4096, 1024), ExpAvgSq: ref(5120, 1024), MaxExpAvgSq: ref(6144, 1024)}
+	if r := w.must(c, ipc.OpExport, x).(ipc.ExportReply); r.Step != 9 {
+		t.Errorf("export reply %+v", r)
+	}
+	if got := w.read(w.xfer, 4096, 3072); !bytes.Equal(got, want) {
+		t.Error("exported state differs from the imported one")
+	}
+	x.MaxExpAvgSq = ref(4608, 1024)
+	if _, err := w.call(c, ipc.OpExport, x); err == nil || !strings.Contains(err.Error(), "state parts 0 and 2 overlap") {
+		t.Errorf("overlapping state parts: %v", err)
+	}
+
+	// Goodbye frees every device buffer and closes every IPC mapping.
+	w.must(c, ipc.OpBye, nil)
+	if got := w.f.State(cudatest.LiveAllocs); got != baseAllocs {
+		t.Errorf("%d device allocations left after bye", got-baseAllocs)
+	}
+	st = w.s.Stats()
+	if st.DeviceStateBytes != 0 || st.DeviceSegments != 0 || st.Tensors != 0 || st.IPCOpen > 1 {
+		t.Errorf("stats after bye: %+v", st)
+	}
+	if w.f.State(cudatest.IPCClosed)-closed < 2 {
+		t.Errorf("IPC closes %d: the cache keeps at most 1 idle allocation", w.f.State(cudatest.IPCClosed)-closed)
+	}
+}
