@@ -25,7 +25,7 @@ $(VENV)/.installed: requirements.txt pyclient/pyproject.toml
 venv: $(VENV)/.installed
 
 build: system-deps
-	$(GO) build -o bin/sonard ./cmd/sonard
+	scripts/build-go sonard
 
 demo: setup build
 	$(PY) examples/demo.py

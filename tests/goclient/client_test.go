@@ -1,12 +1,13 @@
-// Package sonarclient is a minimal Go client of sonard's protocol
+// Package goclient is the Go end-to-end test of sonard: a minimal client of
+// its protocol
 // (docs/protocol.md): a ZeroMQ DEALER socket that sends the ipc package's
 // msgpack requests one at a time and waits for each reply, and POSIX
 // shared-memory segments created as the server accepts them
-// (/dev/shm/sonar-*, mode 0600). It serves tests and tools, such as the
-// check that sonard and the Go trainer's in-process engine compute the same
-// updates; the Python package sonar_moe is the full client (pipelining,
-// slot rings, state dicts).
-package sonarclient
+// (/dev/shm/sonar-*, mode 0600), driving a real sonard process built with
+// scripts/build-go. It checks that sonard and the engine in-process compute
+// the same updates; the Python package sonar_moe is the full client
+// (pipelining, slot rings, state dicts).
+package goclient
 
 import (
 	"errors"
@@ -44,7 +45,7 @@ var ErrServer = errors.New("sonard refused the request")
 func Dial(addr string, timeout time.Duration) (*Client, error) {
 	s, err := zmq.NewSocket(zmq.DEALER)
 	if err != nil {
-		return nil, fmt.Errorf("sonarclient: zmq socket: %w", err)
+		return nil, fmt.Errorf("goclient: zmq socket: %w", err)
 	}
 	for _, set := range []func() error{
 		func() error { return s.SetLinger(0) },
@@ -54,7 +55,7 @@ func Dial(addr string, timeout time.Duration) (*Client, error) {
 	} {
 		if err := set(); err != nil {
 			s.Close()
-			return nil, fmt.Errorf("sonarclient: connect %s: %w", addr, err)
+			return nil, fmt.Errorf("goclient: connect %s: %w", addr, err)
 		}
 	}
 	return &Client{sock: s, addr: addr}, nil
@@ -63,10 +64,10 @@ func Dial(addr string, timeout time.Duration) (*Client, error) {
 // SetTimeout changes how long each call waits to send and for its reply.
 func (c *Client) SetTimeout(d time.Duration) error {
 	if err := c.sock.SetRcvtimeo(d); err != nil {
-		return fmt.Errorf("sonarclient: set timeout: %w", err)
+		return fmt.Errorf("goclient: set timeout: %w", err)
 	}
 	if err := c.sock.SetSndtimeo(d); err != nil {
-		return fmt.Errorf("sonarclient: set timeout: %w", err)
+		return fmt.Errorf("goclient: set timeout: %w", err)
 	}
 	return nil
 }
@@ -75,7 +76,7 @@ func (c *Client) SetTimeout(d time.Duration) error {
 // own shutdown).
 func (c *Client) Close() error {
 	if err := c.sock.Close(); err != nil {
-		return fmt.Errorf("sonarclient: close: %w", err)
+		return fmt.Errorf("goclient: close: %w", err)
 	}
 	return nil
 }
@@ -88,32 +89,32 @@ func (c *Client) Call(op string, body, out any) error {
 	}
 	enc, err := msgpack.Marshal(body)
 	if err != nil {
-		return fmt.Errorf("sonarclient: %s: encode body: %w", op, err)
+		return fmt.Errorf("goclient: %s: encode body: %w", op, err)
 	}
 	c.id++
 	req, err := msgpack.Marshal(&ipc.Request{V: ipc.Version, Op: op, ID: c.id, Body: enc})
 	if err != nil {
-		return fmt.Errorf("sonarclient: %s: encode request: %w", op, err)
+		return fmt.Errorf("goclient: %s: encode request: %w", op, err)
 	}
 	if _, err := c.sock.SendBytes(req, 0); err != nil {
-		return fmt.Errorf("sonarclient: %s: send to %s: %w", op, c.addr, err)
+		return fmt.Errorf("goclient: %s: send to %s: %w", op, c.addr, err)
 	}
 	frames, err := c.sock.RecvMessageBytes(0)
 	if err != nil {
-		return fmt.Errorf("sonarclient: %s: no reply from %s: %w", op, c.addr, err)
+		return fmt.Errorf("goclient: %s: no reply from %s: %w", op, c.addr, err)
 	}
 	var r reply
 	if err := msgpack.Unmarshal(frames[len(frames)-1], &r); err != nil {
-		return fmt.Errorf("sonarclient: %s: malformed reply: %w", op, err)
+		return fmt.Errorf("goclient: %s: malformed reply: %w", op, err)
 	}
 	switch {
 	case r.ID != c.id:
-		return fmt.Errorf("sonarclient: %s: reply to request %d, want %d", op, r.ID, c.id)
+		return fmt.Errorf("goclient: %s: reply to request %d, want %d", op, r.ID, c.id)
 	case !r.OK:
-		return fmt.Errorf("sonarclient: %w: %s", ErrServer, r.Error)
+		return fmt.Errorf("goclient: %w: %s", ErrServer, r.Error)
 	case out != nil:
 		if err := msgpack.Unmarshal(r.Body, out); err != nil {
-			return fmt.Errorf("sonarclient: %s: malformed reply body: %w", op, err)
+			return fmt.Errorf("goclient: %s: malformed reply body: %w", op, err)
 		}
 	}
 	return nil
@@ -122,7 +123,7 @@ func (c *Client) Call(op string, body, out any) error {
 // Hello opens the session and returns the server's description.
 func (c *Client) Hello() (ipc.HelloReply, error) {
 	var r ipc.HelloReply
-	err := c.Call(ipc.OpHello, ipc.Hello{Client: "sonarclient (Go)", PID: os.Getpid()}, &r)
+	err := c.Call(ipc.OpHello, ipc.Hello{Client: "goclient (Go test)", PID: os.Getpid()}, &r)
 	return r, err
 }
 

@@ -1,4 +1,4 @@
-package sonarclient
+package goclient
 
 import (
 	"bytes"
@@ -8,7 +8,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -32,20 +31,17 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// buildSonard runs `go build -o <tmp>/sonard ./cmd/sonard` once per test binary.
+// buildSonard builds cmd/sonard with the repository's one build entry
+// point (scripts/build-go) once per test binary.
 func buildSonard() (string, error) {
 	buildOnce.Do(func() {
-		goCmd, err := exec.LookPath("go")
-		if err != nil {
-			goCmd = filepath.Join(runtime.GOROOT(), "bin", "go") //nolint:staticcheck // the toolchain running this test
-		}
-		if buildDir, buildErr = os.MkdirTemp("", "sonarclient-test-"); buildErr != nil {
+		if buildDir, buildErr = os.MkdirTemp("", "goclient-test-"); buildErr != nil {
 			return
 		}
 		sonardBin = filepath.Join(buildDir, "sonard")
-		out, err := exec.Command(goCmd, "build", "-o", sonardBin, "github.com/sonar-moe/sonar/cmd/sonard").CombinedOutput()
+		out, err := exec.Command(filepath.Join("..", "..", "scripts", "build-go"), "-o", buildDir, "sonard").CombinedOutput()
 		if err != nil {
-			buildErr = fmt.Errorf("go build sonard: %v\n%s", err, out)
+			buildErr = fmt.Errorf("scripts/build-go sonard: %v\n%s", err, out)
 		}
 	})
 	return sonardBin, buildErr

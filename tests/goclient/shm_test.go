@@ -1,4 +1,4 @@
-package sonarclient
+package goclient
 
 import (
 	"crypto/rand"
@@ -32,26 +32,26 @@ func CreateSegment(dir, name string, size int) (*Segment, error) {
 		dir = "/dev/shm"
 	}
 	if size <= 0 {
-		return nil, fmt.Errorf("sonarclient: segment %s: size %d", name, size)
+		return nil, fmt.Errorf("goclient: segment %s: size %d", name, size)
 	}
 	path := filepath.Join(dir, name)
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
-		return nil, fmt.Errorf("sonarclient: create segment: %w", err)
+		return nil, fmt.Errorf("goclient: create segment: %w", err)
 	}
 	defer f.Close()
 	if err := f.Chmod(0o600); err != nil { // whatever the umask did
 		os.Remove(path)
-		return nil, fmt.Errorf("sonarclient: segment %s: %w", name, err)
+		return nil, fmt.Errorf("goclient: segment %s: %w", name, err)
 	}
 	if err := f.Truncate(int64(size)); err != nil {
 		os.Remove(path)
-		return nil, fmt.Errorf("sonarclient: segment %s: %w", name, err)
+		return nil, fmt.Errorf("goclient: segment %s: %w", name, err)
 	}
 	mem, err := syscall.Mmap(int(f.Fd()), 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
 	if err != nil {
 		os.Remove(path)
-		return nil, fmt.Errorf("sonarclient: map segment %s: %w", name, err)
+		return nil, fmt.Errorf("goclient: map segment %s: %w", name, err)
 	}
 	return &Segment{name: name, path: path, mem: mem}, nil
 }
@@ -70,12 +70,12 @@ func (s *Segment) Close() error {
 	var errs []error
 	if s.mem != nil {
 		if err := syscall.Munmap(s.mem); err != nil {
-			errs = append(errs, fmt.Errorf("sonarclient: unmap %s: %w", s.name, err))
+			errs = append(errs, fmt.Errorf("goclient: unmap %s: %w", s.name, err))
 		}
 		s.mem = nil
 	}
 	if err := os.Remove(s.path); err != nil && !errors.Is(err, os.ErrNotExist) {
-		errs = append(errs, fmt.Errorf("sonarclient: remove %s: %w", s.name, err))
+		errs = append(errs, fmt.Errorf("goclient: remove %s: %w", s.name, err))
 	}
 	return errors.Join(errs...)
 }
