@@ -22,7 +22,7 @@ const Mode = 0x2 | 0x140000 | 0x100
 
 // Sqrt computes dst[i] = sqrt(src[i]) with MKL's vmsSqrt.
 type Sqrt struct {
-	vms  func(n int32, a, r unsafe.Pointer, mode int64)
+	fn   uintptr // vmsSqrt(int n, const float *a, float *r, int64 mode)
 	Path string
 }
 
@@ -53,11 +53,11 @@ func Load(lib string) (*Sqrt, error) {
 	if err != nil {
 		return nil, fmt.Errorf("vml: dlopen %s: %w", lib, err)
 	}
-	if _, err := purego.Dlsym(h, "vmsSqrt"); err != nil {
+	fn, err := purego.Dlsym(h, "vmsSqrt")
+	if err != nil {
 		return nil, fmt.Errorf("vml: %s does not export vmsSqrt", lib)
 	}
-	s := &Sqrt{Path: lib}
-	purego.RegisterLibFunc(&s.vms, h, "vmsSqrt")
+	s := &Sqrt{fn: fn, Path: lib}
 	loaded[lib] = s
 	return s, nil
 }
@@ -70,7 +70,9 @@ func (s *Sqrt) Apply(dst, src []float32) {
 	_ = dst[len(src)-1]
 	for len(src) > 0 {
 		n := min(len(src), 1<<30)
-		s.vms(int32(n), unsafe.Pointer(&src[0]), unsafe.Pointer(&dst[0]), Mode)
+		// SyscallN, not RegisterLibFunc: no reflection on a call made once per
+		// 512-element block.
+		purego.SyscallN(s.fn, uintptr(n), uintptr(unsafe.Pointer(&src[0])), uintptr(unsafe.Pointer(&dst[0])), Mode)
 		src, dst = src[n:], dst[n:]
 	}
 }
