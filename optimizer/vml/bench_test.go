@@ -1,13 +1,12 @@
 package vml
 
-// BenchmarkApply512 is one call of the size the engine makes (one 512-element
-// block): it measures what calling vmsSqrt through purego costs.
-
 import (
 	"os"
 	"testing"
 )
 
+// BenchmarkApply512 is one call of the size the engine makes (one 512-element
+// block): it measures what calling vmsSqrt through purego costs.
 func BenchmarkApply512(b *testing.B) {
 	s, err := Load(os.Getenv("SONAR_TORCH_LIB"))
 	if err != nil {
