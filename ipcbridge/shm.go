@@ -1,8 +1,9 @@
-// Package ipcbridge turns the memory references a client sends into memory
-// the server can read and write. Backends sit behind the small Mapper and
-// Mapping interfaces; this file is the CPU backend: POSIX shared memory
-// (files under /dev/shm), checked by name, owner and size, mapped MAP_SHARED,
-// and bounds-checked on every access.
+// Package ipcbridge turns the handles a client sends into memory the server
+// can read and write: POSIX shared memory (this file: files under /dev/shm,
+// checked by name, owner, mode and size, mapped MAP_SHARED) behind Mapper and
+// Mapping, and a client's CUDA allocations opened by IPC handle (cuda.go)
+// behind DeviceMapper and DeviceMapping. Every access to either goes through
+// one bounds check. The backends of package backend use these mappings.
 package ipcbridge
 
 import (

@@ -2,10 +2,12 @@
 // state of each registered tensor (exp_avg, exp_avg_sq, max_exp_avg_sq with
 // amsgrad, the step count, and the gradient-accumulation buffer) and applies
 // one AdamW step to a whole tensor in one pass over memory, split across
-// cores. The per-element math lives in plain functions (adamw.go, fp.go),
-// apart from the bookkeeping here, as torch keeps _single_tensor_adam apart
-// from its Optimizer class. Updates are bit-for-bit those of
-// torch.optim.AdamW on CPU for float32 and bfloat16.
+// cores. The per-element math lives in plain functions apart from the
+// bookkeeping here, as torch keeps _single_tensor_adam apart from its
+// Optimizer class: adamw.go (with kernel_amd64.s) is torch's single-tensor
+// arithmetic, which this engine runs, bit for bit that of torch.optim.AdamW
+// on CPU for float32 and bfloat16; foreach.go is torch's foreach arithmetic,
+// which the device engine (package optimizer/device) runs on a GPU.
 package optimizer
 
 import (
