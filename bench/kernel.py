@@ -100,7 +100,7 @@ def sonard_e2e(n: int, dtype: torch.dtype, reps: int) -> dict:
             opt.step()  # waits for the reply
             if i:
                 walls.append(time.perf_counter() - t)
-        lat = list(opt._conn.latencies)[-reps:]  # noqa: SLF001 - the client keeps one latency per request
+        lat = opt.request_latencies[-reps:]  # one latency per request
         st = opt.stats()
         srv = st["server"]
     med = common.median(lat)
@@ -115,10 +115,9 @@ def sonard_e2e(n: int, dtype: torch.dtype, reps: int) -> dict:
 def ipc_ping(n: int) -> dict:
     """Round trips of a request the server answers without touching tensor memory ("stats"):
     ZeroMQ ipc:// transport plus msgpack encoding on both sides."""
-    import sonar_moe
-    p = nn.Parameter(torch.zeros(1024))
-    with sonar_moe.SonarAdamW([("experts.w", p)], expert_params=lambda name, t: True) as opt:
-        conn = opt._conn  # noqa: SLF001
+    from sonar_moe._launch import start_private_server
+    conn = start_private_server(timeout=10.0)  # as SonarAdamW starts one
+    try:
         for _ in range(50):
             conn.call("stats", {})
         times = []
@@ -126,6 +125,8 @@ def ipc_ping(n: int) -> dict:
             t = time.perf_counter()
             conn.call("stats", {})
             times.append(time.perf_counter() - t)
+    finally:
+        conn.shutdown()
     times.sort()
     return {"n": n, "p50_s": times[n // 2], "p90_s": times[n * 9 // 10], "p99_s": times[n * 99 // 100],
             "max_s": times[-1], "times_s": times}

@@ -304,7 +304,7 @@ def ipc_section(res: dict) -> list[str]:
                  f"`ipc://` + msgpack), {ping['n']} requests on an idle server: p50 "
                  f"{1e6 * ping['p50_s']:.0f} us, p90 {1e6 * ping['p90_s']:.0f} us, p99 {1e6 * ping['p99_s']:.0f} us, "
                  f"max {1e3 * ping['max_s']:.1f} ms.\n")
-    L.append("In training, each request's latency (send to reply handled, `opt._conn.latencies`) also holds the "
+    L.append("In training, each request's latency (send to reply handled, `opt.request_latencies`) also holds the "
              "server's AdamW and the time until the trainer next polls (it polls in the gradient hooks and in "
              "`step()`), so it overstates the transport. What the trainer pays is the time it spends in "
              "Sonar's gradient hook (copy into the ring, send, waiting for a free slot) plus the wait for the "
@@ -439,7 +439,7 @@ def write(res: dict, out: Path) -> None:
     L.append("\nRun it: `make bench` (full) or `python bench/run.py --quick`. The full run executed:\n")
     L.append("```sh")
     L.append("SONARD=bin/sonard   # PY: the venv's python; TORCH_LIB: torch/lib/libtorch_cpu.so of that torch")
-    L.append("go build -o bin/sonard ./cmd/sonard && go build -o bin/sonar-bench ./cmd/sonar-bench")
+    L.append("scripts/build-go sonard sonar-bench   # bin/sonard, bin/sonar-bench")
     L.extend(res.get("commands", []))
     L.append("```\n")
     kl, kt = kernel_section(res)
@@ -553,10 +553,10 @@ def analysis(res: dict) -> list[str]:
             if "server_proc" in d and not rss_note:
                 rss_note.append(f"sonard's resident anonymous memory is {d['server_proc'].get('RssAnon', 0) / MiB:.0f} MiB "
                                 f"against {d['server']['state_bytes'] / MiB:.0f} MiB of optimizer state: loading "
-                                "libtorch_cpu.so for MKL's sqrt (`--torch-lib`, which SonarAdamW's private server "
-                                "uses on MKL builds of torch) runs its static initialisers and costs about 58 MiB "
-                                "(measured: a bare sonard holds 2.4 MiB, with --torch-lib 59 MiB); the tables count "
-                                "state_bytes, as the brief asks")
+                                "libtorch_cpu.so for MKL's sqrt (the library a client on an MKL build of torch names in "
+                                "hello, loaded once per path) runs its static initialisers and costs about 58 MiB "
+                                "(measured: a bare sonard holds 2.4 MiB, with libtorch_cpu.so loaded 59 MiB); the "
+                                "tables count state_bytes, as the brief asks")
     if mem_lines:
         L.append("- **Peak memory.** Standard training peaks at the end of backward with every gradient alive: "
                  "parameters + gradients + two AdamW states, four copies of the model (fp32). Sonar removes the "

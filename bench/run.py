@@ -4,7 +4,7 @@
     python bench/run.py --quick    # ~3 min smoke run: writes bench/quick/ (not docs/)
     python bench/run.py --report-only bench/results/full.json   # re-render a saved run
 
-It builds bin/sonard and bin/sonar-bench (go build), then runs
+It builds bin/sonard and bin/sonar-bench (scripts/build-go sonard sonar-bench), then runs
   1. kernels: the Go engine in-process (cmd/sonar-bench: IEEE and MKL sqrt), torch CPU AdamW
      (single-tensor, foreach, fused), copy bandwidth, sonard end to end (bench/kernel.py);
   2. training: small OLMoE (eager and grouped_mm experts) and GraniteMoe configs whose expert
@@ -39,12 +39,13 @@ QUICK = dict(sizes="1M,16M", reps=3, pings=500, layers=4, hidden=128, batch=4, s
              depth=[("olmoe", "grouped_mm", 8)])
 
 
+BUILD = ["scripts/build-go", "sonard", "sonar-bench"]  # the one build entry point, into bin/
+
+
 def build(env: dict[str, str]) -> None:
-    go = shutil.which("go")
-    if go is None:
-        raise SystemExit("go is needed to build bin/sonard and bin/sonar-bench")
-    for target, pkg in (("bin/sonard", "./cmd/sonard"), ("bin/sonar-bench", "./cmd/sonar-bench")):
-        subprocess.run([go, "build", "-o", target, pkg], check=True, cwd=ROOT, env=env)
+    if shutil.which("go", path=env.get("PATH")) is None:
+        raise SystemExit("go is needed to build bin/sonard and bin/sonar-bench (scripts/build-go)")
+    subprocess.run([str(ROOT / BUILD[0]), *BUILD[1:]], check=True, cwd=ROOT, env=env)
 
 
 def machine(env: dict[str, str]) -> dict:

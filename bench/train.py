@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import gc
 import json
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import common
 import torch
@@ -47,25 +46,13 @@ METHODS = {
 }
 LR, WD, CLIP = 1e-3, 0.01, 1.0
 
-# Time spent in SonarAdamW's gradient hook and waiting in step(): wrap the class methods in
-# this process (before any optimizer is built, since hooks bind the method at construction).
-_TIMERS: dict[int, dict[str, float]] = {}
 
-
-def _timed(name: str, fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def wrap(self, *a, **kw):
-        t = time.perf_counter()
-        try:
-            return fn(self, *a, **kw)
-        finally:
-            d = _TIMERS.setdefault(id(self), {})
-            d[name] = d.get(name, 0.0) + time.perf_counter() - t
-    return wrap
-
-
-sonar_moe.SonarAdamW._on_grad = _timed("hook_s", sonar_moe.SonarAdamW._on_grad)
-sonar_moe.SonarAdamW._drain = _timed("drain_s", sonar_moe.SonarAdamW._drain)
+def sonar_seconds(opt: sonar_moe.SonarAdamW | None) -> tuple[float, float]:
+    """Seconds SonarAdamW has spent so far in its gradient hooks and waiting for updates in step()."""
+    if opt is None:
+        return 0.0, 0.0
+    st = opt.stats(server=False)
+    return st["hand_over_s"], st["wait_s"]
 
 
 class Method:
@@ -106,8 +93,7 @@ class Method:
         return float(loss.detach())
 
     def timed_step(self, batch: dict[str, torch.Tensor], record: bool) -> None:
-        tm = _TIMERS.setdefault(id(self.sonar), {}) if self.sonar is not None else {}
-        h0, d0 = tm.get("hook_s", 0.0), tm.get("drain_s", 0.0)
+        h0, d0 = sonar_seconds(self.sonar)
         t = time.perf_counter()
         loss = self.step(batch)
         dt = time.perf_counter() - t
@@ -115,8 +101,9 @@ class Method:
         if record:
             self.times.append(dt)
             if self.sonar is not None:
-                self.hook_s.append(tm.get("hook_s", 0.0) - h0)
-                self.drain_s.append(tm.get("drain_s", 0.0) - d0)
+                h1, d1 = sonar_seconds(self.sonar)
+                self.hook_s.append(h1 - h0)
+                self.drain_s.append(d1 - d0)
 
     # ---------------------------------------------------------------- memory
     def live_bytes(self) -> dict[str, int]:
@@ -125,7 +112,7 @@ class Method:
         seen: set[int] = set()
         shm = set()
         if self.sonar is not None:
-            shm = {e.param.untyped_storage().data_ptr() for e in self.sonar._experts.values()}  # noqa: SLF001
+            shm = {p.untyped_storage().data_ptr() for _, p in self.sonar.named_expert_parameters()}
 
         def size(t: torch.Tensor | None) -> int:
             if t is None or not isinstance(t, torch.Tensor):
@@ -146,12 +133,11 @@ class Method:
         elif self.key == "c":
             states = [o.state for o in self.per_param.values()]
         elif self.sonar is not None:
-            states = [self.sonar._dense.state, self.sonar.state]  # noqa: SLF001
+            states = [self.sonar.dense_optimizer.state, self.sonar.state]
         out["optimizer_state"] = sum(size(v) for st in states for s in st.values() for v in s.values())
         if self.sonar is not None:
             s = self.sonar.stats()
-            seg = self.sonar._param_seg  # noqa: SLF001
-            out["shm_params"] = seg.size if seg is not None else 0
+            out["shm_params"] = s["param_segment_bytes"]
             out["shm_ring"] = s["ring_bytes"]
             out["server_state"] = int(s["server"]["state_bytes"])
         return out
@@ -260,7 +246,7 @@ def main() -> None:
         if i == a.warmup:
             for m in methods:  # latencies and request counts of the timed steps only
                 if m.sonar is not None:
-                    m.lat0 = len(m.sonar._conn.latencies)  # noqa: SLF001
+                    m.lat0 = len(m.sonar.request_latencies)
                     m.req0 = m.sonar.stats(server=False)["step_requests"]
         for m in methods:
             m.timed_step(train[i], record=i >= a.warmup)
@@ -270,18 +256,18 @@ def main() -> None:
         r: dict[str, Any] = {"label": METHODS[m.key], "median_step_s": common.median(m.times),
                              "step_times_s": m.times, "losses": m.losses}
         if m.sonar is not None:
-            n_lat = len(m.sonar._conn.latencies)  # noqa: SLF001 - before stats() adds its own round trip
+            n_lat = len(m.sonar.request_latencies)  # before stats() adds its own round trip
             st = m.sonar.stats()
             r["sonar"] = {k: v for k, v in st.items() if k != "server"}
             r["server"] = st["server"]
-            lat = sorted(m.sonar._conn.latencies[getattr(m, "lat0", 0):n_lat])  # noqa: SLF001
+            lat = sorted(m.sonar.request_latencies[getattr(m, "lat0", 0):n_lat])
             r["latencies_s"] = lat
             r["latency_ms_p50"] = 1e3 * lat[len(lat) // 2] if lat else float("nan")
             r["latency_ms_p99"] = 1e3 * lat[min(len(lat) - 1, len(lat) * 99 // 100)] if lat else float("nan")
             r["requests_per_step"] = (st["step_requests"] - getattr(m, "req0", 0)) / max(a.steps, 1)
             r["hook_s_median"] = common.median(m.hook_s)
             r["drain_s_median"] = common.median(m.drain_s)
-            proc = m.sonar._conn.process  # noqa: SLF001
+            proc = m.sonar.server_process
             if proc is not None:
                 r["server_proc"] = common.proc_status(proc.pid)
         r["heldout_loss"] = heldout_loss(m.model, held)

@@ -2,7 +2,7 @@
 
 Run from the repository root, with the venv and a built server:
 
-    go build -o bin/sonard ./cmd/sonard
+    scripts/build-go            # bin/sonard
     SONARD=$PWD/bin/sonard .venv/bin/python scripts/quality.py
 
 For each model (a small OLMoE and a small GraniteMoe built from configs with random init,
@@ -50,7 +50,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(REPO / "pyclient"))
     import sonar_moe
-from sonar_moe._detect import is_expert_param  # noqa: E402
+from sonar_moe import is_expert_param  # noqa: E402
 
 import tiny_moe  # noqa: E402
 
@@ -266,7 +266,7 @@ def write_report(
     w(f"- Machine: {m['nproc']} CPU cores ({m['cpu']}, torch CPU capability {m['capability']}),"
       f" torch {m['torch']} (intra-op threads: {m['threads']}, `--threads`), transformers {m['transformers']},"
       f" Python {m['python']}")
-    w(f"- Command (from the repository root, after `go build -o bin/sonard ./cmd/sonard`):")
+    w("- Command (from the repository root, after `scripts/build-go`, which builds bin/sonard):")
     w("")
     w("  ```sh")
     w(f"  {command_line()}")

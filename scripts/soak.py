@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pyclient"))
 
-from sonar_moe._client import Connection, find_sonard, torch_sqrt_library  # noqa: E402
+from sonar_moe import find_sonard  # noqa: E402
+from sonar_moe._connection import Connection  # noqa: E402
 
 
 def sample(pid: int) -> tuple[int, int, int]:
@@ -44,11 +45,8 @@ def main() -> int:
     args = p.parse_args()
     rundir = tempfile.mkdtemp(prefix="sonar-soak-")
     addr = f"ipc://{rundir}/sonard.sock"
-    cmd = [find_sonard(), "--listen", addr, "--log-level", "warn"]
-    lib = torch_sqrt_library()
-    if lib:
-        cmd += ["--torch-lib", lib]
-    server = subprocess.Popen(cmd)
+    # A plain server: each trainer names its torch's float32 sqrt in hello.
+    server = subprocess.Popen([find_sonard(), "--listen", addr, "--log-level", "warn"])
     time.sleep(0.5)
     start = time.monotonic()
     workers = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "worker.py"), addr, str(seed), str(args.steps)],

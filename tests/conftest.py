@@ -18,11 +18,11 @@ sys.path.insert(0, str(ROOT / "pyclient"))
 
 @pytest.fixture(scope="session", autouse=True)
 def sonard_binary() -> str:
-    """Build bin/sonard once per test session (go build is incremental) and point $SONARD at it."""
-    out = ROOT / "bin" / "sonard"
+    """Build bin/sonard once per test session with scripts/build-go (incremental) and point
+    $SONARD at it, unless $SONARD is set."""
     if "SONARD" not in os.environ:
-        subprocess.run(["go", "build", "-o", str(out), "./cmd/sonard"], cwd=ROOT, check=True)
-        os.environ["SONARD"] = str(out)
+        subprocess.run([str(ROOT / "scripts" / "build-go"), "sonard"], cwd=ROOT, check=True)
+        os.environ["SONARD"] = str(ROOT / "bin" / "sonard")
     return os.environ["SONARD"]
 
 
@@ -32,15 +32,9 @@ def shm_names() -> set[str]:
 
 
 def sonard_command(binary: str, addr: str, *extra: str) -> list[str]:
-    """A sonard command line listening on addr, with this torch's float32 sqrt library
-    (as SonarAdamW passes it to a private server) so updates stay bitwise."""
-    from sonar_moe._client import torch_sqrt_library
-
-    args = [binary, "--listen", addr, *extra]
-    lib = torch_sqrt_library()
-    if lib:
-        args += ["--torch-lib", lib]
-    return args
+    """A plain sonard command line listening on addr: nothing about the clients' torch is a
+    server setting (each client names its float32 sqrt in hello), so it serves every client bitwise."""
+    return [binary, "--listen", addr, *extra]
 
 
 @pytest.fixture()
@@ -55,7 +49,7 @@ def shared_server(sonard_binary: str, tmp_path: Path) -> Iterator[str]:
 
 def server_stats(addr: str) -> dict[str, Any]:
     """The counters of the server at addr, over a connection of its own."""
-    from sonar_moe._client import Connection
+    from sonar_moe._connection import Connection
 
     conn = Connection(addr, timeout=10)
     try:

@@ -95,7 +95,7 @@ def ddp_case(rank: int, world: int, server: str, case: tuple) -> None:
     unused_everywhere = 0
     with sonar_moe.SonarAdamW(mddp, max_grad_norm=clip, server=server, namespace=f"rank{rank}", **hp) as opt:
         hook = register_ddp_comm_hook(mddp, opt)
-        assert len(opt._experts) == len(expert_names)
+        assert len(opt.named_expert_parameters()) == len(expert_names)
         for step in range(DDP_STEPS):
             # reference: DDP's built-in averaging all-reduce, dense-only clipping, AdamW over all
             micro = next(rdata).chunk(accum)
@@ -187,8 +187,9 @@ def ep_run(rank: int, world: int, node: NodeServer, steps: int, check_grads: boo
     corpus = tm.load_corpus(100_000)
     data = tm.batches(corpus, 2, 32, torch.Generator().manual_seed(200 + rank))
     with sonar_moe.SonarAdamW(mddp, max_grad_norm=1.0, **node.optimizer_kwargs(), **hp) as opt:
-        if {e.name for e in opt._experts.values()} != {prefix + n for n in experts}:
-            raise Mismatch(f"{case}: SonarAdamW experts {[e.name for e in opt._experts.values()]}")
+        names = [n for n, _ in opt.named_expert_parameters()]
+        if set(names) != {prefix + n for n in experts}:
+            raise Mismatch(f"{case}: SonarAdamW experts {names}")
         dist.barrier()
         if node.is_leader:  # every local rank's tensors live in the node's one server, apart
             st = node.stats()

@@ -83,7 +83,7 @@ def test_training_matches_torch_adamw(layout: str, dtype: torch.dtype, clip: flo
     lrs = []
     with sonar_moe.SonarAdamW(mine, max_grad_norm=clip, **kw) as opt:
         sched = warmup_cosine(opt, 3, STEPS)
-        assert {e.name for e in opt._experts.values()} == opt_expert_names(mine)
+        assert {n for n, _ in opt.named_expert_parameters()} == opt_expert_names(mine)
         for step, x in zip(range(STEPS), data(11)):
             ref_step(ref, ropt, x, clip)
             sonar_step(mine, opt, x)
@@ -169,7 +169,7 @@ def test_auto_detection_and_predicate() -> None:
         assert not any("router" in n for n in found)
     model = tm.build(tm.MoEConfig(), 0)
     with sonar_moe.SonarAdamW(model, expert_params=lambda n, p: n.endswith("down_proj")) as opt:
-        assert sorted(e.name for e in opt._experts.values()) == sorted(
+        assert sorted(n for n, _ in opt.named_expert_parameters()) == sorted(
             n for n in tm.expert_param_names(model) if n.endswith("down_proj"))
     # per-expert ModuleList params group per layer into one request
     assert sonar_moe.group_key("layers.3.moe.experts.5.down.weight") == "layers.3.moe.experts"

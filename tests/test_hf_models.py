@@ -52,11 +52,11 @@ def test_detection_finds_exactly_the_expert_tensors(arch: str) -> None:
     assert len(routers) == model.config.num_hidden_layers
     assert not set(routers) & set(detected(model))
     with sonar_moe.SonarAdamW(model, lr=LR) as opt:
-        assert sorted(e.name for e in opt._experts.values()) == sorted(want)
-        dense = {id(p) for p in opt._dense_params}
+        assert sorted(n for n, _ in opt.named_expert_parameters()) == sorted(want)
+        dense = {id(p) for p in opt.dense_parameters()}
         for n in routers:
             assert id(model.get_parameter(n)) in dense, f"router {n} is not dense"
-        assert len(opt._dense_params) + len(opt._experts) == len(list(model.parameters()))
+        assert len(opt.dense_parameters()) + len(opt.named_expert_parameters()) == len(list(model.parameters()))
 
 
 @pytest.mark.parametrize("name,expert", [
@@ -134,7 +134,7 @@ def _train_and_compare(arch: str, impl: str, dtype: torch.dtype, clip: float | N
     lrs, rlrs, norms = [], [], []
     with sonar_moe.SonarAdamW(mine, lr=LR, weight_decay=WD, max_grad_norm=clip) as opt:
         sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=STEPS)
-        assert sorted(e.name for e in opt._experts.values()) == sorted(experts)
+        assert sorted(n for n, _ in opt.named_expert_parameters()) == sorted(experts)
         for step, batch in zip(range(STEPS), text_batches(11, batch=2, seq=32)):
             norm = ref_step(ref, ropt, [batch], clip)
             sonar_step(mine, opt, [batch], experts)

@@ -1,4 +1,8 @@
-"""tcp:// needs CURVE: a client with an allowed key trains bit for bit; others get nothing."""
+"""tcp:// needs CURVE: a client with an allowed key trains bit for bit; others get nothing.
+
+A tcp:// server never loads a client's library, so a client whose torch computes float32 sqrt
+with MKL trains bfloat16 here (IEEE sqrt everywhere); with float32 it is refused with a clear
+error instead of drifting from torch in the last bit."""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import pytest
 
 from sonar_moe import SonarError
 from conftest import sonard_command
-from sonar_moe._client import Connection
+from sonar_moe._connection import Connection
+from sonar_moe._sqrt import torch_sqrt_library
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 
@@ -47,8 +52,15 @@ def test_allowed_client_trains_and_stranger_is_ignored(curve_server: tuple[str, 
     addr, keys = curve_server
     env = dict(os.environ, SONAR_CURVE_SERVER_PUBLIC_FILE=str(keys / "server.public"),
                SONAR_CURVE_CLIENT_KEYS=str(keys / "client"))
-    r = subprocess.run([sys.executable, WORKER, addr, "4", "3"], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, WORKER, addr, "4", "3", "--bf16"], env=env, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0 and "OK seed 4" in r.stdout, r.stdout + r.stderr
+    # float32: bitwise where this torch's sqrt is IEEE; otherwise refused, naming the way out.
+    r = subprocess.run([sys.executable, WORKER, addr, "5", "2"], env=env, capture_output=True, text=True, timeout=300)
+    if torch_sqrt_library() is None:
+        assert r.returncode == 0 and "OK seed 5" in r.stdout, r.stdout + r.stderr
+    else:
+        assert r.returncode != 0 and "only an ipc:// sonard" in r.stderr and "bfloat16" in r.stderr, r.stdout + r.stderr
     # A client whose key is not allowed: the handshake fails, no request is ever served.
     monkeypatch.setenv("SONAR_CURVE_SERVER_PUBLIC_FILE", str(keys / "server.public"))
     monkeypatch.setenv("SONAR_CURVE_CLIENT_KEYS", str(keys / "stranger"))

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent('''
     import os, subprocess, sys
     import torch, sonar_moe
-    from sonar_moe._client import find_sonard
+    from sonar_moe import find_sonard
     assert "sonar_moe" not in os.environ.get("PYTHONPATH", "")
     binary = find_sonard()
     assert binary.startswith(sys.prefix), (binary, sys.prefix)
@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent('''
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     dense = [p for n, p in ref.named_parameters() if "experts" not in n]
     with sonar_moe.SonarAdamW(mine, lr=1e-2, max_grad_norm=0.5) as opt:
-        assert len(opt._experts) == 2
+        assert len(opt.named_expert_parameters()) == 2
         for step in range(5):
             x = torch.randn(8, 16); y = torch.randint(0, 3, (8,))
             torch.nn.functional.cross_entropy(ref(x), y).backward()

@@ -1,7 +1,10 @@
 """A trainer process for the multi-process tests: trains the tiny MoE against a shared
 sonard and checks every step against torch.optim.AdamW in the same process.
 
-    python tests/worker.py ADDRESS SEED STEPS [--die-after-backward]
+    python tests/worker.py ADDRESS SEED STEPS [--die-after-backward] [--bf16]
+
+--bf16 trains bfloat16 tensors (whose sqrt is IEEE everywhere): for servers that cannot load
+this torch's float32 sqrt library (tcp://).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import tiny_moe as tm  # noqa: E402
 def main() -> int:
     addr, seed, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     die = "--die-after-backward" in sys.argv
+    dtype = torch.bfloat16 if "--bf16" in sys.argv else torch.float32
     torch.set_num_threads(1)
-    cfg = tm.MoEConfig(num_layers=2, num_experts=4, hidden=32, intermediate=48)
+    cfg = tm.MoEConfig(num_layers=2, num_experts=4, hidden=32, intermediate=48, dtype=dtype)
     ref, mine = tm.build(cfg, seed), tm.build(cfg, seed)
     experts = set(tm.expert_param_names(ref))
     dense = [p for n, p in ref.named_parameters() if n not in experts]

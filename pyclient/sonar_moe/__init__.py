@@ -4,15 +4,26 @@
 ``sonard`` server the moment their gradient is final and updated there, so at most one
 layer of expert gradients is alive; dense parameters keep standard AdamW with optional
 global-norm clipping.
+
+Modules: ``optimizer`` (SonarAdamW: the torch.optim.Optimizer bookkeeping, dense AdamW, step
+counters, state_dict), ``_backend`` (the expert-backend interface and what the server paths
+share: registration, step requests per layer, accumulation, state transfer), ``_shm_backend``
+(CPU: shared-memory parameters and gradient ring, over ``_shm``), ``_cuda_backend`` (CUDA:
+tensors registered in place, over ``_cuda``'s IPC handles and event), ``_steps`` (step
+requests grouped per layer), ``_connection`` (the socket and protocol), ``_launch`` (a private
+sonard), ``_binary`` (finding sonard), ``_sqrt`` (this torch's float32 sqrt, named in hello),
+``_detect`` (which parameters are experts), ``checkpoint``, ``hf``, ``distributed``.
 """
 
-from ._client import PROTOCOL_VERSION, SonarError, SonarServerDied, find_sonard
+from ._binary import find_sonard
+from ._connection import PROTOCOL_VERSION, SonarError, SonarServerDied
 from ._detect import group_key, is_expert_param
+from ._version import __version__
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .optimizer import SonarAdamW, torch_scalars
 
-from ._version import __version__
 __all__ = [
+    "__version__",
     "CheckpointError",
     "load_checkpoint",
     "save_checkpoint",

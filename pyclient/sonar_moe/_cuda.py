@@ -1,14 +1,9 @@
-"""The CUDA path of SonarAdamW (docs/gpu.md): expert tensors stay in GPU memory and sonard
-updates them in place.
+"""CUDA IPC for the client (docs/gpu.md): memory and event handles that sonard opens.
 
-Parameters are registered by CUDA IPC handle (``attach_cuda``, once per base block of torch's
-caching allocator) instead of being copied into shared memory. A gradient is shared the same
-way; the client records one interprocess event after the gradient is final and sends the step
-with ``wait_event``, so the server's kernels start after the producing work without any host
-synchronization. The gradient is kept referenced until the reply: the server has finished with
-it then.
-
-Only used when the expert tensors are CUDA tensors and sonard reported ``cuda`` in hello.
+A tensor's memory is shared by the handle of its base block in torch's caching allocator
+(``attach_cuda``, once per block, then a MemRef with the offset). One interprocess event,
+recorded after each gradient is final, orders the server's kernels after the producing work
+(``cuda_event``, then steps with ``wait_event``). Used by :class:`~._cuda_backend.CudaBackend`.
 """
 
 from __future__ import annotations
@@ -17,25 +12,13 @@ from typing import Any
 
 import torch
 
-from ._client import Connection, SonarError
+from ._connection import Connection
+
+MemRef = dict[str, int]
 
 
-def start(conn: Connection, hello: dict[str, Any], devices: set[torch.device]) -> CudaExperts:
-    """Check that the experts can take the CUDA path and open it."""
-    if len(devices) != 1:
-        names = ", ".join(sorted(str(d) for d in devices))
-        raise NotImplementedError(f"expert tensors on several devices ({names}): put all expert tensors on one CUDA device")
-    (dev,) = devices
-    if dev.type != "cuda":
-        raise NotImplementedError(f"expert tensors on {dev}: only CPU or CUDA expert tensors are supported")
-    if not hello.get("cuda"):
-        raise SonarError(f"expert tensors are on {dev} but this sonard has no CUDA path (no CUDA driver where it "
-                         "runs, or --cuda-device -1); sonard must run on the same machine as the GPU")
-    return CudaExperts(conn, dev)
-
-
-class CudaExperts:
-    """IPC handles, segments and the interprocess event of one optimizer's CUDA experts."""
+class CudaIpc:
+    """IPC handles, segments and the interprocess event of one session's CUDA tensors."""
 
     def __init__(self, conn: Connection, device: torch.device) -> None:
         self._conn = conn
@@ -47,7 +30,7 @@ class CudaExperts:
             self._ev.record()
         conn.call("cuda_event", {"handle": bytes(self._ev.ipc_handle())})
 
-    def _share(self, t: torch.Tensor) -> tuple[dict[str, Any], tuple[Any, int]]:
+    def _share(self, t: torch.Tensor) -> tuple[MemRef, tuple[Any, int]]:
         """A MemRef of t's memory, attaching its base block once; and its IPC ref counter."""
         if not t.is_contiguous():
             raise ValueError("CUDA expert tensors and their gradients must be contiguous")
@@ -58,16 +41,17 @@ class CudaExperts:
         if seg is None:
             seg = int(self._conn.call("attach_cuda", {"handle": handle, "size": int(off) + st.nbytes()})["seg"])
             self._segs[handle] = seg
-        ref = {"seg": seg, "off": int(off) + t.storage_offset() * t.element_size(), "nbytes": t.numel() * t.element_size()}
+        ref = {"seg": seg, "off": int(off) + int(t.storage_offset()) * t.element_size(),
+               "nbytes": int(t.numel()) * t.element_size()}
         return ref, (rc_handle, int(rc_offset))
 
-    def param_ref(self, p: torch.Tensor) -> dict[str, Any]:
+    def param_ref(self, p: torch.Tensor) -> MemRef:
         """The MemRef of a parameter, registered in place."""
         ref, rc = self._share(p.detach())
         self._param_counters.append(rc)
         return ref
 
-    def grad_ref(self, g: torch.Tensor) -> tuple[dict[str, Any], list[Any]]:
+    def grad_ref(self, g: torch.Tensor) -> tuple[MemRef, list[Any]]:
         """Share a gradient (or a state buffer): its MemRef and a holder to keep until the reply."""
         ref, rc = self._share(g)
         return ref, [g, rc]
@@ -75,6 +59,10 @@ class CudaExperts:
     def record(self) -> None:
         """Mark the current stream's work so far: the next wait_event request waits for it."""
         self._ev.record(torch.cuda.current_stream(self.device))
+
+    def synchronize(self) -> None:
+        """Wait until this device's work so far is done (before the server copies a buffer)."""
+        torch.cuda.synchronize(self.device)
 
     def release(self, holder: list[Any]) -> None:
         """After the reply: give back the IPC ref counter, then drop the tensor (in that order,

@@ -13,7 +13,9 @@ Three pieces, each usable alone (design and limits: ``docs/distributed.md``):
 * :class:`NodeServer` — one ``sonard`` per node, started by the node's first rank and shared by
   all its ranks, each rank in its own session (its own tensors and segments).
 
-Only ``gloo``/CPU tensors are supported today, as for SonarAdamW itself.
+Expert tensors may be CPU or CUDA tensors, as for SonarAdamW itself (the CUDA path is wired
+into sonard: expert tensors registered in place by CUDA IPC handle, docs/gpu.md). The tests run
+``gloo`` with CPU tensors; ``nccl`` with CUDA experts has not been run yet.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ._client import Connection, SonarError, start_private_server
+from ._connection import Connection, SonarError
+from ._launch import start_private_server
 from ._detect import is_expert_param
 from .optimizer import SonarAdamW
 
@@ -68,7 +71,7 @@ class DDPExpertHook:
         self.scale = 1.0 / self.world_size
         self.after_reduce = bool(getattr(ddp, "find_unused_parameters", False))
         ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
-        expert_ids = {id(e.param) for e in opt._experts.values()}
+        expert_ids = {id(p) for _, p in opt.named_expert_parameters()}
         self.experts: dict[int, nn.Parameter] = {}
         skipped = []
         for name, p in ddp.module.named_parameters():
@@ -85,7 +88,7 @@ class DDPExpertHook:
                              "replicated and expert-parallel experts in one SonarAdamW is not supported")
         if len(self.experts) != len(expert_ids):
             raise ValueError("some expert tensors of this SonarAdamW are not parameters of the DDP model")
-        self._pending: list[tuple[torch.futures.Future[torch.Tensor], list[tuple[nn.Parameter, torch.Tensor]]]] = []
+        self._pending: list[tuple[torch.futures.Future[Any], list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self._queued = False
         self.counts = {"buckets": 0, "handed_in_hooks": 0, "handed_at_end": 0, "handed_after_reduce": 0}
         # A backward that raised never ran our end-of-backward callback: start afresh at each forward.

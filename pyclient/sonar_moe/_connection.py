@@ -1,25 +1,24 @@
-"""The connection to sonard: a ZeroMQ DEALER socket speaking the msgpack protocol
-(docs/protocol.md), and the private server process when the client starts one."""
+"""The connection to sonard: one ZeroMQ DEALER socket speaking the msgpack protocol
+(docs/protocol.md), pipelined requests matched to their replies by id."""
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import itertools
+import logging
 import os
 import shutil
 import subprocess
-import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
-import torch
 import zmq
 
 PROTOCOL_VERSION = 1
+
+log = logging.getLogger("sonar_moe")
 
 
 class SonarError(RuntimeError):
@@ -30,22 +29,8 @@ class SonarServerDied(SonarError):
     """The private sonard process exited."""
 
 
-def find_sonard() -> str:
-    """The server binary: $SONARD, then the repository's bin/sonard, then the one installed
-    with the wheel (sonar_moe/bin/sonard), then PATH."""
-    env = os.environ.get("SONARD")
-    if env:
-        if not os.access(env, os.X_OK):
-            raise SonarError(f"$SONARD={env!r} is not an executable file")
-        return env
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parents[1] / "bin" / "sonard", here / "bin" / "sonard"):
-        if os.access(candidate, os.X_OK):
-            return str(candidate)
-    found = shutil.which("sonard")
-    if found:
-        return found
-    raise SonarError("sonard not found: set $SONARD, run `make build` (bin/sonard), or put sonard on PATH")
+class SonarRefused(SonarError):
+    """The server answered a request with an error."""
 
 
 @dataclass
@@ -69,6 +54,7 @@ class Connection:
     _ids: itertools.count[int] = field(init=False, default_factory=lambda: itertools.count(1))
     _pending: dict[int, Pending] = field(init=False, default_factory=dict)
     _done: dict[int, dict[str, Any]] = field(init=False, default_factory=dict)
+    _closed: bool = field(init=False, default=False)
     latencies: list[float] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -125,7 +111,7 @@ class Connection:
         rid = self.send(op, body)
         rep = self.wait(rid, timeout)
         if not rep.get("ok"):
-            raise SonarError(f"sonard refused {op}: {rep.get('error')}")
+            raise SonarRefused(f"sonard refused {op}: {rep.get('error')}")
         return rep.get("body") or {}
 
     def poll(self, timeout: float = 0.0) -> int:
@@ -161,8 +147,15 @@ class Connection:
             if time.monotonic() > deadline:
                 raise SonarError(f"sonard did not answer within {limit:.1f} s ({len(self._pending)} requests pending)")
 
+    @property
+    def server_alive(self) -> bool:
+        """False once the private server process has exited (a shared server is not watched)."""
+        return self.process is None or self.process.poll() is None
+
     def check_alive(self) -> None:
-        if self.process is not None and self.process.poll() is not None:
+        """Raise SonarServerDied, with the end of its log, if the private server has exited."""
+        if not self.server_alive:
+            assert self.process is not None
             raise SonarServerDied(f"sonard exited with code {self.process.returncode}{self._log_tail()}")
 
     def _log_tail(self) -> str:
@@ -183,7 +176,7 @@ class Connection:
             raise SonarError(f"sonard speaks protocol {rep.get('v')}, this client speaks {PROTOCOL_VERSION}")
         rid = rep.get("id")
         p = self._pending.pop(rid, None) if isinstance(rid, int) else None
-        if p is None:
+        if p is None or not isinstance(rid, int):
             raise SonarError(f"reply to unknown request {rid}: {rep.get('error')}")
         self.latencies.append(time.perf_counter() - p.sent)
         if p.on_reply is not None:
@@ -192,13 +185,18 @@ class Connection:
             self._done[rid] = rep
 
     def close(self) -> None:
+        self._closed = True
         self._sock.close(linger=0)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """End the session: a private server is told to shut down, waited for and its run
-        directory (socket, log) removed; a shared server is told goodbye. Closes the socket."""
+        directory (socket, log) removed; a shared server is told goodbye. Closes the socket.
+        A private server that has already exited is not spoken to; a closed connection is left alone."""
+        if self._closed:
+            return
         try:
-            self.call("shutdown" if self.process is not None else "bye", {}, timeout=timeout)
+            if self.server_alive:
+                self.call("shutdown" if self.process is not None else "bye", {}, timeout=timeout)
         finally:
             if self.process is not None:
                 try:
@@ -210,62 +208,9 @@ class Connection:
                     shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
             self.close()
 
-
-VML_HA_MODE = 0x2 | 0x140000 | 0x100  # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, as ATen calls MKL
-
-
-@functools.cache
-def torch_sqrt_library() -> str | None:
-    """The library whose float32 sqrt torch uses, when it is not the IEEE one.
-
-    On x86, ATen computes float32 ``sqrt`` with MKL's ``vmsSqrt`` (high-accuracy mode),
-    linked into libtorch_cpu.so; on AVX-512 machines about 0.6% of its results are one
-    ulp below the IEEE square root. Returns that library's path when ``vmsSqrt`` is
-    exported and reproduces ``torch.sqrt`` on a probe; None otherwise.
-    """
-    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    try:
-        fn = ctypes.CDLL(lib).vmsSqrt
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    fn.restype = None
-    probe = _sqrt_probe()
-    out = torch.empty_like(probe)
-    fn(probe.numel(), probe.data_ptr(), out.data_ptr(), VML_HA_MODE)
-    return lib if torch.equal(out, torch.sqrt(probe)) else None
-
-
-def torch_sqrt_is_ieee() -> bool:
-    """Whether torch's float32 sqrt is correctly rounded on the probe."""
-    probe = _sqrt_probe()
-    return torch.equal(torch.sqrt(probe), torch.sqrt(probe.double()).float())
-
-
-@functools.cache
-def _sqrt_probe() -> torch.Tensor:
-    g = torch.Generator().manual_seed(12345)
-    mant = torch.rand(1 << 18, generator=g) + 0.5
-    exps = torch.randint(-60, 20, (1 << 18,), generator=g).float()
-    return (mant * torch.exp2(exps)).contiguous()
-
-
-def start_private_server(timeout: float, log_level: str = "warn") -> Connection:
-    """Start a sonard for this process on an ipc:// socket in a fresh 0700 directory."""
-    binary = find_sonard()
-    rundir = tempfile.mkdtemp(prefix="sonar-")  # mode 0700
-    sock = os.path.join(rundir, "sonard.sock")
-    log_path = os.path.join(rundir, "sonard.log")
-    args = [binary, "--listen", f"ipc://{sock}", "--log-level", log_level]
-    lib = torch_sqrt_library()
-    if lib:
-        args += ["--torch-lib", lib]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            args,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C in the trainer reaches the trainer; close() stops the server
-        )
-    return Connection(address=f"ipc://{sock}", timeout=timeout, process=proc, log_path=log_path)
+    def end_session(self) -> None:
+        """shutdown(), best effort (at close or exit): a failure is logged, not raised."""
+        try:
+            self.shutdown()
+        except Exception as e:  # noqa: BLE001
+            log.warning("sonard did not acknowledge the goodbye: %s", e)

@@ -1,0 +1,417 @@
+"""Expert backends: how one SonarAdamW's expert tensors reach sonard and are updated there.
+
+One interface (:class:`ExpertBackend`), one implementation per memory path, chosen once when
+the optimizer starts (``SonarAdamW`` never asks again which path it is on):
+
+* :class:`~._shm_backend.ShmBackend`: CPU tensors. Parameters live in a POSIX shared-memory
+  segment; each gradient is copied into a slot of a ring the server maps.
+* :class:`~._cuda_backend.CudaBackend`: CUDA tensors, registered in place by IPC handle; each
+  gradient is shared by handle and ordered by an interprocess event.
+* :class:`NoExperts`: no expert tensor, no server.
+
+:class:`ServerBackend` holds what both server paths share (the session, registration, step
+requests per layer, gradient accumulation, waiting, the state-transfer loops, figures); a
+path supplies where memory is (``_param_ref``), how a gradient is staged (``_stage``) and
+released (``_release``), and its state-transfer buffers (``_open_transfer``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple, Protocol
+
+import torch
+from torch import nn
+
+from ._connection import Connection
+from ._detect import group_key
+from ._launch import connect
+from ._steps import StepQueue
+
+log = logging.getLogger("sonar_moe")
+
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+MemRef = dict[str, int]
+# Advance an expert tensor's step counter: (step, torch_scalars of that step).
+Advance = Callable[[nn.Parameter], tuple[int, dict[str, Any]]]
+
+
+def no_ref() -> MemRef:
+    """The MemRef meaning "no memory" (an apply without a gradient, an unused state)."""
+    return {"seg": 0, "off": 0, "nbytes": 0}
+
+
+@dataclass
+class Expert:
+    """One expert tensor and its server tensors (one, or one per expert slice)."""
+
+    name: str
+    param: nn.Parameter
+    key: str  # tensors with the same key go to the server in one request
+    parts: int = 1
+    tids: list[int] = field(default_factory=list)
+    micro: int = 0  # micro-batch gradients sent since the last apply
+
+    @property
+    def nbytes(self) -> int:
+        return self.param.numel() * self.param.element_size()
+
+    @property
+    def part_bytes(self) -> int:
+        return self.nbytes // self.parts
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """SonarAdamW's settings that concern the expert tensors."""
+
+    timeout: float = 10.0
+    split_experts: bool = False
+    grad_accumulation_steps: int = 1
+    max_expert_grad_norm: float | None = None
+    ring_layers: int = 1
+    namespace: str | None = None
+
+
+class Staged(NamedTuple):
+    """A gradient the server can read at (seg, off); `token` is released after the reply."""
+
+    seg: int
+    off: int
+    token: Any
+
+
+class StateTransfer(Protocol):
+    """Moves expert optimizer state between the server and the client (state_dict)."""
+
+    def fetch(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
+        """exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad) of `param`, as new tensors."""
+        ...
+
+    def store(self, param: nn.Parameter, step: int, state: Mapping[str, torch.Tensor | None]) -> None:
+        """Set `param`'s server state: `step` and the tensors of `state` (missing ones: zeros)."""
+        ...
+
+
+class ExpertBackend(Protocol):
+    """The expert tensors of one optimizer, updated by the server."""
+
+    def hand_over(self, param: nn.Parameter, grad: torch.Tensor, owned: bool) -> None:
+        """Queue one micro-batch gradient of expert `param`. owned: `grad` is `param.grad`, freed here."""
+        ...
+
+    def drain(self) -> None:
+        """Send what is pending, apply accumulated gradients, wait for every reply."""
+        ...
+
+    def state_transfer(self, amsgrad: bool) -> contextlib.AbstractContextManager[StateTransfer]:
+        """Buffers for moving optimizer state (while the context is open)."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Memory and request figures of the client side."""
+        ...
+
+    def server_stats(self) -> dict[str, Any] | None:
+        """The server's counters; None without a server."""
+        ...
+
+    def reset_peak(self) -> None:
+        ...
+
+    def close(self) -> None:
+        """Wait for updates in flight (if the server lives) and end the session."""
+        ...
+
+    @property
+    def server_address(self) -> str | None:
+        ...
+
+    @property
+    def server_process(self) -> subprocess.Popen[bytes] | None:
+        ...
+
+    @property
+    def request_latencies(self) -> list[float]:
+        ...
+
+
+def say_hello(conn: Connection, namespace: str | None, fields: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+    """Open the session: who this client is, and what its path needs (`fields`)."""
+    hello: dict[str, Any] = {
+        "client": "sonar_moe", "pid": os.getpid(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "capability": torch.backends.cpu.get_cpu_capability(),
+        **fields,
+    }
+    if namespace is not None:
+        hello["namespace"] = str(namespace)
+    rep = conn.call("hello", hello, timeout=max(timeout, 10.0))
+    log.info("connected to sonard %s (protocol %s, pid %s, sqrt %s, namespace %s)", rep.get("server"),
+             rep.get("protocol"), rep.get("pid"), rep.get("sqrt"), namespace)
+    return rep
+
+
+class ServerBackend(ABC):
+    """What the shared-memory and CUDA paths share: one sonard session for the expert tensors."""
+
+    # Extra keys of every step request.
+    _step_body: ClassVar[Mapping[str, Any]] = {}
+
+    @classmethod
+    def open(cls, server: str | None, named: Iterable[tuple[str, nn.Parameter]], options: BackendOptions,
+             hyper: Mapping[str, Any], advance: Advance) -> ServerBackend:
+        """Connect (to `server`, or to a new private sonard), say hello, place and register the tensors."""
+        named = list(named)
+        cls._check_devices({p.device for _, p in named})
+        conn = connect(server, options.timeout)
+        try:
+            rep = cls._hello(conn, named, options)
+            backend = cls(conn, rep, named, options, advance)
+            backend._register(hyper)
+        except BaseException:
+            conn.end_session()
+            raise
+        return backend
+
+    def __init__(self, conn: Connection, hello: Mapping[str, Any], named: list[tuple[str, nn.Parameter]],
+                 options: BackendOptions, advance: Advance) -> None:
+        self._conn = conn
+        self._end_session = weakref.finalize(self, conn.end_session)  # also at exit, if never closed
+        self._options = options
+        self._advance = advance
+        self._experts = {id(p): Expert(name, p, group_key(name)) for name, p in named}
+        self._steps = StepQueue(conn, self._release, self._step_body)
+        self._peak = 0
+
+    # ------------------------------------------------------------ path-specific
+    @classmethod
+    def _check_devices(cls, devices: set[torch.device]) -> None:
+        """Refuse devices this path cannot serve, before anything starts."""
+
+    @classmethod
+    def _hello(cls, conn: Connection, named: list[tuple[str, nn.Parameter]], options: BackendOptions) -> dict[str, Any]:
+        """Open the session (hello with what this path needs); the server's reply."""
+        return say_hello(conn, options.namespace, {}, options.timeout)
+
+    @abstractmethod
+    def _param_ref(self, e: Expert) -> MemRef:
+        """Where the server finds the parameter (registered in place)."""
+
+    @abstractmethod
+    def _stage(self, e: Expert, grad: torch.Tensor, owned: bool) -> Staged:
+        """Make the gradient readable by the server (clipped with max_expert_grad_norm);
+        free ``e.param.grad`` when owned."""
+
+    @abstractmethod
+    def _release(self, token: Any) -> None:
+        """The request that read a staged gradient was answered: give its memory back."""
+
+    @abstractmethod
+    def _open_transfer(self, amsgrad: bool) -> Transfer:
+        """State-transfer buffers."""
+
+    def _memory_stats(self) -> dict[str, int]:
+        return {"ring_bytes": 0, "param_segment_bytes": 0}
+
+    def _close_memory(self) -> None:
+        """After the session ended: give back what the path holds."""
+
+    # ------------------------------------------------------------ shared
+    def _register(self, hyper: Mapping[str, Any]) -> None:
+        """Register the expert tensors (one per expert slice with split_experts) and group them."""
+        specs = []
+        for e in self._experts.values():
+            if self._options.split_experts and e.param.dim() >= 3:
+                e.parts = e.param.shape[0]
+            shape = list(e.param.shape[1:]) if e.parts > 1 else list(e.param.shape)
+            ref = self._param_ref(e)
+            for i in range(e.parts):
+                specs.append({"name": e.name if e.parts == 1 else f"{e.name}.{i}", "shape": shape,
+                              "dtype": DTYPES[e.param.dtype], "hyper": dict(hyper),
+                              "param": {"seg": ref["seg"], "off": ref["off"] + i * e.part_bytes, "nbytes": e.part_bytes}})
+        ids = iter(self._conn.call("register", {"tensors": specs})["ids"])
+        for e in self._experts.values():
+            e.tids = [next(ids) for _ in range(e.parts)]
+            self._steps.add_member(e.key)
+
+    def hand_over(self, param: nn.Parameter, grad: torch.Tensor, owned: bool) -> None:
+        e = self._experts[id(param)]
+        staged = self._stage(e, grad, owned)
+        del grad
+        self._queue(e, staged)
+
+    def _queue(self, e: Expert, staged: Staged) -> None:
+        """Queue the step of e's staged gradient: one request per expert slice with
+        split_experts, else one per layer group; applied at the k-th micro-batch."""
+        e.micro += 1
+        apply = e.micro >= self._options.grad_accumulation_steps
+        step, scalars = self._next_step(e) if apply else (0, {})
+        items = [{"tensor": tid, "grad": {"seg": staged.seg, "off": staged.off + i * e.part_bytes, "nbytes": e.part_bytes},
+                  "apply": apply, "step": step, "scalars": scalars} for i, tid in enumerate(e.tids)]
+        if e.parts > 1:
+            self._steps.send_each(items, staged.token)
+        else:
+            self._steps.add(e.key, items[0], staged.token)
+
+    def _next_step(self, e: Expert) -> tuple[int, dict[str, Any]]:
+        e.micro = 0
+        return self._advance(e.param)
+
+    def _make_room(self) -> bool:
+        """Wait for a reply, or send incomplete layers; False when nothing is outstanding."""
+        if self._conn.in_flight:
+            self._conn.wait_any()
+            return True
+        return self._steps.flush()
+
+    def drain(self) -> None:
+        self._steps.flush()
+        leftovers = [e for e in self._experts.values() if e.micro > 0]
+        if leftovers:  # tensors that missed some of this step's micro-batches
+            items = []
+            for e in leftovers:
+                step, sc = self._next_step(e)
+                items += [{"tensor": tid, "grad": no_ref(), "apply": True, "step": step, "scalars": sc}
+                          for tid in e.tids]
+            self._steps.send(items, [])
+        self._steps.wait()
+
+    @contextlib.contextmanager
+    def state_transfer(self, amsgrad: bool) -> Iterator[StateTransfer]:
+        xfer = self._open_transfer(amsgrad)
+        try:
+            yield xfer
+        finally:
+            xfer.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {"peak_expert_grad_bytes": self._peak, **self._memory_stats(),
+                "step_requests": self._steps.step_requests, "grads_sent": self._steps.grads_sent,
+                "bytes_sent": self._steps.bytes_sent}
+
+    def server_stats(self) -> dict[str, Any] | None:
+        return self._conn.call("stats", {})
+
+    def reset_peak(self) -> None:
+        self._peak = 0
+
+    def close(self) -> None:
+        try:
+            if self._conn.in_flight and self._conn.server_alive:
+                self.drain()
+        finally:
+            self._end_session()
+            self._close_memory()
+
+    @property
+    def server_address(self) -> str | None:
+        return self._conn.address
+
+    @property
+    def server_process(self) -> subprocess.Popen[bytes] | None:
+        return self._conn.process
+
+    @property
+    def request_latencies(self) -> list[float]:
+        return list(self._conn.latencies)
+
+
+class Transfer(ABC):
+    """The shared part of a state transfer: export/import requests per server tensor."""
+
+    def __init__(self, conn: Connection, experts: Mapping[int, Expert], amsgrad: bool) -> None:
+        self._conn = conn
+        self._experts = experts
+        self._n = 3 if amsgrad else 2
+
+    @abstractmethod
+    def _views(self, e: Expert) -> list[torch.Tensor]:
+        """Buffers for e's exp_avg, exp_avg_sq (and max_exp_avg_sq), shaped like the parameter."""
+
+    @abstractmethod
+    def _refs(self, e: Expert, part: int) -> list[MemRef]:
+        """The three state MemRefs of server tensor `part` of e (unused ones: no_ref())."""
+
+    def close(self) -> None:
+        """Give the buffers back."""
+
+    def _body(self, e: Expert, step: int, part: int) -> dict[str, Any]:
+        refs = self._refs(e, part)
+        return {"tensor": e.tids[part], "step": step, "exp_avg": refs[0], "exp_avg_sq": refs[1],
+                "max_exp_avg_sq": refs[2]}
+
+    def fetch(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
+        e = self._experts[id(param)]
+        views = self._views(e)
+        for i in range(e.parts):
+            self._conn.call("export", self._body(e, 0, i))
+        return {k: v.clone() for k, v in zip(STATE_KEYS, views)}
+
+    def store(self, param: nn.Parameter, step: int, state: Mapping[str, torch.Tensor | None]) -> None:
+        e = self._experts[id(param)]
+        views = self._views(e)
+        for k, view in zip(STATE_KEYS, views):
+            src = state.get(k)
+            if src is None:
+                view.zero_()
+            elif src.shape != e.param.shape:
+                raise ValueError(f"state {k} of {e.name} has shape {tuple(src.shape)}, want {tuple(e.param.shape)}")
+            else:
+                view.copy_(src)
+        for i in range(e.parts):
+            self._conn.call("import", self._body(e, step, i))
+
+
+class NoExperts:
+    """The backend of an optimizer without expert tensors: no server, nothing to hand over."""
+
+    def hand_over(self, param: nn.Parameter, grad: torch.Tensor, owned: bool) -> None:
+        raise ValueError("this optimizer has no expert tensors")
+
+    def drain(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def state_transfer(self, amsgrad: bool) -> Iterator[StateTransfer]:
+        yield _NoTransfer()
+
+    def stats(self) -> dict[str, Any]:
+        return {"peak_expert_grad_bytes": 0, "ring_bytes": 0, "param_segment_bytes": 0,
+                "step_requests": 0, "grads_sent": 0, "bytes_sent": 0}
+
+    def server_stats(self) -> dict[str, Any] | None:
+        return None
+
+    def reset_peak(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def server_address(self) -> str | None:
+        return None
+
+    @property
+    def server_process(self) -> subprocess.Popen[bytes] | None:
+        return None
+
+    @property
+    def request_latencies(self) -> list[float]:
+        return []
+
+
+class _NoTransfer:
+    def fetch(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
+        raise ValueError("this optimizer has no expert tensors")
+
+    def store(self, param: nn.Parameter, step: int, state: Mapping[str, torch.Tensor | None]) -> None:
+        raise ValueError("this optimizer has no expert tensors")

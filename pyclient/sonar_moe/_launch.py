@@ -1,0 +1,36 @@
+"""Opening a session: a private sonard started for this process, or a running one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+from ._binary import find_sonard
+from ._connection import Connection
+
+
+def start_private_server(timeout: float, log_level: str = "warn") -> Connection:
+    """Start a sonard for this process on an ipc:// socket in a fresh 0700 directory.
+
+    Nothing about this process's torch is passed on the command line: each client names its
+    float32 sqrt in ``hello``, so the same plain server serves any client."""
+    binary = find_sonard()
+    rundir = tempfile.mkdtemp(prefix="sonar-")  # mode 0700
+    sock = os.path.join(rundir, "sonard.sock")
+    log_path = os.path.join(rundir, "sonard.log")
+    args = [binary, "--listen", f"ipc://{sock}", "--log-level", log_level]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C in the trainer reaches the trainer; close() stops the server
+        )
+    return Connection(address=f"ipc://{sock}", timeout=timeout, process=proc, log_path=log_path)
+
+
+def connect(server: str | None, timeout: float) -> Connection:
+    """A connection to ``server`` ("ipc://..." or "tcp://..."), or to a new private sonard for None."""
+    return start_private_server(timeout) if server is None else Connection(server, timeout)

@@ -1,0 +1,153 @@
+"""The shared-memory path: CPU expert tensors, updated by sonard's CPU kernels.
+
+The parameters move into one POSIX shared-memory segment for good (each at a page
+boundary). Autograd allocates gradients in private memory, so each gradient is copied into
+a slot of a ring (sized to ``ring_layers`` of the largest layer), freed at once, and the
+slot is given back when the server has answered the request that read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._backend import Advance, BackendOptions, Expert, MemRef, ServerBackend, Staged, Transfer, no_ref, say_hello
+from ._connection import Connection, SonarError, SonarRefused
+from ._shm import PAGE, Ring, Segment
+from ._sqrt import check_session_sqrt, needed_sqrt_lib
+
+
+def attach(conn: Connection, seg: Segment) -> int:
+    """Have the server map `seg` (it unlinks the name); its segment id."""
+    try:
+        return int(conn.call("attach", {"shm": seg.name, "size": seg.size})["seg"])
+    finally:
+        seg.unlink()
+
+
+class ShmBackend(ServerBackend):
+    """CPU expert tensors in shared memory; gradients through a slot ring."""
+
+    @classmethod
+    def _hello(cls, conn: Connection, named: list[tuple[str, nn.Parameter]], options: BackendOptions) -> dict[str, Any]:
+        """Name this torch's float32 sqrt library: the server computes float32 sqrt with it for
+        this session; check that it does."""
+        dtypes = {p.dtype for _, p in named}
+        lib = needed_sqrt_lib(dtypes)
+        try:
+            rep = say_hello(conn, options.namespace, {"sqrt_lib": lib}, options.timeout)
+        except SonarRefused as e:
+            if not lib:
+                raise
+            raise SonarRefused(
+                f"{e}. This torch computes float32 sqrt with MKL's vmsSqrt from {lib}, and float32 expert "
+                "tensors are bitwise equal to torch.optim.AdamW only when sonard calls that same function; "
+                "only an ipc:// sonard of this user on this host loads a client's library (a tcp:// one never "
+                "does): use server=None (a private sonard), an ipc:// server, or bfloat16 expert tensors") from e
+        if torch.float32 in dtypes:
+            check_session_sqrt(str(rep.get("sqrt", "")))
+        return rep
+
+    def __init__(self, conn: Connection, hello: Mapping[str, Any], named: list[tuple[str, nn.Parameter]],
+                 options: BackendOptions, advance: Advance) -> None:
+        super().__init__(conn, hello, named, options, advance)
+        experts = list(self._experts.values())
+        # Parameters move into one shared segment for good, each at a page boundary.
+        self._offsets: dict[int, int] = {}
+        off = 0
+        for e in experts:
+            self._offsets[id(e.param)] = off
+            off += -(-e.nbytes // PAGE) * PAGE
+        self._params = Segment(off, "params")
+        self._params_seg = attach(conn, self._params)
+        for e in experts:
+            view = self._params.tensor(self._offsets[id(e.param)], e.param.dtype, e.param.shape)
+            with torch.no_grad():
+                view.copy_(e.param)
+            e.param.data = view
+        # The gradient ring holds ring_layers of the largest layer's expert gradients.
+        layer: dict[str, int] = {}
+        for e in experts:  # batched tensors of one layer share the module prefix
+            lk = e.key.rsplit("experts", 1)[0]
+            layer[lk] = layer.get(lk, 0) + Ring.slot_bytes(e.nbytes)
+        self._ring = Ring(max(layer.values()) * options.ring_layers, "ring")
+        self._ring_seg = attach(conn, self._ring.segment)
+        self._alive = 0
+
+    def _param_ref(self, e: Expert) -> MemRef:
+        return {"seg": self._params_seg, "off": self._offsets[id(e.param)], "nbytes": e.nbytes}
+
+    def _stage(self, e: Expert, grad: torch.Tensor, owned: bool) -> Staged:
+        """Copy the gradient into a ring slot (freeing the original when owned)."""
+        p, clip = e.param, self._options.max_expert_grad_norm
+        if clip is not None and owned:
+            # Per-tensor clipping, exactly clip_grad_norm_([p], c): NOT global-norm clipping.
+            torch.nn.utils.clip_grad_norm_([p], clip)
+        nbytes = e.nbytes
+        self._alive += nbytes
+        self._conn.poll(0)  # free the slots of finished requests
+        off = self._alloc(nbytes)
+        self._peak = max(self._peak, self._alive + self._ring.used)
+        slot = self._ring.segment.tensor(off, p.dtype, p.shape)
+        with torch.no_grad():
+            slot.copy_(grad)
+        if owned:
+            p.grad = None
+        elif clip is not None:
+            # The caller's gradient stays untouched: clip the copy, as clip_grad_norm_([p], c) would.
+            saved, p.grad = p.grad, slot
+            try:
+                torch.nn.utils.clip_grad_norm_([p], clip)
+            finally:
+                p.grad = saved
+        del grad
+        self._alive -= nbytes
+        return Staged(self._ring_seg, off, off)
+
+    def _alloc(self, nbytes: int) -> int:
+        while True:
+            off = self._ring.try_alloc(nbytes)
+            if off is not None:
+                return off
+            if not self._make_room():
+                raise SonarError(f"a gradient of {nbytes} bytes does not fit the {self._ring.capacity}-byte ring")
+
+    def _release(self, token: Any) -> None:
+        self._ring.free(token)
+
+    def _open_transfer(self, amsgrad: bool) -> Transfer:
+        return ShmTransfer(self._conn, self._experts, amsgrad)
+
+    def _memory_stats(self) -> dict[str, int]:
+        return {"ring_bytes": self._ring.capacity, "param_segment_bytes": self._params.size}
+
+
+class ShmTransfer(Transfer):
+    """One shared segment with room for the three states of the largest expert tensor."""
+
+    def __init__(self, conn: Connection, experts: Mapping[int, Expert], amsgrad: bool) -> None:
+        super().__init__(conn, experts, amsgrad)
+        biggest = max(e.nbytes for e in experts.values())
+        self._seg = Segment(3 * (-(-biggest // PAGE) * PAGE + PAGE), "xfer")
+        self._seg_id = attach(conn, self._seg)
+        self._stride = self._seg.size // 3
+
+    def _offset(self, i: int) -> int:
+        return i * self._stride + 1024 * (i + 1)  # staggered: no 4K aliasing between the states
+
+    def _views(self, e: Expert) -> list[torch.Tensor]:
+        return [self._seg.tensor(self._offset(i), e.param.dtype, e.param.shape) for i in range(self._n)]
+
+    def _refs(self, e: Expert, part: int) -> list[MemRef]:
+        refs = [{"seg": self._seg_id, "off": self._offset(i) + part * e.part_bytes, "nbytes": e.part_bytes}
+                for i in range(3)]
+        if self._n < 3:
+            refs[2] = no_ref()
+        return refs
+
+    def close(self) -> None:
+        self._conn.call("detach", {"seg": self._seg_id})
+        self._seg.mm.close()

@@ -1,0 +1,91 @@
+"""Step requests of one session: items queued per layer group and sent without waiting.
+
+A layer's expert tensors (the group key of ``_detect.group_key``) go to the server in one
+``step`` request once each of them has a gradient. Each request carries the staging tokens
+of its gradients (ring offsets, CUDA gradient holders), released when its reply arrives.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._connection import Connection, SonarError
+
+Item = dict[str, Any]
+
+
+@dataclass
+class _Group:
+    size: int = 0
+    items: list[Item] = field(default_factory=list)
+    tokens: list[Any] = field(default_factory=list)
+
+
+class StepQueue:
+    """Groups step items per layer and sends them; counts requests; collects refused updates."""
+
+    def __init__(self, conn: Connection, release: Callable[[Any], None], body: Mapping[str, Any]) -> None:
+        self._conn = conn
+        self._release = release
+        self._body = dict(body)  # extra keys of every step request (CUDA: wait_event)
+        self._groups: dict[str, _Group] = {}
+        self._errors: list[str] = []
+        self.step_requests = 0
+        self.grads_sent = 0
+        self.bytes_sent = 0
+
+    def add_member(self, key: str) -> None:
+        """One more tensor in group `key`: its request waits for one more item."""
+        self._groups.setdefault(key, _Group()).size += 1
+
+    def add(self, key: str, item: Item, token: Any) -> None:
+        """Queue an item of group `key`; send the group once it is complete."""
+        grp = self._groups[key]
+        if any(i["tensor"] == item["tensor"] for i in grp.items):
+            self._send_group(grp)  # an earlier backward left this layer incomplete (experts without tokens)
+        grp.items.append(item)
+        grp.tokens.append(token)
+        if len(grp.items) >= grp.size:
+            self._send_group(grp)
+
+    def send_each(self, items: list[Item], token: Any) -> None:
+        """One request per item (expert slices); the token is released with the last one."""
+        for i, it in enumerate(items):
+            self.send([it], [token] if i == len(items) - 1 else [])
+
+    def flush(self) -> bool:
+        """Send every incomplete group (layers whose other experts got no gradient); whether any was."""
+        sent = False
+        for g in self._groups.values():
+            if g.items:
+                self._send_group(g)
+                sent = True
+        return sent
+
+    def send(self, items: list[Item], tokens: list[Any]) -> None:
+        """Send one step request now; release `tokens` when it is answered."""
+        self.step_requests += 1
+        self.grads_sent += sum(1 for i in items if i["grad"]["seg"])
+        self.bytes_sent += sum(i["grad"]["nbytes"] for i in items if i["grad"]["seg"])
+        self._conn.send("step", {"items": items, **self._body}, functools.partial(self._on_reply, tokens))
+
+    def wait(self) -> None:
+        """Wait for every reply; raise SonarError naming the updates the server refused."""
+        self._conn.wait()
+        if self._errors:
+            errs, self._errors = self._errors, []
+            raise SonarError("sonard could not apply expert updates: " + "; ".join(errs))
+
+    def _send_group(self, grp: _Group) -> None:
+        items, tokens = grp.items, grp.tokens
+        grp.items, grp.tokens = [], []
+        self.send(items, tokens)
+
+    def _on_reply(self, tokens: list[Any], rep: dict[str, Any]) -> None:
+        for t in tokens:
+            self._release(t)
+        if not rep.get("ok"):
+            self._errors.append(str(rep.get("error")))
