@@ -115,7 +115,7 @@ def sonard_e2e(n: int, dtype: torch.dtype, reps: int) -> dict:
 def ipc_ping(n: int) -> dict:
     """Round trips of a request the server answers without touching tensor memory ("stats"):
     ZeroMQ ipc:// transport plus msgpack encoding on both sides."""
-    from sonar_moe._launch import start_private_server
+    from sonar_moe import start_private_server
     conn = start_private_server(timeout=10.0)  # as SonarAdamW starts one
     try:
         for _ in range(50):

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pyclient"))
 
 from sonar_moe import find_sonard  # noqa: E402
-from sonar_moe._connection import Connection  # noqa: E402
+from sonar_moe import Connection  # noqa: E402
 
 
 def sample(pid: int) -> tuple[int, int, int]:

@@ -30,7 +30,8 @@ func TestHelloSqrtPerSession(t *testing.T) {
 	}{
 		{"IEEE client", true, loader, "", "ieee", false},
 		{"library from a local client", true, loader, "/opt/torch/lib/libtorch_cpu.so", "mkl:/opt/torch/lib/libtorch_cpu.so", false},
-		{"library from a tcp client", false, loader, "/opt/torch/lib/libtorch_cpu.so", "only from clients on this host", true},
+		{"library from a tcp client", false, loader, "/opt/torch/lib/libtorch_cpu.so", "loads only the libraries its operator trusts", true},
+		{"trusted library from a tcp client", false, loader, "/trusted/libtorch_cpu.so", "mkl:/trusted/libtorch_cpu.so", false},
 		{"relative path", true, loader, "libtorch_cpu.so", "want an absolute path", true},
 		{"library that does not load", true, loader, "/missing/libtorch_cpu.so", "no such file", true},
 		{"server without a loader", true, nil, "/opt/torch/lib/libtorch_cpu.so", "cannot load", true},
@@ -39,6 +40,7 @@ func TestHelloSqrtPerSession(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newHarness(t)
 			h.s.LocalClients, h.s.LoadSqrt = tc.local, tc.loader
+			h.s.TrustedSqrtLibs = map[string]bool{"/trusted/libtorch_cpu.so": true}
 			rep, err := h.call("c", ipc.OpHello, ipc.Hello{Client: "t", SqrtLib: tc.lib})
 			if tc.fails {
 				if err == nil || !strings.Contains(err.Error(), tc.want) {

@@ -87,8 +87,11 @@ type Server struct {
 	// must use the IEEE one).
 	LoadSqrt SqrtLoader
 	// LocalClients says every client is a process of this user on this host
-	// (an ipc:// socket, mode 0600): only they may name a library to load.
+	// (an ipc:// socket, mode 0600): they may name any library to load.
 	LocalClients bool
+	// TrustedSqrtLibs are the libraries any client may name, local or not
+	// (the operator's --trusted-sqrt-lib).
+	TrustedSqrtLibs map[string]bool
 	// IdleTimeout releases sessions without a watchable client process
 	// after this long without a request (0: never).
 	IdleTimeout time.Duration
@@ -229,8 +232,9 @@ func (s *Server) hello(ss *session, h ipc.Hello) (any, error) {
 	sqrt, name := optimizer.VecSqrt(nil), "ieee"
 	if h.SqrtLib != "" {
 		switch {
-		case !s.LocalClients:
-			return nil, errors.New("sqrt_lib is accepted only from clients on this host (an ipc:// sonard)")
+		case !s.LocalClients && !s.TrustedSqrtLibs[h.SqrtLib]:
+			return nil, fmt.Errorf("sqrt_lib %q: a tcp:// sonard loads only the libraries its operator trusts (--trusted-sqrt-lib); "+
+				"an ipc:// sonard accepts any from clients on this host", h.SqrtLib)
 		case s.LoadSqrt == nil:
 			return nil, errors.New("this sonard cannot load a client's float32 sqrt library")
 		case !strings.HasPrefix(h.SqrtLib, "/"):

@@ -49,7 +49,7 @@ def shared_server(sonard_binary: str, tmp_path: Path) -> Iterator[str]:
 
 def server_stats(addr: str) -> dict[str, Any]:
     """The counters of the server at addr, over a connection of its own."""
-    from sonar_moe._connection import Connection
+    from sonar_moe import Connection
 
     conn = Connection(addr, timeout=10)
     try:

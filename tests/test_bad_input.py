@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from sonar_moe import SonarError, torch_scalars
-from sonar_moe._connection import Connection
-from sonar_moe._launch import start_private_server
+from sonar_moe import Connection
+from sonar_moe import start_private_server
 from sonar_moe._shm import Segment
 
 N = 1000  # elements of the test tensor (float32)

@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -71,6 +72,7 @@ func run() int {
 	metricsAddr := fs.String("metrics-addr", os.Getenv("SONAR_METRICS_ADDR"), "serve Prometheus metrics over HTTP at this host:port (e.g. 127.0.0.1:9464); empty: off (env SONAR_METRICS_ADDR)")
 	cudaDevice := fs.Int("cuda-device", envInt("SONAR_CUDA_DEVICE", 0), "CUDA device for clients' GPU expert tensors, used when a CUDA driver and device exist (without one sonard logs \"CUDA off\" and serves CPU tensors); -1: off (env SONAR_CUDA_DEVICE)")
 	cudaMaxIdle := fs.Int("cuda-max-idle", envInt("SONAR_CUDA_MAX_IDLE", 8), "client CUDA allocations kept open while unused, for reuse (env SONAR_CUDA_MAX_IDLE)")
+	trustedLibs := fs.String("trusted-sqrt-lib", os.Getenv("SONAR_TRUSTED_SQRT_LIBS"), "comma-separated libraries (absolute paths, e.g. a torch's libtorch_cpu.so) whose float32 sqrt any client may ask for, also over tcp://; clients of an ipc:// sonard may name any (env SONAR_TRUSTED_SQRT_LIBS)")
 	version := fs.Bool("version", false, "print the version and exit")
 	fs.SetOutput(os.Stdout)
 	fs.Usage = func() {
@@ -137,6 +139,16 @@ func run() int {
 	srv.IdleTimeout = *idle
 	srv.LoadSqrt = loadSqrt
 	srv.LocalClients = strings.HasPrefix(*listen, "ipc://")
+	srv.TrustedSqrtLibs = map[string]bool{}
+	for _, lib := range strings.Split(*trustedLibs, ",") {
+		if lib = strings.TrimSpace(lib); lib != "" {
+			if !filepath.IsAbs(lib) {
+				fmt.Fprintf(os.Stderr, "sonard: --trusted-sqrt-lib %q: want an absolute path\n", lib)
+				return exitUsage
+			}
+			srv.TrustedSqrtLibs[lib] = true
+		}
+	}
 	defer srv.Close() // sessions first (they hold mappings and device state), then the backends
 	tr, err := ipc.Listen(*listen, log, curve)
 	if err != nil {

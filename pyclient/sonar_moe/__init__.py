@@ -13,11 +13,17 @@ tensors registered in place, over ``_cuda``'s IPC handles and event), ``_steps``
 requests grouped per layer), ``_connection`` (the socket and protocol), ``_launch`` (a private
 sonard), ``_binary`` (finding sonard), ``_sqrt`` (this torch's float32 sqrt, named in hello),
 ``_detect`` (which parameters are experts), ``checkpoint``, ``hf``, ``distributed``.
+
+For tools and tests that speak the protocol themselves: ``Connection`` (one socket to a sonard),
+``start_private_server`` and ``torch_sqrt_library`` (the library this torch's float32 sqrt needs,
+or None).
 """
 
 from ._binary import find_sonard
-from ._connection import PROTOCOL_VERSION, SonarError, SonarServerDied
+from ._connection import PROTOCOL_VERSION, Connection, SonarError, SonarRefused, SonarServerDied
 from ._detect import group_key, is_expert_param
+from ._launch import start_private_server
+from ._sqrt import torch_sqrt_library
 from ._version import __version__
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .optimizer import SonarAdamW, torch_scalars
@@ -28,6 +34,10 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
     "PROTOCOL_VERSION",
+    "Connection",
+    "SonarRefused",
+    "start_private_server",
+    "torch_sqrt_library",
     "SonarAdamW",
     "SonarError",
     "SonarServerDied",

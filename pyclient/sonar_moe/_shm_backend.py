@@ -45,8 +45,9 @@ class ShmBackend(ServerBackend):
             raise SonarRefused(
                 f"{e}. This torch computes float32 sqrt with MKL's vmsSqrt from {lib}, and float32 expert "
                 "tensors are bitwise equal to torch.optim.AdamW only when sonard calls that same function; "
-                "only an ipc:// sonard of this user on this host loads a client's library (a tcp:// one never "
-                "does): use server=None (a private sonard), an ipc:// server, or bfloat16 expert tensors") from e
+                "an ipc:// sonard of this user on this host loads a client's library, a tcp:// one only those "
+                "its operator trusts: use server=None (a private sonard), an ipc:// server, a tcp:// sonard "
+                f"started with --trusted-sqrt-lib {lib}, or bfloat16 expert tensors") from e
         if torch.float32 in dtypes:
             check_session_sqrt(str(rep.get("sqrt", "")))
         return rep
