@@ -214,6 +214,27 @@ func (d *Driver) DeviceCount() (int, error) {
 	return int(n), nil
 }
 
+// ErrNoDevice is returned (wrapped) by OpenDevice when the driver loads but
+// the device asked for is not there.
+var ErrNoDevice = errors.New("cuda: no such device")
+
+// OpenDevice loads the driver (Open) and opens device ordinal, after
+// checking that it is one of the visible devices.
+func OpenDevice(ordinal int) (*Device, error) {
+	d, err := Open()
+	if err != nil {
+		return nil, err
+	}
+	n, err := d.DeviceCount()
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrNoDevice, err)
+	}
+	if ordinal < 0 || ordinal >= n {
+		return nil, fmt.Errorf("%w: device %d requested, %d visible", ErrNoDevice, ordinal, n)
+	}
+	return d.Device(ordinal)
+}
+
 // Device retains the primary context of device ordinal and describes it.
 // Close releases the context.
 func (d *Driver) Device(ordinal int) (*Device, error) {

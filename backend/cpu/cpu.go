@@ -32,6 +32,8 @@ func New(m ipcbridge.Mapper, workers int) *Backend {
 	return &Backend{Mapper: m, Workers: workers}
 }
 
+var _ backend.Backend = (*Backend)(nil)
+
 // Name implements backend.Backend.
 func (b *Backend) Name() string { return "cpu" }
 

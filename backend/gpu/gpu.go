@@ -36,19 +36,11 @@ func Open(ordinal, maxIdle int) (*Backend, error) {
 	if maxIdle < 0 {
 		return nil, fmt.Errorf("max idle allocations %d: want >= 0", maxIdle)
 	}
-	drv, err := cuda.Open()
+	dev, err := cuda.OpenDevice(ordinal)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrNoCUDA, err)
-	}
-	n, err := drv.DeviceCount()
-	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrNoCUDA, err)
-	}
-	if ordinal < 0 || ordinal >= n {
-		return nil, fmt.Errorf("%w: device %d requested, %d visible", ErrNoCUDA, ordinal, n)
-	}
-	dev, err := drv.Device(ordinal)
-	if err != nil {
+		if errors.Is(err, cuda.ErrNoDriver) || errors.Is(err, cuda.ErrNoDevice) {
+			return nil, fmt.Errorf("%w: %w", ErrNoCUDA, err)
+		}
 		return nil, fmt.Errorf("opening CUDA device %d: %w", ordinal, err)
 	}
 	nv, err := cuda.OpenNVRTC()
@@ -70,6 +62,8 @@ func New(dev *cuda.Device, eng *device.Engine, maxIdle int) *Backend {
 	cache := cuda.NewIPCCache(dev, maxIdle)
 	return &Backend{dev: dev, engine: eng, cache: cache, mapper: ipcbridge.NewCUDAMapper(cache)}
 }
+
+var _ backend.Backend = (*Backend)(nil)
 
 // Name implements backend.Backend.
 func (b *Backend) Name() string { return "cuda" }

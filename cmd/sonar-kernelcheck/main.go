@@ -53,18 +53,14 @@ func main() {
 
 // gpu is an opened device with the kernels loaded.
 type gpu struct {
-	drv *cuda.Driver
 	dev *cuda.Device
 	nv  *cuda.NVRTC
 	k   *device.Kernels
+	s   *cuda.Stream
 }
 
 func openGPU() (*gpu, error) {
-	drv, err := cuda.Open()
-	if err != nil {
-		return nil, err
-	}
-	dev, err := drv.Device(0)
+	dev, err := cuda.OpenDevice(0)
 	if err != nil {
 		return nil, err
 	}
@@ -78,10 +74,17 @@ func openGPU() (*gpu, error) {
 		_ = dev.Close()
 		return nil, err
 	}
-	return &gpu{drv: drv, dev: dev, nv: nv, k: k}, nil
+	s, err := dev.NewStream()
+	if err != nil {
+		_ = k.Close()
+		_ = dev.Close()
+		return nil, err
+	}
+	return &gpu{dev: dev, nv: nv, k: k, s: s}, nil
 }
 
 func (g *gpu) close() {
+	_ = g.s.Destroy()
 	_ = g.k.Close()
 	_ = g.dev.Close()
 }
@@ -104,7 +107,7 @@ func info() error {
 		return err
 	}
 	return printJSON(map[string]any{
-		"driver": g.drv.Path(), "driver_cuda": fmt.Sprintf("%d.%d", g.drv.Version()/1000, g.drv.Version()%1000/10),
+		"driver": g.dev.Driver().Path(), "driver_cuda": fmt.Sprintf("%d.%d", g.dev.Driver().Version()/1000, g.dev.Driver().Version()%1000/10),
 		"device": g.dev.Name, "cc": fmt.Sprintf("%d.%d", g.dev.Major, g.dev.Minor), "sms": g.dev.SMs,
 		"mem_total": total, "mem_free": free,
 		"nvrtc": g.nv.Path(), "nvrtc_version": fmt.Sprintf("%d.%d", maj, mnr), "arch": fmt.Sprintf("compute_%d", g.k.Arch),
@@ -214,11 +217,7 @@ func files(dir string) error {
 		return err
 	}
 	defer g.close()
-	s, err := g.dev.NewStream()
-	if err != nil {
-		return err
-	}
-	defer s.Destroy()
+	s := g.s
 	parts := []string{"p", "m", "v", "vmax"}
 	ts := make([]*hostTensor, len(sp.Tensors))
 	defer func() {
@@ -337,11 +336,7 @@ func bench(args []string) error {
 		return err
 	}
 	defer g.close()
-	s, err := g.dev.NewStream()
-	if err != nil {
-		return err
-	}
-	defer s.Destroy()
+	s := g.s
 	per := *numel / int64(*tensors)
 	nb := per * int64(dt.Size())
 	sc := optimizer.ScalarsFor(optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}, 1)

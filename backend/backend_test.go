@@ -1,0 +1,59 @@
+package backend
+
+import (
+	"fmt"
+	"testing"
+)
+
+// span is a segment of size bytes at base, for the checks written here once.
+type span struct{ base, size uint64 }
+
+func (s span) Name() string { return "span" }
+func (s span) Size() int64  { return int64(s.size) }
+func (s span) Base() uint64 { return s.base }
+func (s span) Close() error { return nil }
+
+func (s span) Check(off, n, align int64) error {
+	if off < 0 || n <= 0 || uint64(off+n) > s.size || (align > 1 && off%align != 0) {
+		return fmt.Errorf("range [%d, +%d) refused", off, n)
+	}
+	return nil
+}
+
+func TestOverlaps(t *testing.T) {
+	a, b := span{0x1000, 4096}, span{0x2000, 4096} // b starts where a ends
+	tests := []struct {
+		name string
+		r, o Ref
+		want bool
+	}{
+		{"same range", Ref{a, 0, 16}, Ref{a, 0, 16}, true},
+		{"one byte shared", Ref{a, 0, 16}, Ref{a, 15, 16}, true},
+		{"adjacent", Ref{a, 0, 16}, Ref{a, 16, 16}, false},
+		{"inside", Ref{a, 0, 4096}, Ref{a, 100, 4}, true},
+		{"end of one segment, start of the next", Ref{a, 4080, 16}, Ref{b, 0, 16}, false},
+		{"across segments by address", Ref{a, 4080, 32}, Ref{b, 0, 16}, true},
+		{"empty", Ref{a, 0, 0}, Ref{a, 0, 16}, false},
+		{"no segment", Ref{}, Ref{a, 0, 16}, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := tc.r.Overlaps(tc.o); got != tc.want {
+				t.Errorf("%+v overlaps %+v = %v, want %v", tc.r, tc.o, got, tc.want)
+			}
+			if got := tc.o.Overlaps(tc.r); got != tc.want {
+				t.Errorf("not symmetric: %v", got)
+			}
+		})
+	}
+}
+
+func TestResolve(t *testing.T) {
+	s := span{0x1000, 64}
+	if r, err := Resolve(s, 8, 16, 4); err != nil || r.Off != 8 || r.Len != 16 || r.Seg != s {
+		t.Errorf("Resolve = %+v, %v", r, err)
+	}
+	if _, err := Resolve(s, 60, 16, 4); err == nil {
+		t.Error("a range past the end was resolved")
+	}
+}
