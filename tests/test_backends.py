@@ -121,9 +121,12 @@ class Steps:
     def __init__(self) -> None:
         self.count: dict[int, int] = {}
 
-    def __call__(self, p: nn.Parameter) -> tuple[int, dict[str, Any]]:
+    def advance(self, p: nn.Parameter) -> tuple[int, dict[str, Any]]:
         self.count[id(p)] = self.count.get(id(p), 0) + 1
         return self.count[id(p)], {"step_of": self.count[id(p)]}
+
+    def retreat(self, p: nn.Parameter, step: int) -> None:
+        self.count[id(p)] = step - 1
 
 
 @pytest.fixture()
@@ -136,7 +139,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Callable[..., tuple[ServerBackend, 
               **options: Any) -> tuple[ServerBackend, FakeConn, FakeIpc]:
         conn = conn or FakeConn({"server": "fake", "sqrt": "ieee", "cuda": "Fake GPU"})
         monkeypatch.setattr(_backend, "connect", lambda server, timeout: conn)
-        backend = CudaBackend.open(None, named, BackendOptions(**options), HYPER, Steps())
+        backend = CudaBackend.open(None, named, BackendOptions(**options), lambda p: HYPER, Steps())
         return backend, conn, FakeIpc.instances[-1]
 
     return open_

@@ -46,7 +46,7 @@ def test_kernel_matches_torch(dtype: torch.dtype, hyper: str) -> None:
     seed = hash((str(dtype), hyper)) & 0xFFFF
     ref = _params(dtype, seed)
     mine = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in ref]
-    ropt = torch.optim.AdamW([p for _, p in ref], **kw)
+    ropt = torch.optim.AdamW(ref, **kw)  # named, as SonarAdamW gets them: both record param_names
     gen = torch.Generator().manual_seed(seed + 1)
     with sonar_moe.SonarAdamW(mine, expert_params=lambda n, p: True, **kw) as opt:
         for step in range(STEPS):

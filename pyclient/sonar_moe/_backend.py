@@ -42,6 +42,20 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 MemRef = dict[str, int]
 # Advance an expert tensor's step counter: (step, torch_scalars of that step).
 Advance = Callable[[nn.Parameter], tuple[int, dict[str, Any]]]
+# Per expert tensor: the hyper-parameters the server checks at registration.
+HyperOf = Callable[[nn.Parameter], Mapping[str, Any]]
+
+
+class Counter(Protocol):
+    """The optimizer's step counters of the expert tensors."""
+
+    def advance(self, param: nn.Parameter) -> tuple[int, dict[str, Any]]:
+        """Count the next step of `param`; that step and its torch_scalars."""
+        ...
+
+    def retreat(self, param: nn.Parameter, step: int) -> None:
+        """The server refused step `step` of `param`: count it back."""
+        ...
 
 
 def no_ref() -> MemRef:
@@ -59,6 +73,10 @@ class Expert:
     parts: int = 1
     tids: list[int] = field(default_factory=list)
     micro: int = 0  # micro-batch gradients sent since the last apply
+    # What the server was given at registration: a parameter moved or cast since
+    # (share_memory(), .to()) is not the memory it updates.
+    ptr: int = 0
+    dtype: torch.dtype | None = None
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +128,14 @@ class ExpertBackend(Protocol):
 
     def drain(self) -> None:
         """Send what is pending, apply accumulated gradients, wait for every reply."""
+        ...
+
+    def check(self, param: nn.Parameter) -> None:
+        """Raise RuntimeError if `param` is no longer the memory the server updates."""
+        ...
+
+    def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf) -> None:
+        """Place and register more expert tensors (add_param_group)."""
         ...
 
     def state_transfer(self, amsgrad: bool) -> contextlib.AbstractContextManager[StateTransfer]:
@@ -167,28 +193,29 @@ class ServerBackend(ABC):
 
     @classmethod
     def open(cls, server: str | None, named: Iterable[tuple[str, nn.Parameter]], options: BackendOptions,
-             hyper: Mapping[str, Any], advance: Advance) -> ServerBackend:
+             hyper_of: HyperOf, counter: Counter) -> ServerBackend:
         """Connect (to `server`, or to a new private sonard), say hello, place and register the tensors."""
         named = list(named)
         cls._check_devices({p.device for _, p in named})
         conn = connect(server, options.timeout)
         try:
             rep = cls._hello(conn, named, options)
-            backend = cls(conn, rep, named, options, advance)
-            backend._register(hyper)
+            backend = cls(conn, rep, named, options, counter)
+            backend._register(list(backend._experts.values()), hyper_of)
         except BaseException:
             conn.end_session()
             raise
         return backend
 
     def __init__(self, conn: Connection, hello: Mapping[str, Any], named: list[tuple[str, nn.Parameter]],
-                 options: BackendOptions, advance: Advance) -> None:
+                 options: BackendOptions, counter: Counter) -> None:
         self._conn = conn
         self._end_session = weakref.finalize(self, conn.end_session)  # also at exit, if never closed
         self._options = options
-        self._advance = advance
+        self._counter = counter
         self._experts = {id(p): Expert(name, p, group_key(name)) for name, p in named}
-        self._steps = StepQueue(conn, self._release, self._step_body)
+        self._by_tid: dict[int, Expert] = {}
+        self._steps = StepQueue(conn, self._release, self._step_body, self._refused)
         self._peak = 0
 
     # ------------------------------------------------------------ path-specific
@@ -218,6 +245,9 @@ class ServerBackend(ABC):
     def _open_transfer(self, amsgrad: bool) -> Transfer:
         """State-transfer buffers."""
 
+    def _place(self, experts: list[Expert]) -> None:
+        """Put newly added expert tensors where the server can reach them (before registration)."""
+
     def _memory_stats(self) -> dict[str, int]:
         return {"ring_bytes": 0, "param_segment_bytes": 0}
 
@@ -225,22 +255,50 @@ class ServerBackend(ABC):
         """After the session ended: give back what the path holds."""
 
     # ------------------------------------------------------------ shared
-    def _register(self, hyper: Mapping[str, Any]) -> None:
-        """Register the expert tensors (one per expert slice with split_experts) and group them."""
+    def _register(self, experts: list[Expert], hyper_of: HyperOf) -> None:
+        """Register expert tensors (one per expert slice with split_experts) and group them."""
         specs = []
-        for e in self._experts.values():
+        for e in experts:
             if self._options.split_experts and e.param.dim() >= 3:
                 e.parts = e.param.shape[0]
             shape = list(e.param.shape[1:]) if e.parts > 1 else list(e.param.shape)
             ref = self._param_ref(e)
             for i in range(e.parts):
                 specs.append({"name": e.name if e.parts == 1 else f"{e.name}.{i}", "shape": shape,
-                              "dtype": DTYPES[e.param.dtype], "hyper": dict(hyper),
+                              "dtype": DTYPES[e.param.dtype], "hyper": dict(hyper_of(e.param)),
                               "param": {"seg": ref["seg"], "off": ref["off"] + i * e.part_bytes, "nbytes": e.part_bytes}})
         ids = iter(self._conn.call("register", {"tensors": specs})["ids"])
-        for e in self._experts.values():
+        for e in experts:
             e.tids = [next(ids) for _ in range(e.parts)]
+            e.ptr, e.dtype = e.param.data_ptr(), e.param.dtype
+            for t in e.tids:
+                self._by_tid[t] = e
             self._steps.add_member(e.key)
+
+    def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf) -> None:
+        self.drain()
+        self._check_devices({p.device for _, p in named})
+        new = [Expert(name, p, group_key(name)) for name, p in named]
+        for e in new:
+            self._experts[id(e.param)] = e
+        self._place(new)
+        self._register(new, hyper_of)
+
+    def check(self, param: nn.Parameter) -> None:
+        e = self._experts[id(param)]
+        if param.data_ptr() != e.ptr or param.dtype != e.dtype:
+            raise RuntimeError(
+                f"expert tensor {e.name} was moved or changed after SonarAdamW was built (it is now {param.dtype} "
+                f"on {param.device}, not the {e.dtype} memory sonard updates): model.share_memory(), .to(), "
+                ".half() and the like replace a parameter's memory, and the server would update a stale copy. "
+                "Move or cast the model first, then build SonarAdamW")
+
+    def _refused(self, items: list[dict[str, Any]]) -> None:
+        """The server refused a request: the steps it would have applied were not taken."""
+        for it in items:
+            e = self._by_tid.get(it["tensor"])
+            if e is not None and it.get("apply") and (e.parts == 1 or it["tensor"] == e.tids[0]):
+                self._counter.retreat(e.param, int(it["step"]))
 
     def hand_over(self, param: nn.Parameter, grad: torch.Tensor, owned: bool) -> None:
         e = self._experts[id(param)]
@@ -263,7 +321,7 @@ class ServerBackend(ABC):
 
     def _next_step(self, e: Expert) -> tuple[int, dict[str, Any]]:
         e.micro = 0
-        return self._advance(e.param)
+        return self._counter.advance(e.param)
 
     def _make_room(self) -> bool:
         """Wait for a reply, or send incomplete layers; False when nothing is outstanding."""
@@ -378,6 +436,12 @@ class NoExperts:
 
     def drain(self) -> None:
         pass
+
+    def check(self, param: nn.Parameter) -> None:
+        pass
+
+    def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf) -> None:
+        raise AssertionError("NoExperts.add: the optimizer opens a server backend for its first expert tensors")
 
     @contextlib.contextmanager
     def state_transfer(self, amsgrad: bool) -> Iterator[StateTransfer]:

@@ -132,7 +132,11 @@ class Connection:
             if time.monotonic() > deadline:
                 ops = sorted({p.op for p in self._pending.values()})
                 raise SonarError(f"sonard did not answer within {limit:.1f} s ({len(self._pending)} requests pending: {ops})")
-            self.check_alive()
+            if not self.server_alive:
+                self.poll(0.1)  # replies it sent before exiting (a shutdown's) are still readable
+                if (rid is None and self._pending) or (rid is not None and rid in self._pending):
+                    self.check_alive()
+                continue
             self.poll(0.05)
         if rid is None:
             return {}

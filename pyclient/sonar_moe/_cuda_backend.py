@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ._backend import Advance, BackendOptions, Expert, MemRef, ServerBackend, Staged, Transfer, no_ref
+from ._backend import Counter, BackendOptions, Expert, MemRef, ServerBackend, Staged, Transfer, no_ref
 from ._connection import Connection, SonarError
 from ._cuda import CudaIpc
 
@@ -38,8 +38,8 @@ class CudaBackend(ServerBackend):
             raise NotImplementedError(f"expert tensors on {dev}: only CPU or CUDA expert tensors are supported")
 
     def __init__(self, conn: Connection, hello: Mapping[str, Any], named: list[tuple[str, nn.Parameter]],
-                 options: BackendOptions, advance: Advance) -> None:
-        super().__init__(conn, hello, named, options, advance)
+                 options: BackendOptions, counter: Counter) -> None:
+        super().__init__(conn, hello, named, options, counter)
         dev = named[0][1].device
         if not hello.get("cuda"):
             raise SonarError(f"expert tensors are on {dev} but this sonard has no CUDA path (no CUDA driver where it "

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._backend import Advance, BackendOptions, Expert, MemRef, ServerBackend, Staged, Transfer, no_ref, say_hello
+from ._backend import Counter, BackendOptions, Expert, MemRef, ServerBackend, Staged, Transfer, no_ref, say_hello
 from ._connection import Connection, SonarError, SonarRefused
 from ._shm import PAGE, Ring, Segment
 from ._sqrt import check_session_sqrt, needed_sqrt_lib
@@ -53,33 +53,45 @@ class ShmBackend(ServerBackend):
         return rep
 
     def __init__(self, conn: Connection, hello: Mapping[str, Any], named: list[tuple[str, nn.Parameter]],
-                 options: BackendOptions, advance: Advance) -> None:
-        super().__init__(conn, hello, named, options, advance)
-        experts = list(self._experts.values())
-        # Parameters move into one shared segment for good, each at a page boundary.
-        self._offsets: dict[int, int] = {}
-        off = 0
+                 options: BackendOptions, counter: Counter) -> None:
+        super().__init__(conn, hello, named, options, counter)
+        self._params: list[Segment] = []
+        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (segment id, offset)
+        self._ring: Ring | None = None
+        self._ring_seg = 0
+        self._alive = 0
+        self._place(list(self._experts.values()))
+
+    def _place(self, experts: list[Expert]) -> None:
+        """Move the parameters into a new shared segment for good (each at a page boundary) and
+        make the gradient ring large enough for ring_layers of the largest layer."""
+        offsets, off = [], 0
         for e in experts:
-            self._offsets[id(e.param)] = off
+            offsets.append(off)
             off += -(-e.nbytes // PAGE) * PAGE
-        self._params = Segment(off, "params")
-        self._params_seg = attach(conn, self._params)
-        for e in experts:
-            view = self._params.tensor(self._offsets[id(e.param)], e.param.dtype, e.param.shape)
+        seg = Segment(off, "params")
+        seg_id = attach(self._conn, seg)
+        self._params.append(seg)
+        for e, o in zip(experts, offsets):
+            view = seg.tensor(o, e.param.dtype, e.param.shape)
             with torch.no_grad():
                 view.copy_(e.param)
             e.param.data = view
-        # The gradient ring holds ring_layers of the largest layer's expert gradients.
+            self._where[id(e.param)] = (seg_id, o)
         layer: dict[str, int] = {}
-        for e in experts:  # batched tensors of one layer share the module prefix
+        for e in self._experts.values():  # batched tensors of one layer share the module prefix
             lk = e.key.rsplit("experts", 1)[0]
             layer[lk] = layer.get(lk, 0) + Ring.slot_bytes(e.nbytes)
-        self._ring = Ring(max(layer.values()) * options.ring_layers, "ring")
-        self._ring_seg = attach(conn, self._ring.segment)
-        self._alive = 0
+        need = max(layer.values()) * self._options.ring_layers
+        if self._ring is None or self._ring.capacity < need:  # no gradient is in flight here
+            if self._ring is not None:
+                self._conn.call("detach", {"seg": self._ring_seg})  # the mapping goes with the last view
+            self._ring = Ring(need, "ring")
+            self._ring_seg = attach(self._conn, self._ring.segment)
 
     def _param_ref(self, e: Expert) -> MemRef:
-        return {"seg": self._params_seg, "off": self._offsets[id(e.param)], "nbytes": e.nbytes}
+        seg, off = self._where[id(e.param)]
+        return {"seg": seg, "off": off, "nbytes": e.nbytes}
 
     def _stage(self, e: Expert, grad: torch.Tensor, owned: bool) -> Staged:
         """Copy the gradient into a ring slot (freeing the original when owned)."""
@@ -123,7 +135,8 @@ class ShmBackend(ServerBackend):
         return ShmTransfer(self._conn, self._experts, amsgrad)
 
     def _memory_stats(self) -> dict[str, int]:
-        return {"ring_bytes": self._ring.capacity, "param_segment_bytes": self._params.size}
+        return {"ring_bytes": self._ring.capacity if self._ring is not None else 0,
+                "param_segment_bytes": sum(seg.size for seg in self._params)}
 
 
 class ShmTransfer(Transfer):

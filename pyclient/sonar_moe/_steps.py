@@ -27,9 +27,11 @@ class _Group:
 class StepQueue:
     """Groups step items per layer and sends them; counts requests; collects refused updates."""
 
-    def __init__(self, conn: Connection, release: Callable[[Any], None], body: Mapping[str, Any]) -> None:
+    def __init__(self, conn: Connection, release: Callable[[Any], None], body: Mapping[str, Any],
+                 refused: Callable[[list[Item]], None]) -> None:
         self._conn = conn
         self._release = release
+        self._refused = refused  # told the items of every request the server refused
         self._body = dict(body)  # extra keys of every step request (CUDA: wait_event)
         self._groups: dict[str, _Group] = {}
         self._errors: list[str] = []
@@ -70,7 +72,7 @@ class StepQueue:
         self.step_requests += 1
         self.grads_sent += sum(1 for i in items if i["grad"]["seg"])
         self.bytes_sent += sum(i["grad"]["nbytes"] for i in items if i["grad"]["seg"])
-        self._conn.send("step", {"items": items, **self._body}, functools.partial(self._on_reply, tokens))
+        self._conn.send("step", {"items": items, **self._body}, functools.partial(self._on_reply, tokens, items))
 
     def wait(self) -> None:
         """Wait for every reply; raise SonarError naming the updates the server refused."""
@@ -84,8 +86,9 @@ class StepQueue:
         grp.items, grp.tokens = [], []
         self.send(items, tokens)
 
-    def _on_reply(self, tokens: list[Any], rep: dict[str, Any]) -> None:
+    def _on_reply(self, tokens: list[Any], items: list[Item], rep: dict[str, Any]) -> None:
         for t in tokens:
             self._release(t)
         if not rep.get("ok"):
             self._errors.append(str(rep.get("error")))
+            self._refused(items)

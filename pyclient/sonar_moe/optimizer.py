@@ -1,9 +1,15 @@
 """SonarAdamW: torch.optim.AdamW with the expert tensors updated by sonard during backward.
 
-This module keeps the ``torch.optim.Optimizer`` bookkeeping: parameter groups, the dense
-AdamW, the expert step counters in ``state``, state_dict, the gradient hooks and figures.
-Everything about how expert tensors reach the server is an expert backend (``_backend.py``),
-chosen once when the optimizer starts: shared memory for CPU tensors, CUDA IPC for CUDA ones.
+``SonarAdamW`` is a ``torch.optim.AdamW``: parameter groups, defaults, ``add_param_group``,
+``state``, ``state_dict``/``load_state_dict`` (older dicts too), hooks and schedulers are
+torch's own. What differs is where the expert tensors are updated: each one is handed to an
+expert backend (``_backend.py``) the moment its gradient is final, and the server applies
+AdamW to it there; ``step()`` then waits for those updates and steps the dense parameters
+with torch's functional AdamW, exactly as ``torch.optim.AdamW.step`` does.
+
+Where torch's semantics cannot hold for an update made during backward (a step decided only
+after all gradients exist), the script fails loudly instead of training differently; the
+README's "Limits" lists those cases.
 """
 
 from __future__ import annotations
@@ -12,39 +18,60 @@ import logging
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.adam import adam
 
-from ._backend import DTYPES, BackendOptions, ExpertBackend, NoExperts
+from ._backend import DTYPES, STATE_KEYS, BackendOptions, ExpertBackend, NoExperts
 from ._connection import SonarError
 from ._cuda_backend import CudaBackend
-from ._detect import is_expert_param
+from ._params import ExpertPredicate, group_names, is_expert, torch_params
 from ._shm_backend import ShmBackend
 
 log = logging.getLogger("sonar_moe")
 
+# Which live SonarAdamW updates each expert tensor (a newer one takes it over): id(tensor) ->
+# (the tensor, the optimizer), both weakly (tensors compare elementwise, so not as dict keys).
+_OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[SonarAdamW]]] = {}
 
-def torch_scalars(group: dict[str, Any], step: float) -> dict[str, Any]:
-    """One step's AdamW constants, computed in Python float64 exactly as
-    torch.optim.adam._single_tensor_adam computes them."""
-    lr = float(group["lr"])
-    beta1, beta2 = (float(b) for b in group["betas"])
+
+def _owner(p: torch.Tensor) -> SonarAdamW | None:
+    entry = _OWNERS.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]()
+
+
+def _value(x: float | torch.Tensor) -> float:
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def torch_scalars(group: Mapping[str, Any], step: float, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """One step's AdamW constants, computed exactly as torch.optim.adam._single_tensor_adam
+    computes them: in Python float64 for float hyper-parameters, and with torch's own tensor
+    arithmetic where lr or betas are tensors (beta1 first cast to the parameter's dtype, as
+    torch does). The server rounds each to the parameter's compute type, as the torch op
+    consuming it does."""
+    lr, (beta1, beta2) = group["lr"], group["betas"]
+    lr, beta1, beta2 = (x.reshape(()) if isinstance(x, torch.Tensor) else x for x in (lr, beta1, beta2))
+    weight1 = 1 - (beta1.to(dtype) if isinstance(beta1, torch.Tensor) and dtype is not None else beta1)
     wd = float(group["weight_decay"])
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
     return {
-        "decay": 1 - lr * wd,
+        "decay": _value(1 - lr * wd),
         "apply_decay": wd != 0,
-        "beta1_w": 1 - beta1,
-        "beta2": beta2,
-        "one_minus_beta2": 1 - beta2,
-        "neg_step_size": -step_size,
-        "bc2_sqrt": bias_correction2_sqrt,
+        "beta1_w": _value(weight1),
+        "beta2": _value(beta2),
+        "one_minus_beta2": _value(1 - beta2),
+        "neg_step_size": _value(-step_size),
+        "bc2_sqrt": _value(bias_correction2_sqrt),
         "eps": float(group["eps"]),
         "amsgrad": bool(group["amsgrad"]),
         "maximize": bool(group["maximize"]),
@@ -52,17 +79,17 @@ def torch_scalars(group: dict[str, Any], step: float) -> dict[str, Any]:
 
 
 def open_backend(named: list[tuple[str, nn.Parameter]], server: str | None, options: BackendOptions,
-                 hyper: dict[str, Any], advance: Callable[[nn.Parameter], tuple[int, dict[str, Any]]]) -> ExpertBackend:
+                 hyper_of: Callable[[nn.Parameter], Mapping[str, Any]], counter: Any) -> ExpertBackend:
     """The expert backend of these tensors, chosen once: CUDA IPC when any expert tensor is on
     a GPU, shared memory for CPU tensors, none without expert tensors."""
     if not named:
         return NoExperts()
     cuda = any(p.device.type == "cuda" for _, p in named)
-    return (CudaBackend if cuda else ShmBackend).open(server, named, options, hyper, advance)
+    return (CudaBackend if cuda else ShmBackend).open(server, named, options, hyper_of, counter)
 
 
 def _check_options(grad_accumulation_steps: int, max_grad_norm: float | None, max_expert_grad_norm: float | None,
-                   nonfinite: str, ring_layers: int) -> None:
+                   nonfinite: str, ring_layers: int, grad_scaler: Any) -> None:
     if grad_accumulation_steps < 1:
         raise ValueError(f"grad_accumulation_steps must be >= 1, got {grad_accumulation_steps}")
     if max_grad_norm is not None and not max_grad_norm > 0:
@@ -77,6 +104,12 @@ def _check_options(grad_accumulation_steps: int, max_grad_norm: float | None, ma
         raise ValueError(f"nonfinite must be 'propagate' or 'skip', got {nonfinite!r}")
     if ring_layers < 1:
         raise ValueError(f"ring_layers must be >= 1, got {ring_layers}")
+    if grad_scaler is not None:
+        if not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+        if grad_accumulation_steps > 1:
+            raise ValueError("grad_scaler with grad_accumulation_steps > 1 is not supported: a micro-batch whose "
+                             "gradient overflows could not be taken back from the accumulated sum")
 
 
 def _check_expert(name: str, p: torch.Tensor) -> None:
@@ -90,7 +123,47 @@ def _check_expert(name: str, p: torch.Tensor) -> None:
         raise ValueError(f"expert tensor {name} is not a leaf tensor")
 
 
-class SonarAdamW(torch.optim.Optimizer):
+class ExpertState(dict):  # type: ignore[type-arg]
+    """``opt.state[p]`` of an expert tensor: its ``step`` lives here, its moments on the
+    server. It lists torch's keys; reading ``exp_avg`` (``exp_avg_sq``, ``max_exp_avg_sq``
+    with amsgrad) fetches a copy from the server."""
+
+    def __init__(self, fetch: Callable[[str], torch.Tensor], step: torch.Tensor, amsgrad: bool) -> None:
+        super().__init__(step=step)
+        self._fetch = fetch
+        self._moments = STATE_KEYS if amsgrad else STATE_KEYS[:2]
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        if key in self._moments:
+            return self._fetch(key)
+        raise KeyError(key)
+
+    def _keys(self) -> list[str]:
+        return [*dict.keys(self), *(k for k in self._moments if not dict.__contains__(self, k))]
+
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self, key) or key in self._moments
+
+    def __iter__(self) -> Iterator[str]:  # type: ignore[override]
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    def keys(self) -> list[str]:  # type: ignore[override]
+        return self._keys()
+
+    def items(self) -> list[tuple[str, Any]]:  # type: ignore[override]
+        return [(k, self[k]) for k in self._keys()]
+
+    def values(self) -> list[Any]:  # type: ignore[override]
+        return [self[k] for k in self._keys()]
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        return self[key] if key in self else default
+
+
+class SonarAdamW(torch.optim.AdamW):
     """AdamW whose expert tensors are updated by sonard the moment their gradient is final.
 
     Bit-for-bit equal to ``torch.optim.AdamW`` over all parameters (with
@@ -98,20 +171,27 @@ class SonarAdamW(torch.optim.Optimizer):
     See the README for usage and limits.
     """
 
+    # GradScaler calls step() itself and sets grad_scale/found_inf (see step()).
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
-        model: nn.Module | Iterable[tuple[str, nn.Parameter]],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        params: nn.Module | Iterable[Any] | None = None,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         max_grad_norm: float | None = None,
-        expert_params: Callable[[str, torch.Tensor], bool] | None = None,
+        expert_params: ExpertPredicate | None = None,
         server: str | None = None,
         grad_accumulation_steps: int = 1,
         *,
         amsgrad: bool = False,
         maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        model: nn.Module | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
         max_expert_grad_norm: float | None = None,
         split_experts: bool = False,
         nonfinite: str = "propagate",
@@ -119,34 +199,24 @@ class SonarAdamW(torch.optim.Optimizer):
         ring_layers: int = 1,
         namespace: str | None = None,
     ) -> None:
-        named = list(model.named_parameters()) if isinstance(model, nn.Module) else list(model)
-        seen: set[int] = set()
-        params: list[tuple[str, nn.Parameter]] = []
-        for name, p in named:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append((name, p))
-        if not params:
-            raise ValueError("SonarAdamW got no trainable parameters")
-        _check_options(grad_accumulation_steps, max_grad_norm, max_expert_grad_norm, nonfinite, ring_layers)
-        pred = expert_params or is_expert_param
-        self._experts: list[tuple[str, nn.Parameter]] = []
-        self._expert_names: dict[int, str] = {}
-        dense: list[nn.Parameter] = []
-        for name, p in params:
-            if pred(name, p):
-                _check_expert(name, p)
-                self._experts.append((name, p))
-                self._expert_names[id(p)] = name
-            else:
-                dense.append(p)
-        # Dense parameters keep standard AdamW; its defaults are this optimizer's defaults.
-        self._dense_params = dense
-        self._dense = torch.optim.AdamW(
-            dense or [nn.Parameter(torch.zeros(1))], lr=lr, betas=betas, eps=eps,
-            weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-        )
-        super().__init__([p for _, p in params], dict(self._dense.defaults))
+        _check_options(grad_accumulation_steps, max_grad_norm, max_expert_grad_norm, nonfinite, ring_layers,
+                       grad_scaler)
+        if params is None:
+            if model is None:
+                raise TypeError("SonarAdamW needs the parameters to optimize (a module, parameters or groups)")
+            params = model
+        given, self._names = torch_params(params, model)
+        self._pred = expert_params
+        self._started = False
+        self._closed = False
+        self._superseded = False
+        self._backend: ExpertBackend = NoExperts()
+        self._experts: dict[int, tuple[str, nn.Parameter]] = {}
+        self._hooks: dict[int, Any] = {}
+        self._registered: dict[int, dict[str, bool]] = {}  # amsgrad/maximize the server checks
+        self._external_grads = False  # remove_grad_hooks(): the caller hands gradients over
+        super().__init__(given, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         maximize=maximize, foreach=foreach, fused=fused)
         self.max_grad_norm = max_grad_norm
         self.max_expert_grad_norm = max_expert_grad_norm
         # split_experts: one server tensor and one request per expert slice of a batched tensor.
@@ -157,51 +227,135 @@ class SonarAdamW(torch.optim.Optimizer):
         # the dense step is skipped when any dense gradient is not finite.
         self.nonfinite = nonfinite
         self.grad_accumulation_steps = grad_accumulation_steps
+        self.grad_scaler = grad_scaler
         # namespace: a label for this client (e.g. "rank3" when several ranks share one sonard),
-        # sent in hello (servers ignore keys they do not know), shown in logs and stats().
-        # Isolation itself needs no label: tensors and segments belong to the connection.
+        # sent in hello, shown in logs and stats(). Isolation needs no label.
         self.namespace = namespace
         self.last_dense_grad_norm: torch.Tensor | None = None
-        self._closed = False
-        self._hooks: list[Any] = []
         self._skipped_nonfinite = 0
         self._hand_over_s = 0.0
         self._wait_s = 0.0
-        options = BackendOptions(timeout=timeout, split_experts=split_experts,
-                                 grad_accumulation_steps=grad_accumulation_steps,
-                                 max_expert_grad_norm=max_expert_grad_norm, ring_layers=ring_layers, namespace=namespace)
-        self._backend = open_backend(self._experts, server, options, self._hyper(), self._advance)
-        for _, p in self._experts:
-            self.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._grads_this_step: dict[int, int] = {}
+        self._overflowed: set[int] = set()  # experts whose scaled gradient overflowed this step
+        self._options = BackendOptions(timeout=timeout, split_experts=split_experts,
+                                       grad_accumulation_steps=grad_accumulation_steps,
+                                       max_expert_grad_norm=max_expert_grad_norm, ring_layers=ring_layers,
+                                       namespace=namespace)
+        self._server = server
+        self._started = True
+        self._adopt(self.param_groups)
 
-    def _hyper(self) -> dict[str, Any]:
-        """The hyper-parameters the server checks at registration."""
-        g = self.param_groups[0]
-        return {"lr": float(g["lr"]), "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]),
+    # -------------------------------------------------------- parameter groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's add_param_group; new expert tensors are registered with the server."""
+        super().add_param_group(param_group)
+        if self._started:
+            self._adopt(self.param_groups[-1:])
+
+    def _adopt(self, groups: list[dict[str, Any]]) -> None:
+        """Find the expert tensors of new parameter groups, take them over from an older
+        SonarAdamW, hand them to the backend and hook their gradients."""
+        new: list[tuple[str, nn.Parameter]] = []
+        for g in groups:
+            for name, p in zip(group_names(g, self._names), g["params"]):
+                if id(p) in self._experts or not is_expert(name, p, self._pred):
+                    continue
+                label = name or self._label(p)
+                _check_expert(label, p)
+                new.append((label, p))
+        if not new:
+            return
+        for _, p in new:
+            owner = _owner(p)
+            if owner is not None and owner is not self:
+                owner._surrender()
+        if isinstance(self._backend, NoExperts):
+            self._backend = open_backend(new, self._server, self._options, self._hyper_of, self)
+        else:
+            self._backend.add(new, self._hyper_of)
+        for name, p in new:
+            self._experts[id(p)] = (name, p)
+            h = self._hyper_of(p)
+            self._registered[id(p)] = {"amsgrad": h["amsgrad"], "maximize": h["maximize"]}
+            _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
+        self._hook_experts()
+
+    def _hook_experts(self) -> None:
+        """Hook the gradients of expert tensors that require them (a tensor frozen now is
+        hooked at the first step() after it is unfrozen; until then step() applies its .grad)."""
+        if self._external_grads:
+            return
+        for i, (_, p) in self._experts.items():
+            if i not in self._hooks and p.requires_grad:
+                self._hooks[i] = p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _label(self, p: torch.Tensor) -> str:
+        """A name for a parameter whose name is not known: its place in the groups."""
+        for gi, g in enumerate(self.param_groups):
+            for pi, q in enumerate(g["params"]):
+                if q is p:
+                    return f"param_groups[{gi}].params[{pi}]"
+        return "parameter"
+
+    def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
+        for g in self.param_groups:
+            if any(q is p for q in g["params"]):
+                return g
+        raise KeyError("parameter not in any group")
+
+    def _hyper_of(self, p: torch.Tensor) -> dict[str, Any]:
+        """The hyper-parameters the server checks at registration (those of p's group)."""
+        g = self._group_of(p)
+        return {"lr": _value(g["lr"]), "beta1": _value(g["betas"][0]), "beta2": _value(g["betas"][1]),
                 "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]),
                 "amsgrad": bool(g["amsgrad"]), "maximize": bool(g["maximize"])}
 
-    def _advance(self, p: nn.Parameter) -> tuple[int, dict[str, Any]]:
-        """The expert tensor's next step: advance its step counter; that step's scalars."""
-        step_t = self.state[p]["step"]
+    # ------------------------------------------------------ expert step counts
+    def advance(self, p: nn.Parameter) -> tuple[int, dict[str, Any]]:
+        """The expert tensor's next step: count it (the state appears at the first one, as
+        torch's does) and return that step's scalars (of p's group)."""
+        st = self.state.get(p)
+        if not isinstance(st, ExpertState):
+            st = self.state[p] = ExpertState(self._fetcher(p), torch.tensor(0.0, dtype=torch.float32),
+                                             bool(self._group_of(p)["amsgrad"]))
+        step_t = st["step"]
         step_t += 1
         step = step_t.item()
-        return int(step), torch_scalars(self.param_groups[0], step)
+        return int(step), torch_scalars(self._group_of(p), step, p.dtype)
+
+    def retreat(self, p: nn.Parameter, step: int) -> None:
+        """The server refused step `step` of p: the step was not taken."""
+        st = self.state.get(p)
+        if isinstance(st, ExpertState) and int(st["step"].item()) == step:
+            st["step"] -= 1
+            if step == 1:
+                del self.state[p]
+
+    def _fetcher(self, p: nn.Parameter) -> Callable[[str], torch.Tensor]:
+        ref = weakref.ref(self)
+
+        def fetch(key: str) -> torch.Tensor:
+            opt = ref()
+            if opt is None or opt._closed:
+                raise KeyError(f"{key}: the optimizer that holds this state is closed")
+            return opt._fetch_moments(p)[key]
+        return fetch
+
+    def _fetch_moments(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
+        self._drain()
+        amsgrad = bool(self._group_of(p)["amsgrad"])
+        with self._backend.state_transfer(amsgrad) as xfer:
+            got = xfer.fetch(p)
+        return {k: v for k, v in got.items() if amsgrad or k != "max_exp_avg_sq"}
 
     # ------------------------------------------------------------ public views
     def named_expert_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The expert tensors the server updates, with their names, in registration order."""
-        return list(self._experts)
+        return list(self._experts.values())
 
     def dense_parameters(self) -> list[nn.Parameter]:
-        """The parameters stepped by the dense AdamW (everything that is not an expert tensor)."""
-        return list(self._dense_params)
-
-    @property
-    def dense_optimizer(self) -> torch.optim.AdamW:
-        """The ``torch.optim.AdamW`` that steps the dense parameters (its ``state`` is theirs)."""
-        return self._dense
+        """The parameters stepped here with torch's AdamW (everything that is not an expert tensor)."""
+        return [p for g in self.param_groups for p in g["params"] if id(p) not in self._experts]
 
     @property
     def server_address(self) -> str | None:
@@ -224,7 +378,35 @@ class SonarAdamW(torch.optim.Optimizer):
         """post-accumulate-grad hook: hand the gradient over and free it."""
         if p.grad is None:
             return
-        self._hand_over(p, p.grad, owned=True)  # no local reference: the backend frees it
+        self._take(p)
+
+    def _take(self, p: torch.Tensor) -> None:
+        """Hand p.grad (this backward's final gradient of expert p) over, after the checks
+        that keep a script from training differently than with torch."""
+        self._check_usable()
+        self._backend.check(p)  # type: ignore[arg-type]
+        n = self._grads_this_step.get(id(p), 0) + 1
+        if n > self.grad_accumulation_steps:
+            raise RuntimeError(
+                f"expert tensor {self._experts[id(p)][0]} received gradient {n} before step(), but "
+                f"grad_accumulation_steps={self.grad_accumulation_steps}: SonarAdamW applies AdamW to each expert "
+                "tensor during backward, so backward() twice before step() would apply two steps. For gradient "
+                "accumulation over k backward passes per step() pass grad_accumulation_steps=k (also with HF "
+                "Trainer); with retain_graph=True call step() between the backward passes")
+        self._grads_this_step[id(p)] = n
+        grad = p.grad
+        assert grad is not None
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            # As GradScaler.unscale_ does: multiply by the float32 reciprocal of the scale.
+            inv_scale = torch.tensor(self.grad_scaler.get_scale(), dtype=torch.float64).reciprocal().float()
+            grad.mul_(inv_scale.to(grad.device))
+            if not bool(torch.isfinite(grad).all()):
+                # Not applied; the gradient stays in p.grad until step(), where GradScaler sees the overflow.
+                self._overflowed.add(id(p))
+                log.warning("skipping the update of %s: its unscaled gradient is not finite", self._experts[id(p)][0])
+                return
+        self._hand_over(p, grad, owned=True)  # no local reference kept: the backend frees it
+        del grad
 
     def remove_grad_hooks(self) -> None:
         """Stop taking expert gradients from the post-accumulate-grad hooks.
@@ -232,7 +414,8 @@ class SonarAdamW(torch.optim.Optimizer):
         For callers that produce the final gradient elsewhere (e.g. after a data-parallel
         all-reduce, see ``sonar_moe.distributed``) and pass it to :meth:`hand_over_grad`.
         """
-        for h in self._hooks:
+        self._external_grads = True
+        for h in self._hooks.values():
             h.remove()
         self._hooks.clear()
 
@@ -240,28 +423,28 @@ class SonarAdamW(torch.optim.Optimizer):
         """Apply ``grad`` as this step's gradient of expert tensor ``param`` (one micro-batch).
 
         As the post-accumulate-grad hook does, but with a gradient the caller owns: it is
-        copied into a slot of the ring and sent; ``grad`` and ``param.grad`` are left alone
-        (the caller frees them). Exactly the update the hook would make for ``param.grad = grad``.
+        copied and sent; ``grad`` and ``param.grad`` are left alone (the caller frees them).
+        Exactly the update the hook would make for ``param.grad = grad``.
         """
-        name = self._expert_names.get(id(param))
-        if name is None:
+        entry = self._experts.get(id(param))
+        if entry is None:
             raise ValueError("hand_over_grad: not an expert parameter of this optimizer")
         if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
             raise ValueError(f"hand_over_grad: gradient {tuple(grad.shape)} {grad.dtype} {grad.device} does not "
-                             f"match {name} {tuple(param.shape)} {param.dtype} {param.device}")
+                             f"match {entry[0]} {tuple(param.shape)} {param.dtype} {param.device}")
+        self._check_usable()
+        self._backend.check(param)  # type: ignore[arg-type]
         self._hand_over(param, grad, owned=False)
 
     def _hand_over(self, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
         """Hand one expert gradient to the backend. owned: grad is p.grad, freed there."""
-        if self._closed:
-            raise SonarError("SonarAdamW is closed")
         t = time.perf_counter()
         try:
             if self.nonfinite == "skip" and not bool(torch.isfinite(grad).all()):
                 if owned:
                     p.grad = None
                 self._skipped_nonfinite += 1
-                log.warning("skipping the update of %s: its gradient is not finite", self._expert_names[id(p)])
+                log.warning("skipping the update of %s: its gradient is not finite", self._experts[id(p)][0])
                 return
             self._backend.hand_over(p, grad, owned)  # type: ignore[arg-type]
         finally:
@@ -275,65 +458,168 @@ class SonarAdamW(torch.optim.Optimizer):
         finally:
             self._wait_s += time.perf_counter() - t
 
+    def _check_usable(self) -> None:
+        if self._superseded:
+            raise RuntimeError("this SonarAdamW's expert tensors were taken over by another SonarAdamW built on the "
+                               "same parameters: step the new one (this one no longer updates them)")
+        if self._closed:
+            raise SonarError("SonarAdamW is closed")
+
+    def _surrender(self) -> None:
+        """A newer SonarAdamW takes over this one's expert tensors: stop updating them."""
+        if self._closed:
+            return
+        log.warning("another SonarAdamW was built on the expert tensors of this one: it takes them over")
+        self.close()
+        self._superseded = True
+
     # ------------------------------------------------------------ optimizer
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Wait for the expert updates, clip the dense gradients, step dense AdamW."""
+        """Apply hand-set expert gradients, wait for the expert updates, clip the dense
+        gradients and step them with torch's AdamW."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._closed:
-            raise SonarError("SonarAdamW is closed")
-        self._drain()
-        if self._dense_params:
-            dg = self._dense.param_groups[0]
-            for k, v in self.param_groups[0].items():
-                if k != "params":
-                    dg[k] = v
-            if self.nonfinite == "skip" and not all(
-                    bool(torch.isfinite(p.grad).all()) for p in self._dense_params if p.grad is not None):
-                self._skipped_nonfinite += 1
-                log.warning("skipping the dense step: a dense gradient is not finite")
-                return loss
-            if self.max_grad_norm is not None:
-                self.last_dense_grad_norm = torch.nn.utils.clip_grad_norm_(self._dense_params, self.max_grad_norm)
-            self._dense.step()
+        self._check_usable()
+        # Set by GradScaler.step around this call (this class supports AMP scaling itself): the
+        # scale the dense gradients still carry (None: already unscaled), whether any overflowed.
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        try:
+            if found_inf is not None and self.grad_scaler is None and self._experts:
+                raise RuntimeError(
+                    "SonarAdamW was stepped by a GradScaler it was not given: its expert tensors were updated "
+                    "during backward with still-scaled gradients. Pass grad_scaler=scaler to SonarAdamW")
+            if not self._external_grads:  # gradients set by hand, or produced outside the hooks
+                for i, (_, p) in self._experts.items():
+                    if p.grad is not None and i not in self._overflowed:
+                        self._take(p)
+            self._drain()
+            self._dense_step(grad_scale, found_inf)
+        finally:
+            for i in self._overflowed:
+                self._experts[i][1].grad = None
+            self._overflowed.clear()
+            self._grads_this_step.clear()
+            if not self._closed:
+                self._hook_experts()
         return loss
 
+    def _dense_step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """torch.optim.AdamW.step over the dense parameters (after clipping)."""
+        dense = self.dense_parameters()
+        if found_inf is not None and bool(found_inf.item()):
+            log.warning("skipping the dense step: a gradient overflowed (GradScaler)")
+            return
+        with_grad = [p for p in dense if p.grad is not None]
+        if grad_scale is not None and not any(g["fused"] for g in self.param_groups):
+            inv_scale = grad_scale.double().reciprocal().float()
+            for p in with_grad:
+                p.grad.mul_(inv_scale.to(p.grad.device))
+            grad_scale = found_inf = None
+        if self.nonfinite == "skip" and not all(bool(torch.isfinite(p.grad).all()) for p in with_grad):
+            self._skipped_nonfinite += 1
+            log.warning("skipping the dense step: a dense gradient is not finite")
+            return
+        if self.max_grad_norm is not None and with_grad:
+            self.last_dense_grad_norm = torch.nn.utils.clip_grad_norm_(dense, self.max_grad_norm)
+        for group in self.param_groups:
+            sub = dict(group, params=[p for p in group["params"] if id(p) not in self._experts])
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            exp_avgs: list[torch.Tensor] = []
+            exp_avg_sqs: list[torch.Tensor] = []
+            max_exp_avg_sqs: list[torch.Tensor] = []
+            state_steps: list[torch.Tensor] = []
+            has_complex = self._init_group(sub, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
+            beta1, beta2 = group["betas"]
+            adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad=group["amsgrad"],
+                 has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                 foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+                 fused=group["fused"], grad_scale=grad_scale if group["fused"] else None,
+                 found_inf=found_inf if group["fused"] else None,
+                 decoupled_weight_decay=group["decoupled_weight_decay"])
+
+    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim.AdamW's state_dict format, expert state fetched from the server."""
+        """torch.optim.AdamW's state_dict, the expert moments fetched from the server: it loads
+        into torch.optim.AdamW over the same parameters and trains on bitwise."""
+        self._check_usable()
         self._drain()
-        for p in self._dense_params:
-            if p in self._dense.state:
-                self.state[p] = self._dense.state[p]
-        with self._backend.state_transfer(bool(self.param_groups[0]["amsgrad"])) as xfer:
-            try:
-                for _, p in self._experts:
-                    st = self.state[p]
-                    if st["step"].item() == 0:
-                        continue
-                    st.update(xfer.fetch(p))
-                sd = super().state_dict()
-            finally:
-                for _, p in self._experts:  # the server keeps the state; sd keeps the copies
-                    self.state[p] = {"step": self.state[p]["step"]}
+        sd = super().state_dict()
+        index: dict[int, int] = {}  # as torch numbers the parameters in state_dict
+        for p in (p for g in self.param_groups for p in g["params"]):
+            index.setdefault(id(p), len(index))
+        by_amsgrad: dict[bool, list[nn.Parameter]] = {}
+        for _, p in self._experts.values():
+            if isinstance(self.state.get(p), ExpertState):
+                by_amsgrad.setdefault(bool(self._group_of(p)["amsgrad"]), []).append(p)
+        for amsgrad, ps in by_amsgrad.items():
+            with self._backend.state_transfer(amsgrad) as xfer:
+                for p in ps:
+                    moments = xfer.fetch(p)
+                    entry: dict[str, Any] = {"step": self.state[p]["step"].clone()}
+                    entry.update((k, v) for k, v in moments.items() if amsgrad or k != "max_exp_avg_sq")
+                    sd["state"][index[id(p)]] = entry
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state_dict of SonarAdamW or torch.optim.AdamW; expert state goes to the server."""
+        """Load a state_dict of SonarAdamW or torch.optim.AdamW (older ones too, as torch
+        loads them), all or nothing: it replaces every parameter's state, the expert
+        moments on the server."""
+        self._check_usable()
         self._drain()
-        super().load_state_dict(state_dict)
-        for p in self._dense_params:
-            if p in self.state:
-                self._dense.state[p] = self.state[p]
-        with self._backend.state_transfer(bool(self.param_groups[0]["amsgrad"])) as xfer:
-            for _, p in self._experts:
-                st = self.state[p]
-                step_t = st.get("step")
-                step_t = torch.tensor(0.0) if step_t is None else step_t.detach().to(torch.float32).cpu().clone()
-                xfer.store(p, int(step_t.item()), st)
-                self.state[p] = {"step": step_t}
+        old_state, old_groups = self.state, self.param_groups
+        try:
+            super().load_state_dict(state_dict)
+            loaded = {id(p): self.state.get(p) for _, p in self._experts.values()}
+            for name, p in self._experts.values():
+                self._check_loaded(name, p, loaded[id(p)])
+        except BaseException:
+            self.state, self.param_groups = old_state, old_groups
+            raise
+        for amsgrad in (False, True):
+            ps = [p for _, p in self._experts.values() if bool(self._group_of(p)["amsgrad"]) == amsgrad]
+            if not ps:
+                continue
+            with self._backend.state_transfer(amsgrad) as xfer:
+                for p in ps:
+                    st = loaded[id(p)]
+                    if st:
+                        step = torch.as_tensor(st["step"]).detach().to(torch.float32).cpu().clone().reshape(())
+                        xfer.store(p, int(step.item()), st)
+                        self.state[p] = ExpertState(self._fetcher(p), step, amsgrad)
+                    else:  # no state in the dict: as torch, the tensor starts afresh
+                        xfer.store(p, 0, {})
+                        self.state.pop(p, None)
+
+    def _check_loaded(self, name: str, p: nn.Parameter, st: Mapping[str, Any] | None) -> None:
+        """Refuse, before the server is touched, state the server could not take."""
+        g = self._group_of(p)
+        registered = self._hyper_of_registered(p)
+        if bool(g["amsgrad"]) != registered["amsgrad"] or bool(g["maximize"]) != registered["maximize"]:
+            raise ValueError(f"the state_dict sets amsgrad={g['amsgrad']}, maximize={g['maximize']} for expert tensor "
+                             f"{name}, registered with amsgrad={registered['amsgrad']}, maximize="
+                             f"{registered['maximize']}: build the SonarAdamW with the options of the state_dict")
+        if not st:
+            return
+        if "step" not in st:
+            raise ValueError(f"state of expert tensor {name} has no 'step'")
+        for k in STATE_KEYS:
+            v = st.get(k)
+            if v is None:
+                if k != "max_exp_avg_sq" or g["amsgrad"]:
+                    raise ValueError(f"state of expert tensor {name} lacks {k!r}")
+                continue
+            if not isinstance(v, torch.Tensor) or v.shape != p.shape:
+                shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ValueError(f"state {k} of expert tensor {name} has shape {shape}, want {tuple(p.shape)}")
+
+    def _hyper_of_registered(self, p: nn.Parameter) -> dict[str, bool]:
+        return self._registered[id(p)]
 
     # ------------------------------------------------------------ reporting
     def stats(self, server: bool = True) -> dict[str, Any]:
@@ -344,7 +630,7 @@ class SonarAdamW(torch.optim.Optimizer):
             **self._backend.stats(),
             "namespace": self.namespace,
             "expert_tensors": len(self._experts),
-            "dense_tensors": len(self._dense_params),
+            "dense_tensors": len(self.dense_parameters()),
             "skipped_nonfinite": self._skipped_nonfinite,
             "hand_over_s": self._hand_over_s,
             "wait_s": self._wait_s,
@@ -374,11 +660,23 @@ class SonarAdamW(torch.optim.Optimizer):
         try:
             self._backend.close()
         finally:
-            for h in self._hooks:
+            for h in self._hooks.values():
                 h.remove()
+            self._hooks.clear()
+            for _, p in self._experts.values():
+                if _owner(p) is self:
+                    del _OWNERS[id(p)]
 
     def __enter__(self) -> SonarAdamW:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SonarAdamW:
+        raise TypeError("SonarAdamW cannot be copied: its expert state lives in a sonard session. Copy "
+                        "opt.state_dict() and load it into a new SonarAdamW (or torch.optim.AdamW)")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("SonarAdamW cannot be pickled: its expert state lives in a sonard session. Save "
+                        "opt.state_dict() and load it into a new SonarAdamW (or torch.optim.AdamW)")

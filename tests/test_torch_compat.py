@@ -1,0 +1,770 @@
+"""SonarAdamW as a drop-in torch.optim.AdamW (issue 13), judged the way PyTorch judges its own
+optimizers, on a small model with batched 3-D expert tensors (tests/compat_util.py).
+
+The ideas come from PyTorch's optimizer test-suite: ``TestOptimRenewed`` in
+``test/test_optim.py`` and the AdamW ``OptimizerInfo`` in
+``torch/testing/_internal/common_optimizers.py`` (its inputs: tensor lr, tensor betas,
+amsgrad, maximize, weight decay; its ``not_og_supported_flags``). Each test names the torch
+test (or torch behaviour) it adapts. The code is ours: every comparison is bitwise
+(``torch.equal``) over all parameters against ``torch.optim.AdamW`` with the same
+hyper-parameters on a copy of the model, on random data, over several steps.
+
+``SONAR_COMPAT_REFERENCE=torch`` runs the same tests with torch.optim.AdamW in SonarAdamW's
+place, a check of the harness itself (see compat_util.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from compat_util import (
+    DTYPE_IDS,
+    DTYPES,
+    REFERENCE,
+    SonarAdamW,
+    assert_models_differ,
+    assert_models_equal,
+    assert_snapshot_equal,
+    assert_state_dicts_equal,
+    batch,
+    clone_model,
+    dense_names,
+    expert_names,
+    fwd_bwd,
+    loss_of,
+    make_model,
+    map_groups,
+    same_params,
+    snapshot,
+    sonar_only,
+    train_step,
+    value_equal,
+)
+
+HP = dict(lr=2e-3, betas=(0.85, 0.99), eps=1e-7, weight_decay=0.05)
+
+
+def run_both(ref: torch.nn.Module, ropt: torch.optim.Optimizer, model: torch.nn.Module, opt: torch.optim.Optimizer,
+             steps: int, seed: int, where: str, dtype: torch.dtype = torch.float32, skip: tuple[int, ...] = (),
+             first: int = 0) -> None:
+    """``steps`` ordinary steps of both, compared after each."""
+    for s in range(first, first + steps):
+        x, y = batch(seed, s, dtype)
+        train_step(ref, ropt, x, y, skip)
+        train_step(model, opt, x, y, skip)
+        assert_models_equal(ref, model, f"{where}, step {s + 1}")
+
+
+# ============================================================== 1. call forms
+# From TestOptimRenewed.test_state_dict_deterministic / test_can_load_from_to_named_state_dict
+# (named and unnamed parameters), test_param_groups_lr / test_param_groups_weight_decay and the
+# old TestOptim._build_params_dict (param-group dicts with per-group options), and the AdamW
+# OptimizerInfo's inputs (amsgrad, maximize, weight_decay, non-default lr/betas/eps).
+
+def group_spec(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Three groups; the expert tensors of layer 1 are split between groups with different options."""
+    n = dict(model.named_parameters())
+    g0 = [n["layers.0.mlp.experts.gate_up_proj"], n["layers.0.mlp.experts.down_proj"], n["embed.weight"]]
+    g1 = [n["layers.1.mlp.experts.gate_up_proj"], n["layers.1.mlp.router.weight"], n["head.bias"]]
+    taken = {id(p) for p in g0 + g1}
+    rest = [p for p in model.parameters() if id(p) not in taken]
+    return [
+        {"params": g0, "lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.0, "amsgrad": True},
+        {"params": g1, "lr": 1e-3, "weight_decay": 0.1, "maximize": True},
+        {"params": rest},
+    ]
+
+
+FORMS = ["module", "named_parameters", "parameters", "list_of_tensors", "param_groups", "parameters_with_model",
+         "mixed_named_and_bare"]
+
+
+def sonar_input(form: str, model: torch.nn.Module) -> tuple[Any, dict[str, Any]]:
+    if form == "module":
+        return model, {}
+    if form == "named_parameters":
+        return model.named_parameters(), {}
+    if form == "parameters":  # names unknown: experts found by shape (dim >= 3)
+        return model.parameters(), {}
+    if form == "list_of_tensors":
+        return list(model.parameters()), {}
+    if form == "param_groups":
+        return group_spec(model), {}
+    if form == "parameters_with_model":
+        return model.parameters(), {"model": model}
+    if form == "mixed_named_and_bare":
+        return [(n, p) if i % 2 == 0 else p for i, (n, p) in enumerate(model.named_parameters())], {}
+    raise AssertionError(form)
+
+
+def torch_input(form: str, model: torch.nn.Module) -> Any:
+    """What torch.optim.AdamW gets for the same parameters (it accepts no module and no mix)."""
+    if form == "named_parameters":
+        return model.named_parameters()
+    if form == "param_groups":
+        return group_spec(model)
+    return list(model.parameters())
+
+
+FORM_CASES = [(f, torch.float32) for f in FORMS] + [("module", torch.bfloat16), ("param_groups", torch.bfloat16),
+                                                    ("parameters", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("form,dtype", FORM_CASES,
+                         ids=[f"{f}-{'fp32' if d == torch.float32 else 'bf16'}" for f, d in FORM_CASES])
+def test_call_form_trains_like_torch(form: str, dtype: torch.dtype) -> None:
+    model = make_model(dtype)
+    ref = clone_model(model)
+    arg, kw = sonar_input(form, model)
+    ropt = torch.optim.AdamW(torch_input(form, ref), **HP)
+    with SonarAdamW(arg, **HP, **kw) as opt:
+        # the same groups, with torch's hyper-parameters in each (torch's keys; extra keys allowed)
+        assert len(opt.param_groups) == len(ropt.param_groups)
+        mname = {id(p): k for k, p in model.named_parameters()}
+        rname = {id(p): k for k, p in ref.named_parameters()}
+        for g, rg in zip(opt.param_groups, ropt.param_groups):
+            assert [mname.get(id(p)) for p in g["params"]] == [rname[id(p)] for p in rg["params"]]
+            for k, v in rg.items():
+                if k not in ("params", "param_names"):
+                    assert k in g and value_equal(g[k], v), f"group option {k}: {g.get(k)!r} vs torch {v!r}"
+        before = snapshot(model)
+        run_both(ref, ropt, model, opt, 4, seed=1, where=form, dtype=dtype)
+        assert_models_differ(before, model, [n for n, _ in model.named_parameters()], form)
+
+
+# From the duplicate-parameter checks of torch.optim.Optimizer.add_param_group (the warning of
+# pytorch issue 40967 inside one group, the ValueError across groups), which torch's test-suite
+# exercises for every optimizer.
+def test_duplicate_parameters_warn_or_raise_as_torch() -> None:
+    model = make_model()
+    ref = clone_model(model)
+    n = dict(model.named_parameters())
+    rn = dict(ref.named_parameters())
+    dup_names = ["layers.0.mlp.experts.gate_up_proj", "embed.weight"]
+
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        torch.optim.AdamW(list(ref.parameters()) + [rn[k] for k in dup_names])
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = SonarAdamW(list(model.parameters()) + [n[k] for k in dup_names])
+    opt.close()
+
+    names = list(n)
+    overlap = [{"params": [n[k] for k in names[:6]]}, {"params": [n[k] for k in names[4:]]}]
+    assert any(n[k].dim() >= 3 for k in names[4:6])  # an expert tensor is among the duplicates
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        torch.optim.AdamW(map_groups(model, ref, overlap))
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        SonarAdamW(overlap).close()
+
+    # add_param_group with a parameter the optimizer already has
+    with SonarAdamW(model) as opt:
+        with pytest.raises(ValueError, match="more than one parameter group"):
+            opt.add_param_group({"params": [n["layers.1.mlp.experts.down_proj"]]})
+
+
+# ==================================================== 2. add_param_group, freezing
+# From torch.optim.Optimizer.add_param_group's documented use ("frozen layers can be made
+# trainable and added to the Optimizer as training progresses") and the param-group tests of
+# TestOptimRenewed (test_param_groups_lr: per-group lr).
+@pytest.mark.parametrize("names_known", [False, True], ids=["tensors", "model="])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_add_param_group_trains_new_dense_and_expert_params(dtype: torch.dtype, names_known: bool) -> None:
+    model = make_model(dtype, num_layers=3)
+    ref = clone_model(model)
+
+    def late(m: torch.nn.Module) -> list[str]:
+        return [k for k, _ in m.named_parameters() if k.startswith("layers.2.") or k == "head.bias"]
+
+    late_names = late(model)
+    early = [p for k, p in model.named_parameters() if k not in late_names]
+    ropt = torch.optim.AdamW(same_params(model, ref, early), **HP)
+    kw = {"model": model} if names_known else {}
+    with SonarAdamW(early, **HP, **kw) as opt:
+        for s in range(2):
+            x, y = batch(2, s, dtype)
+            for m, o in ((ref, ropt), (model, opt)):
+                m.zero_grad(set_to_none=True)  # also the parameters no optimizer has yet
+                fwd_bwd(m, x, y)
+                o.step()
+            assert_models_equal(ref, model, f"before add_param_group, step {s + 1}")
+        new = [dict(model.named_parameters())[k] for k in late_names]
+        assert any(p.dim() >= 3 for p in new) and any(p.dim() < 3 for p in new)
+        opt.add_param_group({"params": new, "lr": 4e-3, "weight_decay": 0.0})
+        ropt.add_param_group({"params": same_params(model, ref, new), "lr": 4e-3, "weight_decay": 0.0})
+        before = snapshot(model)
+        for s in range(2, 5):
+            x, y = batch(2, s, dtype)
+            for m, o in ((ref, ropt), (model, opt)):
+                m.zero_grad(set_to_none=True)
+                fwd_bwd(m, x, y)
+                o.step()
+            assert_models_equal(ref, model, f"after add_param_group, step {s + 1}")
+        assert_models_differ(before, model, late_names, "added group")
+
+
+# From TestOptimRenewed._compare_between: a layer frozen at iteration 3 and unfrozen at 5,
+# and a step at iteration 2 with every gradient None (a no-op). Here also: parameters frozen
+# before the optimizer exists (torch keeps them in its groups and trains them once unfrozen).
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_frozen_at_construction_then_unfrozen(dtype: torch.dtype) -> None:
+    model = make_model(dtype)
+    model.layers[1].requires_grad_(False)
+    model.head.bias.requires_grad_(False)
+    ref = clone_model(model)
+    frozen = [k for k, p in model.named_parameters() if not p.requires_grad]
+    assert any(dict(model.named_parameters())[k].dim() >= 3 for k in frozen)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP) as opt:
+        start = snapshot(model)
+        run_both(ref, ropt, model, opt, 2, seed=3, where="frozen", dtype=dtype)
+        assert_snapshot_equal(start, model, "frozen parameters", frozen)
+        for m in (model, ref):
+            m.layers[1].requires_grad_(True)
+            m.head.bias.requires_grad_(True)
+        before = snapshot(model)
+        run_both(ref, ropt, model, opt, 3, seed=3, where="unfrozen", dtype=dtype, first=2)
+        assert_models_differ(before, model, frozen, "unfrozen")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_freeze_unfreeze_and_gradless_step_mid_training(dtype: torch.dtype) -> None:
+    model = make_model(dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP) as opt:
+        for i in range(7):
+            x, y = batch(4, i, dtype)
+            for m, o in ((ref, ropt), (model, opt)):
+                o.zero_grad()
+                if i == 3:
+                    m.layers[1].requires_grad_(False)
+                if i == 5:
+                    m.layers[1].requires_grad_(True)
+                if i != 2:  # step 3: no gradient at all, step() must change nothing
+                    fwd_bwd(m, x, y)
+                o.step()
+            assert_models_equal(ref, model, f"iteration {i}")
+
+
+# ========================================================== 4. gradient production
+# torch accumulates a second backward into .grad; optimizer-in-backward cannot (the first
+# gradient is already applied): SonarAdamW must fail loudly, with the fix in the message,
+# before anything changes. The two ways to get a second gradient: two forwards (accumulation
+# done the usual way) or retain_graph=True.
+@pytest.mark.parametrize("how", ["two_forwards", "retain_graph"])
+def test_second_backward_before_step_raises(how: str) -> None:
+    sonar_only()
+    model = make_model()
+    with SonarAdamW(model, **HP) as opt:
+        x, y = batch(5, 0)
+        train_step(model, opt, x, y)
+        opt.zero_grad()
+        x, y = batch(5, 1)
+        loss = loss_of(model, x, y)
+        loss.backward(retain_graph=how == "retain_graph")
+        snap = snapshot(model)
+        sd = copy.deepcopy(opt.state_dict())
+        with pytest.raises(RuntimeError, match="grad_accumulation_steps"):
+            if how == "retain_graph":
+                loss.backward()
+            else:
+                fwd_bwd(model, *batch(5, 2))
+        assert_snapshot_equal(snap, model, "after the refused second backward")
+        assert_state_dicts_equal(opt.state_dict(), sd, "after the refused second backward")
+
+
+# TestOptimRenewed has no accumulation test; this is torch's usual accumulation (loss / k per
+# micro-batch, k backwards, one step) against SonarAdamW(grad_accumulation_steps=k).
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_grad_accumulation_two_backwards_one_step(dtype: torch.dtype) -> None:
+    model = make_model(dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP, grad_accumulation_steps=2) as opt:
+        for s in range(3):
+            ropt.zero_grad()
+            opt.zero_grad()
+            for micro in range(2):
+                x, y = batch(6, 2 * s + micro, dtype)
+                fwd_bwd(ref, x, y, scale=0.5)
+                fwd_bwd(model, x, y, scale=0.5)
+            ropt.step()
+            opt.step()
+            assert_models_equal(ref, model, f"accumulated step {s + 1}")
+
+
+# From TestOptimRenewed.test_complex / test_load_nontensor_step / test_mixed_device_dtype,
+# which set p.grad by hand instead of calling backward.
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_hand_set_grads_are_applied_by_step(dtype: torch.dtype) -> None:
+    model = make_model(dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    g = torch.Generator().manual_seed(77)
+
+    def set_grads(which: list[str]) -> None:
+        for m, o in ((ref, ropt), (model, opt)):
+            o.zero_grad()
+        for k in which:
+            grad = (0.1 * torch.randn(dict(model.named_parameters())[k].shape, generator=g)).to(dtype)
+            dict(ref.named_parameters())[k].grad = grad.clone()
+            dict(model.named_parameters())[k].grad = grad.clone()
+
+    with SonarAdamW(model, **HP) as opt:
+        run_both(ref, ropt, model, opt, 1, seed=7, where="backward", dtype=dtype)
+        for s, which in enumerate([[k for k, _ in model.named_parameters()],  # every grad by hand
+                                   expert_names(model),  # only the expert tensors, no dense grad
+                                   ["layers.1.mlp.experts.down_proj", "head.weight"]]):
+            set_grads(which)
+            ropt.step()
+            opt.step()
+            assert_models_equal(ref, model, f"hand-set grads {s + 1}")
+        run_both(ref, ropt, model, opt, 1, seed=7, where="backward again", dtype=dtype, first=1)
+
+
+# torch.amp.GradScaler with an optimizer (torch/amp/grad_scaler.py: unscale_, found_inf,
+# step skipped on inf, scale backed off); TestOptimRenewed.test_fused_does_not_step_if_foundinf
+# is torch's own version of "no step when found_inf".
+def scaler_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad()
+    scaler.scale(loss_of(model, x, y)).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_grad_scaler_bitwise(dtype: torch.dtype) -> None:
+    model = make_model(dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    rscaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with SonarAdamW(model, **HP, grad_scaler=scaler) as opt:
+        for s in range(4):
+            x, y = batch(8, s, dtype)
+            scaler_step(ref, ropt, rscaler, x, y)
+            scaler_step(model, opt, scaler, x, y)
+            assert_models_equal(ref, model, f"GradScaler step {s + 1}")
+            assert scaler.get_scale() == rscaler.get_scale()
+
+
+def test_grad_scaler_inf_in_one_expert_tensor() -> None:
+    """torch skips the whole step; SonarAdamW (experts already applied during backward) skips the
+    tensor whose gradient is not finite and the dense step, and backs the scale off as torch does."""
+    target = "layers.1.mlp.experts.down_proj"
+    model = make_model()
+    ref = clone_model(model)
+    inject = {"on": False}
+
+    def poison(grad: torch.Tensor) -> torch.Tensor | None:
+        if not inject["on"]:
+            return None
+        grad = grad.clone()
+        grad[1, 2, 3] = float("inf")
+        return grad
+
+    for m in (model, ref):
+        dict(m.named_parameters())[target].register_hook(poison)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    rscaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    rp, mp = dict(ref.named_parameters()), dict(model.named_parameters())
+    with SonarAdamW(model, **HP, grad_scaler=scaler) as opt:
+        for s in range(2):
+            x, y = batch(9, s)
+            scaler_step(ref, ropt, rscaler, x, y)
+            scaler_step(model, opt, scaler, x, y)
+            assert_models_equal(ref, model, f"step {s + 1}")
+        snap = snapshot(model)
+        inject["on"] = True
+        x, y = batch(9, 2)
+        scaler_step(ref, ropt, rscaler, x, y)
+        scaler_step(model, opt, scaler, x, y)
+        inject["on"] = False
+        assert rscaler.get_scale() == 2.0**9
+        assert scaler.get_scale() == rscaler.get_scale()
+        keep = [target] + dense_names(model)
+        assert_snapshot_equal(snap, model, "the step with an inf gradient", keep)
+        for k in keep:  # their state did not move either (step count and moments, as torch's)
+            rs, ms = ropt.state[rp[k]], opt.state[mp[k]]
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(ms[key], rs[key]), f"{k} state[{key!r}] after the skipped step"
+        # training goes on; the scale stays torch's
+        before = snapshot(model)
+        for s in range(3, 5):
+            x, y = batch(9, s)
+            scaler_step(ref, ropt, rscaler, x, y)
+            scaler_step(model, opt, scaler, x, y)
+            assert scaler.get_scale() == rscaler.get_scale()
+        assert_models_differ(before, model, keep, "after the skipped step")
+
+
+def test_grad_scaler_without_grad_scaler_argument_raises() -> None:
+    sonar_only()
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with SonarAdamW(model, **HP) as opt:
+        x, y = batch(10, 0)
+        opt.zero_grad()
+        scaler.scale(loss_of(model, x, y)).backward()
+        with pytest.raises(RuntimeError, match="grad_scaler"):
+            scaler.step(opt)
+
+
+# A second optimizer over the same parameters (a re-run notebook cell): torch lets the new one
+# train; the old one must stop touching the parameters.
+def test_second_optimizer_on_same_model_takes_over() -> None:
+    model = make_model()
+    ref = clone_model(model)
+    ropt1 = torch.optim.AdamW(ref.parameters(), **HP)
+    opt1 = SonarAdamW(model, **HP)
+    try:
+        run_both(ref, ropt1, model, opt1, 2, seed=11, where="first optimizer")
+        ropt2 = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+        with SonarAdamW(model, lr=3e-3) as opt2:
+            run_both(ref, ropt2, model, opt2, 2, seed=11, where="second optimizer", first=2)
+            if not REFERENCE:
+                snap = snapshot(model)
+                with pytest.raises(RuntimeError, match="another SonarAdamW"):
+                    opt1.step()
+                assert_snapshot_equal(snap, model, "the old optimizer's step")
+            run_both(ref, ropt2, model, opt2, 2, seed=11, where="second optimizer after the old one's step", first=4)
+            opt1.close()
+            run_both(ref, ropt2, model, opt2, 2, seed=11, where="second optimizer after closing the old one",
+                     first=6)
+    finally:
+        opt1.close()
+
+
+# Parameters moved after construction: the server would keep updating the old memory.
+def test_share_memory_after_construction_is_detected() -> None:
+    model = make_model()
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP) as opt:
+        run_both(ref, ropt, model, opt, 1, seed=12, where="before share_memory")
+        model.share_memory()
+        ref.share_memory()
+        x, y = batch(12, 1)
+        try:
+            train_step(model, opt, x, y)
+        except RuntimeError as e:
+            check_moved_message(str(e), model)
+            return
+        # Or it follows the move: then it must train the model's tensors, bit for bit.
+        train_step(ref, ropt, x, y)
+        assert_models_equal(ref, model, "after share_memory, step 2")
+        run_both(ref, ropt, model, opt, 2, seed=12, where="after share_memory", first=2)
+
+
+def test_to_bfloat16_after_construction_raises() -> None:
+    sonar_only()
+    model = make_model()
+    with SonarAdamW(model, **HP) as opt:
+        train_step(model, opt, *batch(13, 0))
+        model.to(torch.bfloat16)
+        with pytest.raises(RuntimeError) as ei:
+            train_step(model, opt, *batch(13, 1, torch.bfloat16))
+        check_moved_message(str(ei.value), model)
+
+
+def check_moved_message(msg: str, model: torch.nn.Module) -> None:
+    assert any(k in msg for k, _ in model.named_parameters()), f"the error names no parameter: {msg}"
+    assert re.search(r"moved|changed", msg), f"the error does not say what happened: {msg}"
+
+
+# ===================================================================== 5. state
+# From TestOptimRenewed._compare_between ("check that optimizer states are the same") and
+# test_non_empty_state: opt.state after step() holds torch's entries, without state_dict().
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_state_holds_torch_entries(dtype: torch.dtype, amsgrad: bool) -> None:
+    model = make_model(dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP, amsgrad=amsgrad)
+    rp = dict(ref.named_parameters())
+    with SonarAdamW(model, **HP, amsgrad=amsgrad) as opt:
+        for rnd in range(2):
+            run_both(ref, ropt, model, opt, 2, seed=14, where="state", dtype=dtype, first=2 * rnd)
+            for k, p in model.named_parameters():
+                rs = ropt.state[rp[k]]
+                assert len(rs) > 0
+                ms = opt.state[p]
+                if p.dim() < 3:
+                    assert set(ms) == set(rs), f"{k}: state keys {sorted(ms)} vs torch {sorted(rs)}"
+                for key, v in rs.items():  # expert moments are fetched from the server on demand
+                    assert key in ms, f"{k}: state lacks {key!r}"
+                    got = ms[key]
+                    assert got.dtype == v.dtype and torch.equal(got, v), f"{k}: state[{key!r}] differs"
+        run_both(ref, ropt, model, opt, 2, seed=14, where="after reading the state", dtype=dtype, first=4)
+
+
+# From TestOptimRenewed.test_state_dict_deterministic (load into a fresh optimizer over equal
+# parameters, train both, compare; state dicts equal) and test_can_load_from_to_named_state_dict,
+# across SonarAdamW <-> torch.optim.AdamW, plus the cases of issue 13: a dict taken before the
+# first step, with an expert tensor that never got a gradient, with frozen parameters present.
+SD_CASES = ["after_steps", "before_first_step", "expert_without_grad", "frozen_params"]
+SD_PARAMS = [(c, torch.float32) for c in SD_CASES] + [("after_steps", torch.bfloat16),
+                                                      ("expert_without_grad", torch.bfloat16)]
+SD_IDS = [f"{c}-{'fp32' if d == torch.float32 else 'bf16'}" for c, d in SD_PARAMS]
+
+
+def sd_case_model(case: str, dtype: torch.dtype) -> tuple[torch.nn.Module, tuple[int, ...], int]:
+    """(model, layers left out of the first phase, steps of the first phase)."""
+    model = make_model(dtype, num_layers=3)
+    if case == "frozen_params":
+        model.layers[1].requires_grad_(False)
+        model.embed.bias.requires_grad_(False)
+    skip = (2,) if case == "expert_without_grad" else ()
+    return model, skip, 0 if case == "before_first_step" else 3
+
+
+def sd_case_unfreeze(case: str, *models: torch.nn.Module) -> None:
+    if case == "frozen_params":
+        for m in models:
+            m.layers[1].requires_grad_(True)
+            m.embed.bias.requires_grad_(True)
+
+
+@pytest.mark.parametrize("case,dtype", SD_PARAMS, ids=SD_IDS)
+def test_state_dict_loads_into_torch_adamw_and_continues(case: str, dtype: torch.dtype) -> None:
+    model, skip, steps = sd_case_model(case, dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP) as opt:
+        run_both(ref, ropt, model, opt, steps, seed=15, where=case, dtype=dtype, skip=skip)
+        sd = opt.state_dict()
+        assert_state_dicts_equal(sd, ropt.state_dict(), f"{case}: SonarAdamW.state_dict() vs torch's")
+        resumed = clone_model(model)
+        topt = torch.optim.AdamW(resumed.parameters(), **HP)
+        topt.load_state_dict(copy.deepcopy(sd))
+        sd_case_unfreeze(case, model, ref, resumed)
+        for s in range(steps, steps + 3):  # every layer in the forward now
+            x, y = batch(15, s, dtype)
+            train_step(ref, ropt, x, y)
+            train_step(resumed, topt, x, y)
+            train_step(model, opt, x, y)
+            assert_models_equal(ref, resumed, f"{case}: torch AdamW resumed from SonarAdamW's state_dict, step {s + 1}")
+            assert_models_equal(ref, model, f"{case}: SonarAdamW, step {s + 1}")
+
+
+@pytest.mark.parametrize("case,dtype", SD_PARAMS, ids=SD_IDS)
+def test_torch_state_dict_loads_into_sonar_and_continues(case: str, dtype: torch.dtype) -> None:
+    ref, skip, steps = sd_case_model(case, dtype)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    for s in range(steps):
+        train_step(ref, ropt, *batch(16, s, dtype), skip=skip)
+    model = clone_model(ref)
+    with SonarAdamW(model, **HP) as opt:
+        opt.load_state_dict(copy.deepcopy(ropt.state_dict()))
+        sd_case_unfreeze(case, model, ref)
+        run_both(ref, ropt, model, opt, 3, seed=16, where=f"{case}: after loading torch's state_dict", dtype=dtype,
+                 first=steps)
+        assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), f"{case}: state_dict after training on")
+
+
+# From TestOptimRenewed.test_can_load_older_state_dict (the AdamW OptimizerInfo's
+# not_og_supported_flags deleted from every group) and test_load_nontensor_step (a plain
+# number as "step"). torch.optim.AdamW loading the same dict is the reference.
+OLD_FLAGS = ("foreach", "differentiable", "fused", "maximize", "capturable", "decoupled_weight_decay")
+
+
+@pytest.mark.parametrize("step_kind", ["float", "int"])
+@pytest.mark.parametrize("source", ["torch", "sonar"])
+def test_older_state_dict_loads_as_torch_loads_it(source: str, step_kind: str) -> None:
+    model = make_model()
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP) as opt:
+        run_both(ref, ropt, model, opt, 2, seed=17, where="before")
+        old = copy.deepcopy((ropt if source == "torch" else opt).state_dict())
+        for st in old["state"].values():
+            st["step"] = float(st["step"].item()) if step_kind == "float" else int(st["step"].item())
+        for g in old["param_groups"]:
+            for flag in OLD_FLAGS:
+                g.pop(flag, None)
+        ropt.load_state_dict(copy.deepcopy(old))
+        opt.load_state_dict(copy.deepcopy(old))
+        run_both(ref, ropt, model, opt, 3, seed=17, where=f"after loading an older {source} state_dict", first=2)
+
+
+def state_index(model: torch.nn.Module, name: str) -> int:
+    """The state_dict index of a parameter of an optimizer built over model.parameters()."""
+    return [k for k, _ in model.named_parameters()].index(name)
+
+
+# load_state_dict is all-or-nothing (issue 13): torch validates the groups before touching its
+# state (Optimizer.load_state_dict raises on a group-size mismatch before any change); a bad
+# expert moment must likewise leave SonarAdamW as it was.
+def test_refused_load_state_dict_changes_nothing() -> None:
+    sonar_only()
+    model = make_model()
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP) as opt:
+        run_both(ref, ropt, model, opt, 2, seed=18, where="before")
+        bad = copy.deepcopy(opt.state_dict())
+        bad["param_groups"][0]["lr"] = 0.5
+        dense_i = state_index(model, "embed.weight")
+        bad["state"][dense_i]["exp_avg"] = bad["state"][dense_i]["exp_avg"] * 3 + 1
+        first_expert = state_index(model, "layers.0.mlp.experts.gate_up_proj")
+        bad["state"][first_expert]["exp_avg_sq"] = bad["state"][first_expert]["exp_avg_sq"] * 2
+        last_expert = state_index(model, "layers.1.mlp.experts.down_proj")
+        shape = bad["state"][last_expert]["exp_avg"].shape
+        bad["state"][last_expert]["exp_avg"] = torch.randn(shape[0], shape[1] + 1, shape[2])
+        with pytest.raises(Exception):
+            opt.load_state_dict(bad)
+        assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"]
+        run_both(ref, ropt, model, opt, 3, seed=18, where="after the refused load", first=2)
+        assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), "after the refused load")
+
+
+# torch.optim.Optimizer.load_state_dict replaces self.state wholesale: a parameter absent from
+# the loaded dict has no state afterwards and starts over at its next step.
+def test_load_state_dict_replaces_all_state() -> None:
+    model = make_model()
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    absent = ["head.weight", "layers.0.mlp.experts.gate_up_proj"]
+    with SonarAdamW(model, **HP) as opt:
+        run_both(ref, ropt, model, opt, 3, seed=19, where="before")
+        other = copy.deepcopy(ropt.state_dict())
+        for k in absent:
+            del other["state"][state_index(model, k)]
+        ropt.load_state_dict(copy.deepcopy(other))
+        opt.load_state_dict(copy.deepcopy(other))
+        mp, rp = dict(model.named_parameters()), dict(ref.named_parameters())
+        for k in absent:
+            assert not ropt.state.get(rp[k])
+            assert not opt.state.get(mp[k]), f"{k} kept state the loaded dict does not have: {sorted(opt.state[mp[k]])}"
+        assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), "right after loading")
+        run_both(ref, ropt, model, opt, 3, seed=19, where="after loading", first=3)
+
+
+# From TestOptimRenewed.test_step_all_hooks / test_step_pre_hook / test_step_post_hook.
+def test_step_hooks_fire_once_per_step() -> None:
+    model = make_model()
+    calls: list[tuple[int, bool]] = []
+    with SonarAdamW(model, **HP) as opt:
+        def hook(tag: int) -> Any:
+            def f(o: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+                calls.append((tag, o is opt))
+            return f
+
+        handles = [register_optimizer_step_pre_hook(hook(0)), register_optimizer_step_post_hook(hook(5)),
+                   opt.register_step_pre_hook(hook(1)), opt.register_step_post_hook(hook(2))]
+        try:
+            for s in range(2):
+                train_step(model, opt, *batch(20, s))
+            assert calls == [(0, True), (1, True), (2, True), (5, True)] * 2
+        finally:
+            for h in handles:
+                h.remove()
+        train_step(model, opt, *batch(20, 2))
+        assert len(calls) == 8
+
+
+# From TestOptimRenewed.test_deepcopy_copies_all_public_attrs and
+# test_save_load_equality_with_weights_only (an optimizer can be copied and serialized). A
+# SonarAdamW owns a server process: it may refuse with a TypeError naming itself; if it
+# copies, the copy must work (bitwise as a copy of torch's AdamW does) and leave the original alone.
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_deepcopy_and_pickle_work_or_refuse_clearly(how: str) -> None:
+    model = make_model()
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+
+    def dup(o: Any) -> Any:
+        return copy.deepcopy(o) if how == "deepcopy" else pickle.loads(pickle.dumps(o))
+
+    with SonarAdamW(model, **HP) as opt:
+        run_both(ref, ropt, model, opt, 2, seed=21, where="before copying")
+        snap = snapshot(model)
+        try:
+            clone = dup(opt)
+        except TypeError as e:
+            assert "SonarAdamW" in str(e), f"unclear refusal: {e}"
+            return
+        rclone = dup(ropt)
+        try:
+            assert {k for k in vars(clone) if not k.startswith("_")} >= {k for k in vars(ropt) if not k.startswith("_")}
+            g = torch.Generator().manual_seed(5)
+            cps = [p for grp in clone.param_groups for p in grp["params"]]
+            rps = [p for grp in rclone.param_groups for p in grp["params"]]
+            assert len(cps) == len(rps)
+            for s in range(2):
+                for cp, rp in zip(cps, rps):
+                    grad = 0.1 * torch.randn(rp.shape, generator=g)
+                    cp.grad, rp.grad = grad.clone(), grad.clone()
+                clone.step()
+                rclone.step()
+                for i, (cp, rp) in enumerate(zip(cps, rps)):
+                    assert torch.equal(cp, rp), f"copied optimizer, step {s + 1}: parameter {i} differs"
+            assert_snapshot_equal(snap, model, "the copy's steps")
+        finally:
+            if hasattr(clone, "close"):
+                clone.close()
+        run_both(ref, ropt, model, opt, 1, seed=21, where="the original after copying", first=2)
+
+
+# From TestOptimRenewed.test_optimizer_can_be_printed.
+def test_optimizer_can_be_printed() -> None:
+    with SonarAdamW(make_model(), **HP) as opt:
+        assert "lr" in repr(opt)
+
+
+# From TestOptimRenewed.test_step_is_noop_when_params_have_no_grad and the closure form of
+# step() in test_forloop_goes_right_direction / test_tensor_lr (optimizer.step(closure)).
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gradless_step_and_closure_step(dtype: torch.dtype) -> None:
+    model = make_model(dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP) as opt:
+        snap = snapshot(model)
+        assert opt.step() is None
+        ropt.step()
+        assert_snapshot_equal(snap, model, "step() with no gradient at all")
+        for s in range(3):
+            x, y = batch(22, s, dtype)
+
+            def closure(m: torch.nn.Module, o: torch.optim.Optimizer) -> Any:
+                def f() -> torch.Tensor:
+                    o.zero_grad()
+                    return fwd_bwd(m, x, y)
+                return f
+
+            rloss = ropt.step(closure(ref, ropt))
+            loss = opt.step(closure(model, opt))
+            assert torch.equal(loss, rloss)
+            assert_models_equal(ref, model, f"step(closure) {s + 1}")
+
+
+# ============================================================ 6. tensor lr/betas
+# From TestOptimRenewed.test_tensor_lr and the AdamW OptimizerInfo inputs "Tensor lr" and
+# "Tensor lr, Tensor betas" (torch keeps a 0-dim lr tensor and computes lr / bias_correction1
+# in float32).
+TENSOR_CASES = {
+    "tensor_lr": lambda: {"lr": torch.tensor(1e-3)},
+    "tensor_lr_wd": lambda: {"lr": torch.tensor(3e-3), "weight_decay": 0.1},
+    "tensor_lr_betas": lambda: {"lr": torch.tensor(2e-3), "betas": (torch.tensor(0.9), torch.tensor(0.99))},
+    "tensor_lr_amsgrad_wd": lambda: {"lr": torch.tensor(3e-3), "amsgrad": True, "weight_decay": 0.1},
+}
+
+
+@pytest.mark.parametrize("case", list(TENSOR_CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_tensor_hyperparameters_bitwise(dtype: torch.dtype, case: str) -> None:
+    model = make_model(dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **TENSOR_CASES[case]())
+    with SonarAdamW(model, **TENSOR_CASES[case]()) as opt:
+        run_both(ref, ropt, model, opt, 4, seed=23, where=case, dtype=dtype)
