@@ -46,7 +46,9 @@ class Windows(Dataset):
 def args(tmp: Path, **kw: Any) -> TrainingArguments:
     base = dict(output_dir=str(tmp), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6,
                 learning_rate=2e-3, weight_decay=0.01, logging_steps=1, save_strategy="no", report_to=[],
-                use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+                use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+                # Trainer's default is adamw_torch_fused; expert tensors do not have fused arithmetic yet.
+                optim="adamw_torch")
     base.update(kw)
     return TrainingArguments(**base)
 
@@ -103,7 +105,10 @@ def test_sonar_trainer_equals_manual_loop_with_dense_clipping(tmp_path: Path) ->
     # The manual loop: torch.optim.AdamW over all params, clip_grad_norm_ over dense params.
     ref.train()
     dense = [p for n, p in ref.named_parameters() if n not in experts(ref)]
-    ropt = torch.optim.AdamW(ref.parameters(), lr=a.learning_rate, weight_decay=a.weight_decay)
+    decay = set(tr.get_decay_parameter_names(ref))  # Trainer's decay/no-decay groups
+    ropt = torch.optim.AdamW([{"params": [p for n, p in ref.named_parameters() if n in decay]},
+                              {"params": [p for n, p in ref.named_parameters() if n not in decay], "weight_decay": 0.0}],
+                             lr=a.learning_rate, weight_decay=a.weight_decay)
     sched = transformers.get_scheduler("cosine", ropt, num_warmup_steps=2, num_training_steps=a.max_steps)
     k = a.gradient_accumulation_steps
     assert len(tr.calls) == k * a.max_steps
@@ -160,3 +165,30 @@ def test_max_expert_grad_norm_is_per_tensor_clipping() -> None:
         assert max(clipped) > 0.01  # the clipping was active
     with pytest.raises(ValueError, match="grad_accumulation_steps"):
         sonar_moe.SonarAdamW(olmoe(), max_expert_grad_norm=1.0, grad_accumulation_steps=2)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_sonar_trainer_reproduces_trainer_optimizer(tmp_path: Path, accum: int) -> None:
+    """SonarTrainer builds Trainer's own optimizer (optim=adamw_torch: torch.optim.AdamW with the
+    decay/no-decay groups of get_decay_parameter_names): bit for bit the stock Trainer."""
+    a = args(tmp_path, max_grad_norm=0.0, gradient_accumulation_steps=accum)
+    ref, mine = olmoe(), olmoe()
+    rt = Trainer(model=ref, args=a, train_dataset=Windows())
+    rt.train()
+    groups = rt.optimizer.param_groups
+    assert [g["weight_decay"] for g in groups] == [a.weight_decay, 0.0] and groups[1]["params"]
+    st = SonarTrainer(model=mine, args=args(tmp_path, max_grad_norm=0.0, gradient_accumulation_steps=accum),
+                      train_dataset=Windows())
+    st.train()
+    opt = unwrap_sonar(st.optimizer)
+    assert opt is not None and [g["weight_decay"] for g in opt.param_groups] == [a.weight_decay, 0.0]
+    assert [len(g["params"]) for g in opt.param_groups] == [len(g["params"]) for g in groups]
+    opt.close()
+    assert_same(ref, mine)
+
+
+def test_sonar_trainer_refuses_other_optimizers(tmp_path: Path) -> None:
+    for optim, kw in (("adafactor", {}), ("adamw_torch", {"optim_args": "foo=1"})):
+        t = SonarTrainer(model=olmoe(), args=args(tmp_path, optim=optim, **kw), train_dataset=Windows())
+        with pytest.raises(ValueError, match="SonarTrainer"):
+            t.create_optimizer()

@@ -4,8 +4,11 @@ One line changes in a training script::
 
     trainer = SonarTrainer(model=model, args=args, train_dataset=ds)   # was: Trainer(...)
 
-The optimizer is built from the ``TrainingArguments`` (learning_rate, adam_beta1/2,
-adam_epsilon, weight_decay, max_grad_norm, gradient_accumulation_steps). Trainer's own
+The optimizer is built from the ``TrainingArguments`` as ``Trainer.create_optimizer`` builds
+torch's: ``args.optim`` (``adamw_torch`` or ``adamw_torch_fused``, Trainer's default with
+torch >= 2.8), learning_rate, adam_beta1/2, adam_epsilon, and two parameter groups, weight
+decay on the parameters ``Trainer.get_decay_parameter_names`` names and none on the others
+(biases, norm weights); plus max_grad_norm and gradient_accumulation_steps. Trainer's own
 clipping would run after backward, when the expert gradients are already applied and freed,
 so it would silently clip (and log the norm of) the dense parameters only. SonarTrainer turns
 it off and lets SonarAdamW clip the dense parameters with ``args.max_grad_norm`` instead, and
@@ -20,6 +23,9 @@ import torch
 from transformers import PreTrainedModel, Trainer
 
 from .optimizer import SonarAdamW
+
+# args.optim values SonarTrainer reproduces, and the AdamW flags each one means in Trainer.
+SUPPORTED_OPTIM = {"adamw_torch": {}, "adamw_torch_fused": {"fused": True}}
 
 
 def unwrap_sonar(optimizer: Any) -> SonarAdamW | None:
@@ -51,15 +57,29 @@ class SonarTrainer(Trainer):
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             a = self.args
+            optim = str(getattr(a.optim, "value", a.optim))
+            if optim not in SUPPORTED_OPTIM:
+                raise ValueError(f"SonarTrainer reproduces TrainingArguments.optim {sorted(SUPPORTED_OPTIM)} "
+                                 f"(torch.optim.AdamW), not {optim!r}")
+            if a.optim_args:
+                raise ValueError(f"SonarTrainer does not take TrainingArguments.optim_args ({a.optim_args!r}): "
+                                 "pass SonarAdamW options through sonar_kwargs=")
+            target = model if model is not None else self.model
+            decay = set(self.get_decay_parameter_names(target))
+            named = [(n, p) for n, p in target.named_parameters() if p.requires_grad]
+            groups = [  # as Trainer.create_optimizer groups them
+                {"params": [p for n, p in named if n in decay], "weight_decay": a.weight_decay},
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+            ]
             self.optimizer = SonarAdamW(
-                model if model is not None else self.model,
+                groups,
                 lr=a.learning_rate,
                 betas=(a.adam_beta1, a.adam_beta2),
                 eps=a.adam_epsilon,
-                weight_decay=a.weight_decay,
                 max_grad_norm=self.sonar_max_grad_norm,
                 grad_accumulation_steps=a.gradient_accumulation_steps,
-                **self.sonar_kwargs,
+                model=target,
+                **{**SUPPORTED_OPTIM[optim], **self.sonar_kwargs},
             )
         return self.optimizer
 

@@ -269,6 +269,10 @@ class SonarAdamW(torch.optim.AdamW):
             owner = _owner(p)
             if owner is not None and owner is not self:
                 owner._surrender()
+        if any(self._group_of(p)["fused"] for _, p in new):
+            log.warning("fused=True: the dense parameters use torch's fused AdamW, but the expert tensors get the "
+                        "single-tensor arithmetic (bitwise torch.optim.AdamW(fused=False)); fused arithmetic for "
+                        "expert tensors is not implemented yet (docs/fused-adamw-cpu.md)")
         if isinstance(self._backend, NoExperts):
             self._backend = open_backend(new, self._server, self._options, self._hyper_of, self)
         else:
@@ -354,8 +358,12 @@ class SonarAdamW(torch.optim.AdamW):
         return list(self._experts.values())
 
     def dense_parameters(self) -> list[nn.Parameter]:
-        """The parameters stepped here with torch's AdamW (everything that is not an expert tensor)."""
-        return [p for g in self.param_groups for p in g["params"] if id(p) not in self._experts]
+        """The parameters stepped here with torch's AdamW (everything that is not an expert
+        tensor), in the module's order where a module is known (``max_grad_norm`` clips them in
+        this order, as Trainer clips ``model.parameters()``), else in the groups' order."""
+        dense = [p for g in self.param_groups for p in g["params"] if id(p) not in self._experts]
+        order = {pid: i for i, pid in enumerate(self._names)}
+        return sorted(dense, key=lambda p: order.get(id(p), len(order)))
 
     @property
     def server_address(self) -> str | None:
