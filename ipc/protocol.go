@@ -162,6 +162,11 @@ type ScalarsMsg struct {
 	Eps         float64 `msgpack:"eps"`
 	Amsgrad     bool    `msgpack:"amsgrad"`
 	Maximize    bool    `msgpack:"maximize"`
+	// Fused asks for torch's fused CPU arithmetic (AdamW(fused=True));
+	// Lanes is the vector width of the client's fused kernel for the dtype
+	// (8 or 16 lanes of an AVX2/AVX-512 build, 0 for a build without them).
+	Fused bool `msgpack:"fused,omitempty"`
+	Lanes int  `msgpack:"lanes,omitempty"`
 }
 
 // StepItem is one tensor's gradient. Apply false accumulates it (a
@@ -366,6 +371,9 @@ func (s *Step) Validate() error {
 			return fmt.Errorf("item %d: no gradient and nothing to apply", i)
 		}
 		sc := it.Scalars
+		if sc.Lanes < 0 || sc.Lanes > 64 || sc.Lanes&(sc.Lanes-1) != 0 || (sc.Lanes != 0 && !sc.Fused) {
+			return fmt.Errorf("item %d: lanes %d (want 0, or a power of two up to 64 with fused)", i, sc.Lanes)
+		}
 		for _, x := range []float64{sc.Decay, sc.Beta1W, sc.Beta2, sc.OneMinusB2, sc.NegStepSize, sc.BC2Sqrt, sc.Eps} {
 			if it.Apply && !finite(x) {
 				return fmt.Errorf("item %d: non-finite scalar", i)

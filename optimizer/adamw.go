@@ -21,6 +21,11 @@ type Scalars struct {
 	Eps         float64
 	Amsgrad     bool
 	Maximize    bool
+	// Fused selects torch's fused arithmetic (fused.go) instead of the
+	// single-tensor one; Lanes is then the vector width of the client's
+	// fused kernel for the dtype (0: a build without vector units).
+	Fused bool
+	Lanes int
 }
 
 // Hyper are AdamW's hyper-parameters, as torch.optim.AdamW takes them.

@@ -198,10 +198,14 @@ func (e *Engine) Apply(t *Tensor, grad []byte, s Scalars) error {
 		if s.Amsgrad {
 			vmax = t.MaxExpAvgSq[a:b]
 		}
-		switch t.DType {
-		case Float32:
+		switch {
+		case s.Fused && t.DType == Float32:
+			FusedStepF32(f32s(t.Param[a:b]), f32s(grad[a:b]), f32s(t.ExpAvg[a:b]), f32s(t.ExpAvgSq[a:b]), f32s(vmax), s, lo, t.Numel)
+		case s.Fused:
+			FusedStepBF16(u16s(t.Param[a:b]), u16s(grad[a:b]), u16s(t.ExpAvg[a:b]), u16s(t.ExpAvgSq[a:b]), u16s(vmax), s, lo, t.Numel)
+		case t.DType == Float32:
 			StepF32(f32s(t.Param[a:b]), f32s(grad[a:b]), f32s(t.ExpAvg[a:b]), f32s(t.ExpAvgSq[a:b]), f32s(vmax), s, e.Sqrt)
-		case BFloat16:
+		default:
 			StepBF16(u16s(t.Param[a:b]), u16s(grad[a:b]), u16s(t.ExpAvg[a:b]), u16s(t.ExpAvgSq[a:b]), u16s(vmax), s)
 		}
 	})

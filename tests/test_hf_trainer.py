@@ -192,3 +192,21 @@ def test_sonar_trainer_refuses_other_optimizers(tmp_path: Path) -> None:
         t = SonarTrainer(model=olmoe(), args=args(tmp_path, optim=optim, **kw), train_dataset=Windows())
         with pytest.raises(ValueError, match="SonarTrainer"):
             t.create_optimizer()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_sonar_trainer_equals_trainer_default_optimizer(tmp_path: Path, accum: int, dtype: torch.dtype) -> None:
+    """With Trainer's default optimizer (adamw_torch_fused: torch.optim.AdamW(fused=True), decay
+    groups) SonarTrainer ends bit for bit where the stock Trainer does."""
+    a = args(tmp_path, max_grad_norm=0.0, optim="adamw_torch_fused", gradient_accumulation_steps=accum)
+    ref, mine = olmoe().to(dtype), olmoe().to(dtype)
+    rt = Trainer(model=ref, args=a, train_dataset=Windows())
+    rt.train()
+    assert all(g["fused"] for g in rt.optimizer.param_groups)
+    st = SonarTrainer(model=mine, args=a, train_dataset=Windows())
+    st.train()
+    opt = unwrap_sonar(st.optimizer)
+    assert opt is not None and all(g["fused"] for g in opt.param_groups)
+    opt.close()
+    assert_same(ref, mine)

@@ -269,8 +269,8 @@ def test_second_backward_before_step_raises(how: str) -> None:
         x, y = batch(5, 1)
         loss = loss_of(model, x, y)
         loss.backward(retain_graph=how == "retain_graph")
+        sd = copy.deepcopy(opt.state_dict())  # first: it waits for the updates of this backward
         snap = snapshot(model)
-        sd = copy.deepcopy(opt.state_dict())
         with pytest.raises(RuntimeError, match="grad_accumulation_steps"):
             if how == "retain_graph":
                 loss.backward()

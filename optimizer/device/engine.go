@@ -161,6 +161,9 @@ func (e *Engine) Step(wait *cuda.Event, items []Item) error {
 		if it.Apply && it.Scalars.Amsgrad != it.T.Hyper.Amsgrad {
 			return fmt.Errorf("tensor %s: amsgrad=%v in step but registered with amsgrad=%v", it.T.Name, it.Scalars.Amsgrad, it.T.Hyper.Amsgrad)
 		}
+		if it.Apply && it.Scalars.Fused {
+			return fmt.Errorf("tensor %s: fused AdamW arithmetic is not implemented on CUDA (the kernels are torch's foreach)", it.T.Name)
+		}
 		for _, o := range items[:i] {
 			if o.T == it.T {
 				return fmt.Errorf("tensor %s appears twice in one step", it.T.Name)

@@ -15,11 +15,13 @@ README's "Limits" lists those cases.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import subprocess
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -75,6 +77,45 @@ def torch_scalars(group: Mapping[str, Any], step: float, dtype: torch.dtype | No
         "eps": float(group["eps"]),
         "amsgrad": bool(group["amsgrad"]),
         "maximize": bool(group["maximize"]),
+    }
+
+
+def fused_lanes(dtype: torch.dtype) -> int:
+    """The vector width of this torch's fused CPU AdamW kernel for ``dtype``: the AVX2 kernel
+    (also what AVX-512 machines run) has 8 float32 or 16 bfloat16 lanes and a scalar tail; the
+    plain build (``ATEN_CPU_CAPABILITY=default``) has no lanes (docs/fused-adamw-cpu.md)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap == "DEFAULT":
+        return 0
+    if cap in ("AVX2", "AVX512"):
+        return 8 if dtype == torch.float32 else 16
+    raise NotImplementedError(f"fused=True for expert tensors on a {cap} CPU: only the AVX2, AVX-512 and "
+                              "default builds of torch's fused kernel are reproduced")
+
+
+def torch_fused_scalars(group: Mapping[str, Any], step: float, dtype: torch.dtype) -> dict[str, Any]:
+    """One step's constants as torch's fused CPU AdamW computes them (in C double, each cast to
+    float once by the kernel): bias_correction2's square root is ``sqrt``, not ``** 0.5``, and
+    ``1 - lr*weight_decay`` is one fused multiply-add in the vector builds."""
+    lr, (beta1, beta2) = _value(group["lr"]), (_value(b) for b in group["betas"])
+    wd = float(group["weight_decay"])
+    lanes = fused_lanes(dtype)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    decay = float(Fraction(1) - Fraction(lr) * Fraction(wd)) if lanes else 1 - lr * wd
+    return {
+        "decay": decay,
+        "apply_decay": wd != 0,
+        "beta1_w": 1 - beta1,
+        "beta2": beta2,
+        "one_minus_beta2": 1 - beta2,
+        "neg_step_size": -(lr / bias_correction1),
+        "bc2_sqrt": math.sqrt(bias_correction2),
+        "eps": float(group["eps"]),
+        "amsgrad": bool(group["amsgrad"]),
+        "maximize": bool(group["maximize"]),
+        "fused": True,
+        "lanes": lanes,
     }
 
 
@@ -269,10 +310,12 @@ class SonarAdamW(torch.optim.AdamW):
             owner = _owner(p)
             if owner is not None and owner is not self:
                 owner._surrender()
-        if any(self._group_of(p)["fused"] for _, p in new):
-            log.warning("fused=True: the dense parameters use torch's fused AdamW, but the expert tensors get the "
-                        "single-tensor arithmetic (bitwise torch.optim.AdamW(fused=False)); fused arithmetic for "
-                        "expert tensors is not implemented yet (docs/fused-adamw-cpu.md)")
+        for name, p in new:
+            if self._group_of(p)["fused"]:
+                if p.device.type != "cpu":
+                    raise NotImplementedError(f"fused=True for the CUDA expert tensor {name}: sonard's CUDA kernels are "
+                                              "torch's foreach arithmetic; use fused=False (foreach, torch's CUDA default)")
+                fused_lanes(p.dtype)  # refuses CPU builds whose fused kernel is not reproduced
         if isinstance(self._backend, NoExperts):
             self._backend = open_backend(new, self._server, self._options, self._hyper_of, self)
         else:
@@ -325,7 +368,10 @@ class SonarAdamW(torch.optim.AdamW):
         step_t = st["step"]
         step_t += 1
         step = step_t.item()
-        return int(step), torch_scalars(self._group_of(p), step, p.dtype)
+        g = self._group_of(p)
+        if g["fused"]:
+            return int(step), torch_fused_scalars(g, step, p.dtype)
+        return int(step), torch_scalars(g, step, p.dtype)
 
     def retreat(self, p: nn.Parameter, step: int) -> None:
         """The server refused step `step` of p: the step was not taken."""
@@ -405,9 +451,11 @@ class SonarAdamW(torch.optim.AdamW):
         grad = p.grad
         assert grad is not None
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
-            # As GradScaler.unscale_ does: multiply by the float32 reciprocal of the scale.
-            inv_scale = torch.tensor(self.grad_scaler.get_scale(), dtype=torch.float64).reciprocal().float()
-            grad.mul_(inv_scale.to(grad.device))
+            scale = torch.tensor(self.grad_scaler.get_scale(), dtype=torch.float64)
+            if self._group_of(p)["fused"]:  # torch's fused kernel divides by the scale
+                grad.div_(scale.float().to(grad.device))
+            else:  # as GradScaler.unscale_ does: multiply by the float32 reciprocal of the scale
+                grad.mul_(scale.reciprocal().float().to(grad.device))
             if not bool(torch.isfinite(grad).all()):
                 # Not applied; the gradient stays in p.grad until step(), where GradScaler sees the overflow.
                 self._overflowed.add(id(p))
