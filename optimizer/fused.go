@@ -1,5 +1,7 @@
 package optimizer
 
+import "math"
+
 // This file is torch's fused CPU AdamW (torch.optim.AdamW(fused=True),
 // aten/src/ATen/native/cpu/FusedAdamKernel.cpp, ADAMW mode), the third peer
 // beside the single-tensor (adamw.go) and foreach (foreach.go) arithmetic,
@@ -80,7 +82,13 @@ func fusedElement(p, g, m, v, vmax float32, k fusedScalars, tail bool) (float32,
 func FusedStepF32(p, g, m, v, vmax []float32, s Scalars, off, numel int) {
 	k := fusedOf(s)
 	tail := fusedTail(numel, s.Lanes)
-	for i := range p {
+	start := 0
+	if k.fma && k.small && !k.amsgrad && !k.maximize {
+		// The common case (beta1 > 0.5), vector-loop elements: a loop the compiler keeps tight.
+		start = max(0, min(len(p), tail-off))
+		fusedF32Vector(p[:start], g[:start], m[:start], v[:start], k)
+	}
+	for i := start; i < len(p); i++ {
 		var vm float32
 		if k.amsgrad {
 			vm = vmax[i]
@@ -90,6 +98,39 @@ func FusedStepF32(p, g, m, v, vmax []float32, s Scalars, off, numel int) {
 			vmax[i] = vm
 		}
 	}
+}
+
+// fusedF32Vector is fusedElement for vector-loop elements of an FMA build
+// with beta1 > 0.5, no amsgrad and no maximize, written out so that it
+// inlines: fma32 takes the exact fast path of FMA32 and calls it only for the
+// rare double-rounding midpoints.
+func fusedF32Vector(p, g, m, v []float32, k fusedScalars) {
+	decay := float32(1)
+	if k.applyDecay {
+		decay = k.decay
+	}
+	g, m, v = g[:len(p)], m[:len(p)], v[:len(p)]
+	for i := range p {
+		gi, mi := g[i], m[i]
+		pd := float32(p[i] * decay)
+		mi = fma32(k.w, float32(gi-mi), mi)
+		cg := float32(k.c * gi)
+		vi := fma32(gi, cg, float32(k.b2*v[i]))
+		den := float32(Sqrt32(vi)/k.bc2s) + k.eps
+		p[i] = float32(float32(k.negStep*mi)/den) + pd
+		m[i], v[i] = mi, vi
+	}
+}
+
+// fma32 is FMA32's exact fast path (the product of two float32 is exact in
+// float64, so the float64 sum has one rounding; rounding it to float32 is
+// exact unless it lies on a float32 midpoint), small enough to inline.
+func fma32(a, b, c float32) float32 {
+	s := float64(a)*float64(b) + float64(c)
+	if bits := math.Float64bits(s); bits&(1<<29-1) == 1<<28 || (bits>>52)&0x7FF < 1023-126 {
+		return FMA32(a, b, c)
+	}
+	return float32(s)
 }
 
 // FusedStepBF16 is FusedStepF32 for bfloat16 bit patterns: computed in

@@ -77,11 +77,18 @@ func BenchmarkFused(b *testing.B) {
 	for _, dt := range []DType{Float32, BFloat16} {
 		b.Run(dt.String(), func(b *testing.B) {
 			const n = 1 << 20
-			param := make([]byte, n*dt.Size())
-			grad := make([]byte, n*dt.Size())
-			for i := range grad {
-				grad[i] = byte(i*7 + 3)
-				param[i] = byte(i*5 + 1)
+			// Parameter and gradient at different offsets mod 4 KiB, as the
+			// engine's state buffers are (see staggered).
+			param := staggered(n*dt.Size(), 512)
+			grad := staggered(n*dt.Size(), 3072)
+			r := rand.New(rand.NewPCG(1, 2))
+			for i := 0; i < n; i++ {
+				pv, gv := float32(r.NormFloat64()*0.1), float32(r.NormFloat64()*1e-2)
+				if dt == Float32 {
+					F32s(param)[i], F32s(grad)[i] = pv, gv
+				} else {
+					U16s(param)[i], U16s(grad)[i] = F32ToBF16(pv), F32ToBF16(gv)
+				}
 			}
 			t, err := NewTensor("w", dt, n, Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}, param)
 			if err != nil {
