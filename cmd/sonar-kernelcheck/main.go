@@ -55,8 +55,7 @@ func main() {
 type gpu struct {
 	dev *cuda.Device
 	nv  *cuda.NVRTC
-	k   *device.Kernels
-	s   *cuda.Stream
+	eng *device.Engine // its kernels and stream; no tensor state is used
 }
 
 func openGPU() (*gpu, error) {
@@ -69,24 +68,37 @@ func openGPU() (*gpu, error) {
 		_ = dev.Close()
 		return nil, err
 	}
-	k, err := device.LoadKernels(dev, nv)
+	eng, err := device.NewEngine(dev, nv)
 	if err != nil {
 		_ = dev.Close()
 		return nil, err
 	}
-	s, err := dev.NewStream()
-	if err != nil {
-		_ = k.Close()
-		_ = dev.Close()
-		return nil, err
-	}
-	return &gpu{dev: dev, nv: nv, k: k, s: s}, nil
+	return &gpu{dev: dev, nv: nv, eng: eng}, nil
 }
 
 func (g *gpu) close() {
-	_ = g.s.Destroy()
-	_ = g.k.Close()
+	_ = g.eng.Close()
 	_ = g.dev.Close()
+}
+
+// timed records start, runs launch n times on the stream, records end and
+// returns the device milliseconds between the two records.
+func (g *gpu) timed(start, end *cuda.Event, n int, launch func() error) (float32, error) {
+	if err := start.Record(g.eng.Stream); err != nil {
+		return 0, err
+	}
+	for i := 0; i < n; i++ {
+		if err := launch(); err != nil {
+			return 0, err
+		}
+	}
+	if err := end.Record(g.eng.Stream); err != nil {
+		return 0, err
+	}
+	if err := end.Sync(); err != nil {
+		return 0, err
+	}
+	return end.Elapsed(start)
 }
 
 func printJSON(v any) error {
@@ -110,8 +122,8 @@ func info() error {
 		"driver": g.dev.Driver().Path(), "driver_cuda": fmt.Sprintf("%d.%d", g.dev.Driver().Version()/1000, g.dev.Driver().Version()%1000/10),
 		"device": g.dev.Name, "cc": fmt.Sprintf("%d.%d", g.dev.Major, g.dev.Minor), "sms": g.dev.SMs,
 		"mem_total": total, "mem_free": free,
-		"nvrtc": g.nv.Path(), "nvrtc_version": fmt.Sprintf("%d.%d", maj, mnr), "arch": fmt.Sprintf("compute_%d", g.k.Arch),
-		"ptx_bytes": len(g.k.PTX), "options": device.CompileOptions(g.k.Arch),
+		"nvrtc": g.nv.Path(), "nvrtc_version": fmt.Sprintf("%d.%d", maj, mnr), "arch": fmt.Sprintf("compute_%d", g.eng.Kernels.Arch),
+		"ptx_bytes": len(g.eng.Kernels.PTX), "options": device.CompileOptions(g.eng.Kernels.Arch),
 	})
 }
 
@@ -217,7 +229,7 @@ func files(dir string) error {
 		return err
 	}
 	defer g.close()
-	s := g.s
+	s := g.eng.Stream
 	parts := []string{"p", "m", "v", "vmax"}
 	ts := make([]*hostTensor, len(sp.Tensors))
 	defer func() {
@@ -280,19 +292,7 @@ func files(dir string) error {
 				return err
 			}
 		}
-		if err := start.Record(s); err != nil {
-			return err
-		}
-		if err := g.k.AdamW(s, dt, items); err != nil {
-			return err
-		}
-		if err := end.Record(s); err != nil {
-			return err
-		}
-		if err := s.Sync(); err != nil {
-			return err
-		}
-		ms, err := end.Elapsed(start)
+		ms, err := g.timed(start, end, 1, func() error { return g.eng.Kernels.AdamW(s, dt, items) })
 		if err != nil {
 			return err
 		}
@@ -313,7 +313,7 @@ func files(dir string) error {
 		}
 	}
 	return printJSON(map[string]any{"ok": true, "dtype": dt.String(), "tensors": len(ts), "steps": sp.Steps,
-		"kernel_ms": kernelMs, "arch": g.k.Arch})
+		"kernel_ms": kernelMs, "arch": g.eng.Kernels.Arch})
 }
 
 // bench times the AdamW kernel on device buffers of numel elements, split in
@@ -336,7 +336,7 @@ func bench(args []string) error {
 		return err
 	}
 	defer g.close()
-	s := g.s
+	s := g.eng.Stream
 	per := *numel / int64(*tensors)
 	nb := per * int64(dt.Size())
 	sc := optimizer.ScalarsFor(optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}, 1)
@@ -362,25 +362,11 @@ func bench(args []string) error {
 	}
 	start, _ := g.dev.NewEvent(cuda.EventTiming)
 	end, _ := g.dev.NewEvent(cuda.EventTiming)
-	if err := g.k.AdamW(s, dt, items); err != nil { // warm-up
+	if err := g.eng.Kernels.AdamW(s, dt, items); err != nil { // warm-up
 		return err
 	}
 	t0 := time.Now()
-	if err := start.Record(s); err != nil {
-		return err
-	}
-	for i := 0; i < *iters; i++ {
-		if err := g.k.AdamW(s, dt, items); err != nil {
-			return err
-		}
-	}
-	if err := end.Record(s); err != nil {
-		return err
-	}
-	if err := end.Sync(); err != nil {
-		return err
-	}
-	ms, err := end.Elapsed(start)
+	ms, err := g.timed(start, end, *iters, func() error { return g.eng.Kernels.AdamW(g.eng.Stream, dt, items) })
 	if err != nil {
 		return err
 	}
