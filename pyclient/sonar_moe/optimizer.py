@@ -247,6 +247,9 @@ class SonarAdamW(torch.optim.AdamW):
                 raise TypeError("SonarAdamW needs the parameters to optimize (a module, parameters or groups)")
             params = model
         given, self._names = torch_params(params, model)
+        self._order = {pid: i for i, pid in enumerate(self._names)}  # the module's parameter order
+        self._groups_key: tuple[int, ...] = ()
+        self._group_by_param: dict[int, dict[str, Any]] = {}
         self._pred = expert_params
         self._started = False
         self._closed = False
@@ -345,10 +348,16 @@ class SonarAdamW(torch.optim.AdamW):
         return "parameter"
 
     def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
-        for g in self.param_groups:
-            if any(q is p for q in g["params"]):
-                return g
-        raise KeyError("parameter not in any group")
+        """p's parameter group. The map is rebuilt only when the groups themselves change
+        (add_param_group, load_state_dict), not on every gradient."""
+        key = tuple(id(g) for g in self.param_groups)
+        if key != self._groups_key:
+            self._groups_key = key
+            self._group_by_param = {id(q): g for g in self.param_groups for q in g["params"]}
+        g = self._group_by_param.get(id(p))
+        if g is None:
+            raise KeyError("parameter not in any group")
+        return g
 
     def _hyper_of(self, p: torch.Tensor) -> dict[str, Any]:
         """The hyper-parameters the server checks at registration (those of p's group)."""
@@ -408,8 +417,7 @@ class SonarAdamW(torch.optim.AdamW):
         tensor), in the module's order where a module is known (``max_grad_norm`` clips them in
         this order, as Trainer clips ``model.parameters()``), else in the groups' order."""
         dense = [p for g in self.param_groups for p in g["params"] if id(p) not in self._experts]
-        order = {pid: i for i, pid in enumerate(self._names)}
-        return sorted(dense, key=lambda p: order.get(id(p), len(order)))
+        return sorted(dense, key=lambda p: self._order.get(id(p), len(self._order)))
 
     @property
     def server_address(self) -> str | None:
@@ -655,7 +663,7 @@ class SonarAdamW(torch.optim.AdamW):
     def _check_loaded(self, name: str, p: nn.Parameter, st: Mapping[str, Any] | None) -> None:
         """Refuse, before the server is touched, state the server could not take."""
         g = self._group_of(p)
-        registered = self._hyper_of_registered(p)
+        registered = self._registered[id(p)]
         if bool(g["amsgrad"]) != registered["amsgrad"] or bool(g["maximize"]) != registered["maximize"]:
             raise ValueError(f"the state_dict sets amsgrad={g['amsgrad']}, maximize={g['maximize']} for expert tensor "
                              f"{name}, registered with amsgrad={registered['amsgrad']}, maximize="
@@ -673,9 +681,6 @@ class SonarAdamW(torch.optim.AdamW):
             if not isinstance(v, torch.Tensor) or v.shape != p.shape:
                 shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
                 raise ValueError(f"state {k} of expert tensor {name} has shape {shape}, want {tuple(p.shape)}")
-
-    def _hyper_of_registered(self, p: nn.Parameter) -> dict[str, bool]:
-        return self._registered[id(p)]
 
     # ------------------------------------------------------------ reporting
     def stats(self, server: bool = True) -> dict[str, Any]:
