@@ -350,10 +350,8 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 		t.seg, t.param, t.backend = seg, param, seg.backend
 		made = append(made, t)
 	}
-	// Create per backend, in request order within each; on a failure the
-	// backends that already created are rolled back by closing nothing:
-	// creation is all-or-none per backend, and a request mixing backends is
-	// refused before any state is made.
+	// One request registers tensors of one backend, whose Create is all or
+	// none; a request mixing backends is refused before any state is made.
 	for _, t := range made[min(1, len(made)):] {
 		if t.backend != made[0].backend {
 			return nil, fmt.Errorf("tensor %q is %s memory, tensor %q is %s memory: one register request holds one kind",
