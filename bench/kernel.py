@@ -85,13 +85,13 @@ def torch_adamw(n: int, dtype: torch.dtype, reps: int) -> list[dict]:
     return out
 
 
-def sonard_e2e(n: int, dtype: torch.dtype, reps: int) -> dict:
+def sonard_e2e(n: int, dtype: torch.dtype, reps: int, fused: bool = False) -> dict:
     """One expert tensor of n elements updated by a private sonard: request latency seen by
     the client (send -> reply handled) and the server's own time for the step."""
     import sonar_moe
     p, grad = make(n, dtype, 1)
     w = grad.clone()
-    with sonar_moe.SonarAdamW([("experts.w", p)], lr=1e-3, weight_decay=0.01,
+    with sonar_moe.SonarAdamW([("experts.w", p)], lr=1e-3, weight_decay=0.01, fused=fused or None,
                               expert_params=lambda name, t: True) as opt:
         walls = []
         for i in range(reps + 1):
@@ -105,7 +105,8 @@ def sonard_e2e(n: int, dtype: torch.dtype, reps: int) -> dict:
         srv = st["server"]
     med = common.median(lat)
     bpe = 7 * torch.finfo(dtype).bits // 8
-    return {"impl": "sonard-e2e", "dtype": str(dtype).removeprefix("torch."), "numel": n,
+    return {"impl": "sonard-e2e-fused" if fused else "sonard-e2e", "arithmetic": "fused" if fused else "single",
+            "dtype": str(dtype).removeprefix("torch."), "numel": n,
             "median_s": med, "min_s": min(lat), "times_s": lat, "elements_per_s": n / med,
             "gb_per_s": n * bpe / med / 1e9, "bytes_per_element": bpe,
             "server_step_us_p50": srv.get("step_us_p50"), "server_step_us_p99": srv.get("step_us_p99"),
@@ -133,9 +134,10 @@ def ipc_ping(n: int) -> dict:
 
 
 def go_engine(go_bench: str, lib: str | None, dtype: str, n: int, reps: int) -> list[dict]:
-    """The Go engine in-process (cmd/sonar-bench), IEEE sqrt and (float32) MKL vmsSqrt."""
+    """The Go engine in-process (cmd/sonar-bench): single-tensor arithmetic with the IEEE sqrt and
+    (float32) MKL vmsSqrt, and the fused arithmetic."""
     import subprocess
-    cmd = [go_bench, "-sizes", str(n), "-dtypes", dtype, "-reps", str(reps), "-copy-mb", "256"]
+    cmd = [go_bench, "-sizes", str(n), "-dtypes", dtype, "-reps", str(reps), "-copy-mb", "256", "-fused"]
     if lib:
         cmd += ["-torch-lib", lib]
     out = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE).stdout)
@@ -189,6 +191,7 @@ def main() -> None:
                 res["go_kernels"] += merge(go1, go_engine(a.go_bench, a.torch_lib, dn.strip(), n, a.reps))
             if not a.no_sonard:
                 res["sonard"].append(sonard_e2e(n, dtype, a.reps))
+                res["sonard"].append(sonard_e2e(n, dtype, a.reps, fused=True))
     if not a.no_sonard:
         res["ping"] = ipc_ping(a.pings)
     res["copy"].append(copy_bandwidth(a.copy_mb, a.reps))

@@ -6,14 +6,17 @@ import statistics
 from pathlib import Path
 
 MiB = 2**20
-ORDER = ["torch-single", "torch-foreach", "torch-fused", "go-ieee", "go-mkl", "sonard-e2e"]
+ORDER = ["torch-single", "torch-foreach", "torch-fused", "go-ieee", "go-mkl", "go-fused", "sonard-e2e",
+         "sonard-e2e-fused"]
 LABEL = {
     "torch-single": "torch AdamW (single-tensor, CPU default)",
     "torch-foreach": "torch AdamW foreach=True",
     "torch-fused": "torch AdamW fused=True",
     "go-ieee": "Go engine, IEEE sqrt (in-process)",
     "go-mkl": "Go engine, MKL vmsSqrt (in-process)",
+    "go-fused": "Go engine, fused arithmetic (in-process)",
     "sonard-e2e": "sonard end to end (request latency)",
+    "sonard-e2e-fused": "sonard end to end, fused (request latency)",
 }
 MODEL_NAME = {"olmoe": "OLMoE", "granite": "GraniteMoe"}
 
@@ -33,7 +36,7 @@ def signed_pct(x: float) -> str:
 def kernel_rows(res: dict) -> tuple[list[dict], float, dict]:
     rows = []
     for k in res["torch"]["go_kernels"]:
-        rows.append({**k, "impl": f"go-{k['sqrt']}"})
+        rows.append({**k, "impl": "go-fused" if k.get("impl") == "fused" else f"go-{k['sqrt']}"})
     rows += res["torch"]["kernels"]
     rows += res["torch"].get("sonard", [])
     copies = {
@@ -106,10 +109,11 @@ def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
                  "ZeroMQ round trip; the private server uses torch's MKL sqrt for float32 (as `SonarAdamW` "
                  "starts it). The trainer also copies the gradient into a shared-memory slot before sending "
                  "(not in the latency).\n")
-        L.append("| dtype | size | request latency ms | server step ms (p50) | G elem/s (latency) |")
-        L.append("|---|---|---|---|---|")
+        L.append("| dtype | size | arithmetic | request latency ms | server step ms (p50) | G elem/s (latency) |")
+        L.append("|---|---|---|---|---|---|")
         for r in e2e:
-            L.append(f"| {r['dtype']} | {size_name(r['numel'])} | {1e3 * r['median_s']:.2f} | "
+            L.append(f"| {r['dtype']} | {size_name(r['numel'])} | {r.get('arithmetic', 'single')} | "
+                     f"{1e3 * r['median_s']:.2f} | "
                      f"{(r['server_step_us_p50'] or 0) / 1e3:.2f} | {r['elements_per_s'] / 1e9:.3f} |")
     # Targets
     L.append("\n### Kernel targets\n")
@@ -118,7 +122,7 @@ def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
     for dt in dtypes:
         for n in sizes:
             fused = by.get(("torch-fused", dt, n))
-            for impl in ("go-ieee", "go-mkl"):
+            for impl in ("go-ieee", "go-mkl", "go-fused"):
                 r = by.get((impl, dt, n))
                 if r is None or fused is None:
                     continue
@@ -131,7 +135,7 @@ def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
     for n in sizes:
         if n < 16 << 20:
             continue
-        for impl in ("go-ieee", "go-mkl"):
+        for impl in ("go-ieee", "go-mkl", "go-fused"):
             r = by.get((impl, "float32", n))
             if r is None:
                 continue
