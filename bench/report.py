@@ -531,6 +531,20 @@ def analysis(res: dict) -> list[str]:
                  f"bound: its rate hardly changes with size ({bf_rates} "
                  "G elem/s from the smallest to the largest tensor), so its speed is set by the per-op "
                  "rounding it must do to be bit-exact; an AVX-512 version of it would be the next step.")
+    fused_parts = []
+    for dt in ("float32", "bfloat16"):
+        per = ", ".join(f"{size_name(n)} {by[('torch-fused', dt, n)]['median_s'] / by[('go-fused', dt, n)]['median_s']:.2f}x"
+                        for n in sizes if ("go-fused", dt, n) in by and ("torch-fused", dt, n) in by)
+        if per:
+            fused_parts.append(f"{dt}: {per}")
+    if fused_parts:
+        L.append(f"- **Kernel, fused arithmetic** (Go fused vs torch fused: {'; '.join(fused_parts)}). Both make one "
+                 "pass over memory with the same 8-lane AVX2 instructions in the same order (torch's wheel has no "
+                 "AVX-512 copy of this kernel, docs/fused-adamw-cpu.md), so neither does less arithmetic; they differ "
+                 "in how the tensor is split over the cores (the Go engine: one contiguous chunk per worker, "
+                 "goroutines that stay busy; torch: OpenMP threads joined at the end of the step) and in the "
+                 "bfloat16 narrowing sequence. In bfloat16 the fused arithmetic rounds once per stored buffer, "
+                 "so it costs about what float32 does per element while moving half the bytes.")
     mk = by.get(("go-mkl", "float32", big))
     if g and mk:
         L.append(f"- **MKL sqrt** ({size_name(big)}: {mk['gb_per_s']:.1f} GB/s vs {g['gb_per_s']:.1f} GB/s IEEE). "
