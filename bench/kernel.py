@@ -137,12 +137,15 @@ def go_engine(go_bench: str, lib: str | None, dtype: str, n: int, reps: int) -> 
     """The Go engine in-process (cmd/sonar-bench): single-tensor arithmetic with the IEEE sqrt and
     (float32) MKL vmsSqrt, and the fused arithmetic."""
     import subprocess
-    cmd = [go_bench, "-sizes", str(n), "-dtypes", dtype, "-reps", str(reps), "-copy-mb", "256", "-fused"]
+    cmd = [go_bench, "-sizes", str(n), "-dtypes", dtype, "-reps", str(reps), "-copy-mb", "256", "-fused",
+           "-stream-m", str(max(1, (n if dtype == "float32" else n // 2) >> 20))]  # the same bytes as the case
     if lib:
         cmd += ["-torch-lib", lib]
     out = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE).stdout)
     copies = [c["gb_per_s_read_write"] for c in out["copy"]]  # right before and after the kernels
-    return [{**k, "copies_gbps": copies} for k in out["kernels"]]
+    # AdamW's own access pattern (4 read + 3 write streams) at this size, before and after.
+    streams = [st["gb_per_s"] for st in out.get("stream", [])]
+    return [{**k, "copies_gbps": copies, "streams_gbps": streams} for k in out["kernels"]]
 
 
 def go_copy(go_bench: str, mb: int, reps: int) -> dict:
@@ -158,9 +161,11 @@ def merge(a: list[dict], b: list[dict]) -> list[dict]:
         times = x["times_s"] + y["times_s"]
         med = common.median(times)
         copies = x["copies_gbps"] + y["copies_gbps"]
+        streams = x.get("streams_gbps", []) + y.get("streams_gbps", [])
         out.append({**x, "times_s": times, "median_s": med, "min_s": min(times), "elements_per_s": x["numel"] / med,
                     "gb_per_s": x["numel"] * x["bytes_per_element"] / med / 1e9, "copies_gbps": copies,
-                    "copy_gbps": common.median(copies)})
+                    "copy_gbps": common.median(copies), "streams_gbps": streams,
+                    "stream_gbps": common.median(streams) if streams else None})
     return out
 
 

@@ -62,6 +62,7 @@ type Report struct {
 	Reps       int      `json:"reps"`
 	TorchLib   string   `json:"torch_lib,omitempty"`
 	Copy       []Copy   `json:"copy"`
+	Stream     []Stream `json:"stream,omitempty"`
 	Kernels    []Result `json:"kernels"`
 }
 
@@ -71,6 +72,7 @@ func main() {
 	reps := flag.Int("reps", 7, "timed repeats per case (median reported)")
 	workers := flag.Int("workers", runtime.NumCPU(), "engine workers (goroutines per tensor)")
 	copyMB := flag.Int("copy-mb", 256, "size of the copy-bandwidth buffer in MiB (0: no copy measurement)")
+	streamM := flag.Int("stream-m", 0, "also measure AdamW's streaming pattern over four arrays of this many Mi float32 elements (0: not)")
 	torchLib := flag.String("torch-lib", "", "libtorch_cpu.so whose MKL vmsSqrt to measure as well (float32)")
 	fused := flag.Bool("fused", false, "also measure the fused arithmetic (torch.optim.AdamW(fused=True))")
 	flag.Parse()
@@ -91,6 +93,9 @@ func main() {
 		Reps: *reps, TorchLib: *torchLib}
 	if *copyMB > 0 {
 		rep.Copy = append(rep.Copy, copyBandwidth(*copyMB<<20, *workers, *reps))
+	}
+	if *streamM > 0 {
+		rep.Stream = append(rep.Stream, streamBandwidth(*streamM<<20, *workers, *reps))
 	}
 	for _, ds := range strings.Split(*dtypes, ",") {
 		if len(ns) == 0 {
@@ -116,6 +121,9 @@ func main() {
 	// The copy again at the end: the machine's load may drift during the run.
 	if *copyMB > 0 && len(ns) > 0 {
 		rep.Copy = append(rep.Copy, copyBandwidth(*copyMB<<20, *workers, *reps))
+	}
+	if *streamM > 0 && len(ns) > 0 {
+		rep.Stream = append(rep.Stream, streamBandwidth(*streamM<<20, *workers, *reps))
 	}
 	enc := json.NewEncoder(os.Stdout)
 	enc.SetIndent("", "  ")
