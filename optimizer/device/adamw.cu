@@ -30,6 +30,11 @@
 // fused and what is rounded is exactly what this file says. docs/gpu.md
 // lists which of these facts were read from torch's sources and which are
 // only confirmed by the GPU check.
+//
+// The sonar_fused_adamw_* kernels are torch.optim.AdamW(fused=True) on CUDA
+// instead (sonar_fused_element below): every quantity in float, one
+// rounding per stored value, the bias corrections computed on the device
+// with CUDA's powf as torch's kernel does.
 
 // BEGIN LAYOUT (kept in sync with optimizer/device/kernels.go; a test compiles this block
 // with the host C compiler and compares offsetof/sizeof)
@@ -63,6 +68,36 @@ typedef struct {
   unsigned int reserved;
   unsigned long long total_chunks;   // chunks of all n tensors
 } SonarBatch;
+
+// The fused kernels' descriptor: the same pointers, sizes and flags as
+// SonarTensor, but the hyper-parameters as torch's fused CUDA kernel
+// receives them (each cast from the Python float to float once, as
+// static_cast<opmath_t>) and the step count, from which the kernel derives
+// its per-step constants itself, as torch's does.
+typedef struct {
+  unsigned long long param;
+  unsigned long long grad;
+  unsigned long long exp_avg;
+  unsigned long long exp_avg_sq;
+  unsigned long long max_exp_avg_sq;
+  long long numel;
+  unsigned long long first_chunk;
+  float lr;
+  float beta1;
+  float beta2;
+  float weight_decay;
+  float eps;
+  float step;                        // the step count after this update (torch's float state_step)
+  float reserved;
+  unsigned int flags;                // SONAR_FLAG_*; DECAY when (float)weight_decay != 0
+} SonarFusedTensor;
+
+typedef struct {
+  SonarFusedTensor t[SONAR_MAX_TENSORS];
+  unsigned int n;
+  unsigned int reserved;
+  unsigned long long total_chunks;
+} SonarFusedBatch;
 // END LAYOUT
 
 // BEGIN MATH (also compiled for the host by a test, with fmaf/sqrtf)
@@ -158,6 +193,55 @@ template <class S>
 SONAR_HD float sonar_add_element(float acc, float g) {
   return S::get(S::put(S_ADD(acc, g)));
 }
+
+// torch's fused CUDA AdamW (AdamW(fused=True): fused_adam_utils.cuh,
+// FusedAdamMathFunctor and adam_math, ADAMW mode, torch 2.11), everything
+// in float ("opmath"). Its per-tensor constants, from the hyper-parameters
+// cast to float and the two bias corrections bc1 = 1 - powf(beta1, step),
+// bc2 = 1 - powf(beta2, step) (computed on the device: sonar_fused_batch):
+typedef struct {
+  float lrwd;       // lr * weight_decay, rounded (the decay's product)
+  float beta1, beta2, eps;
+  float step_size;  // lr / bc1
+  float bc2_sqrt;   // sqrtf(bc2)
+} SonarFusedConsts;
+
+SONAR_HD SonarFusedConsts sonar_fused_consts(const SonarFusedTensor& t, float bc1, float bc2) {
+  SonarFusedConsts c;
+  c.lrwd = S_MUL(t.lr, t.weight_decay);
+  c.beta1 = t.beta1;
+  c.beta2 = t.beta2;
+  c.eps = t.eps;
+  c.step_size = S_DIV(t.lr, bc1);
+  c.bc2_sqrt = S_SQRT(bc2);
+  return c;
+}
+
+// One element of torch's fused step, in float; the caller rounds each
+// stored value to the storage type once (bfloat16: one rounding per buffer,
+// the float values feed the rest of the step). What nvcc contracts in torch's
+// source is written here as the FMA it became (docs/gpu.md):
+//   param -= lr * weight_decay * param              p = fma(-lrwd, p, p)
+//   exp_avg = fma(beta1, exp_avg, fma(-beta1, g, g))          (explicit in torch)
+//   exp_avg_sq = fma(beta2, v, fma(-beta2, g*g, g*g))         (explicit in torch)
+//   max_exp_avg_sq = std::max(max_exp_avg_sq, exp_avg_sq)    (vmax < v ? v : vmax)
+//   denom = (sqrt(x) / bias_correction2_sqrt) + eps           three roundings
+//   param -= step_size * exp_avg / denom                      three roundings
+SONAR_HD void sonar_fused_element(float& p, float g, float& m, float& v, float& vmax, const SonarFusedConsts& c,
+                                  unsigned int flags) {
+  if (flags & SONAR_FLAG_MAXIMIZE) g = -g;
+  if (flags & SONAR_FLAG_DECAY) p = S_FMA(-c.lrwd, p, p);
+  m = S_FMA(c.beta1, m, S_FMA(-c.beta1, g, g));
+  const float gg = S_MUL(g, g);
+  v = S_FMA(c.beta2, v, S_FMA(-c.beta2, gg, gg));
+  float x = v;
+  if (flags & SONAR_FLAG_AMSGRAD) {  // std::max(vmax, v): a NaN in vmax stays, a NaN in v does not enter
+    vmax = (vmax < v) ? v : vmax;
+    x = vmax;
+  }
+  const float den = S_ADD(S_DIV(S_SQRT(x), c.bc2_sqrt), c.eps);
+  p = S_SUB(p, S_DIV(S_MUL(c.step_size, m), den));
+}
 // END MATH
 
 #if defined(__CUDACC__)
@@ -166,14 +250,17 @@ SONAR_HD float sonar_add_element(float acc, float g) {
 // The batch is read with a computed index: __grid_constant__ keeps it in the
 // parameter space instead of copying 4 KB to each thread's local memory.
 #define SONAR_BATCH const __grid_constant__ SonarBatch
+#define SONAR_FUSED_BATCH const __grid_constant__ SonarFusedBatch
 #else
 #define SONAR_BATCH const SonarBatch
+#define SONAR_FUSED_BATCH const SonarFusedBatch
 #endif
 
 #define SONAR_THREADS 256
 
 // The tensor that chunk c belongs to: the last with first_chunk <= c.
-__device__ __forceinline__ unsigned int sonar_find(const SonarBatch& b, unsigned long long c) {
+template <class B>
+__device__ __forceinline__ unsigned int sonar_find(const B& b, unsigned long long c) {
   unsigned int i = 0;
   while (i + 1 < b.n && b.t[i + 1].first_chunk <= c) i++;
   return i;
@@ -210,6 +297,40 @@ __device__ __forceinline__ void sonar_adamw_batch(const SonarBatch& b) {
   }
 }
 
+// CUDA's powf (libdevice), as torch's at::native::pow_(float, float) calls
+// it. Kept out of line so that the PTX test can tell its instructions (an
+// approximate reciprocal seeds its logarithm) from the kernels' own.
+extern "C" __device__ __noinline__ float sonar_powf(float base, float exp) { return powf(base, exp); }
+
+template <class S>
+__device__ __forceinline__ void sonar_fused_batch(const SonarFusedBatch& b) {
+  typedef typename S::T T;
+  for (unsigned long long c = blockIdx.x; c < b.total_chunks; c += gridDim.x) {
+    const SonarFusedTensor& t = b.t[sonar_find(b, c)];
+    // Per tensor, as FusedAdamMathFunctor computes them per block:
+    // bias_correction = 1 - pow_(beta, step), all in float.
+    const float bc1 = __fsub_rn(1.0f, sonar_powf(t.beta1, t.step));
+    const float bc2 = __fsub_rn(1.0f, sonar_powf(t.beta2, t.step));
+    const SonarFusedConsts k = sonar_fused_consts(t, bc1, bc2);
+    T* P = (T*)t.param;
+    const T* G = (const T*)t.grad;
+    T* M = (T*)t.exp_avg;
+    T* V = (T*)t.exp_avg_sq;
+    T* VM = (t.flags & SONAR_FLAG_AMSGRAD) ? (T*)t.max_exp_avg_sq : (T*)0;
+    const long long lo = (long long)(c - t.first_chunk) * SONAR_CHUNK;
+    const long long hi = min(lo + (long long)SONAR_CHUNK, t.numel);
+    for (long long j = lo + threadIdx.x; j < hi; j += SONAR_THREADS) {
+      float p = S::get(P[j]), m = S::get(M[j]), v = S::get(V[j]);
+      float vmax = VM ? S::get(VM[j]) : 0.0f;
+      sonar_fused_element(p, S::get(G[j]), m, v, vmax, k, t.flags);
+      P[j] = S::put(p);
+      M[j] = S::put(m);
+      V[j] = S::put(v);
+      if (VM) VM[j] = S::put(vmax);
+    }
+  }
+}
+
 template <class S>
 __device__ __forceinline__ void sonar_add_batch(const SonarBatch& b) {
   typedef typename S::T T;
@@ -230,6 +351,12 @@ extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_adamw_f32(SONA
 }
 extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_adamw_bf16(SONAR_BATCH b) {
   sonar_adamw_batch<SonarBF16>(b);
+}
+extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_fused_adamw_f32(SONAR_FUSED_BATCH b) {
+  sonar_fused_batch<SonarF32>(b);
+}
+extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_fused_adamw_bf16(SONAR_FUSED_BATCH b) {
+  sonar_fused_batch<SonarBF16>(b);
 }
 extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_add_f32(SONAR_BATCH b) {
   sonar_add_batch<SonarF32>(b);

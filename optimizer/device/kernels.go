@@ -17,7 +17,8 @@ var adamwSource string
 func KernelSource() string { return adamwSource }
 
 // Kernel names in adamw.cu.
-var kernelNames = []string{"sonar_adamw_f32", "sonar_adamw_bf16", "sonar_add_f32", "sonar_add_bf16"}
+var kernelNames = []string{"sonar_adamw_f32", "sonar_adamw_bf16", "sonar_fused_adamw_f32", "sonar_fused_adamw_bf16",
+	"sonar_add_f32", "sonar_add_bf16"}
 
 // The batch layout of adamw.cu (SonarTensor, SonarBatch). A test
 // compiles the source's layout block with the host C compiler and checks
@@ -27,22 +28,29 @@ const (
 	ChunkElems      = 65536 // SONAR_CHUNK
 	threadsPerBlock = 256   // SONAR_THREADS
 
-	tensorDescSize  = 88 // sizeof(SonarTensor)
-	offParam        = 0
-	offGrad         = 8
-	offExpAvg       = 16
-	offExpAvgSq     = 24
-	offMaxExpAvgSq  = 32
-	offNumel        = 40
-	offFirstChunk   = 48
-	offDecay        = 56
-	offBeta1W       = 60
-	offBeta2        = 64
-	offOneMinusB2   = 68
-	offNegStepSize  = 72
-	offBC2Sqrt      = 76
-	offEps          = 80
-	offFlags        = 84
+	tensorDescSize = 88 // sizeof(SonarTensor)
+	offParam       = 0
+	offGrad        = 8
+	offExpAvg      = 16
+	offExpAvgSq    = 24
+	offMaxExpAvgSq = 32
+	offNumel       = 40
+	offFirstChunk  = 48
+	offDecay       = 56
+	offBeta1W      = 60
+	offBeta2       = 64
+	offOneMinusB2  = 68
+	offNegStepSize = 72
+	offBC2Sqrt     = 76
+	offEps         = 80
+	offFlags       = 84
+	// SonarFusedTensor: the same size, pointers and flags; these floats.
+	offFusedLR      = 56
+	offFusedBeta1   = 60
+	offFusedBeta2   = 64
+	offFusedWD      = 68
+	offFusedEps     = 72
+	offFusedStep    = 76
 	batchOffN       = MaxBatchTensors * tensorDescSize // offsetof(SonarBatch, n)
 	batchOffTotal   = batchOffN + 8                    // offsetof(SonarBatch, total_chunks)
 	batchSize       = batchOffTotal + 8                // sizeof(SonarBatch)
@@ -74,11 +82,14 @@ func CompileKernels(nv *cuda.NVRTC, arch int) ([]byte, error) {
 
 // Launch is one tensor of an AdamW batch: device pointers (Param, ExpAvg,
 // ExpAvgSq and, with amsgrad, MaxExpAvgSq updated in place; Grad read) and
-// the step's scalars, computed by the client as torch does.
+// the step's scalars, computed by the client as torch does. Scalars.Fused
+// selects torch's fused arithmetic (the sonar_fused_adamw kernels), which
+// also needs Step, the tensor's step count after this update.
 type Launch struct {
 	Param, Grad, ExpAvg, ExpAvgSq, MaxExpAvgSq cuda.DevicePtr
 	Numel                                      int64
 	Scalars                                    optimizer.Scalars
+	Step                                       int64
 }
 
 // AddItem is one tensor of an accumulation batch: Dst += Src.
@@ -88,7 +99,8 @@ type AddItem struct {
 }
 
 // PackBatch lays out up to MaxBatchTensors tensors as the kernels' SonarBatch
-// parameter and returns it with the number of chunks it covers.
+// parameter (SonarFusedBatch when the items are fused: all or none) and
+// returns it with the number of chunks it covers.
 func PackBatch(items []Launch) ([]byte, uint64, error) {
 	if len(items) == 0 || len(items) > MaxBatchTensors {
 		return nil, 0, fmt.Errorf("device: batch of %d tensors (1..%d)", len(items), MaxBatchTensors)
@@ -96,7 +108,11 @@ func PackBatch(items []Launch) ([]byte, uint64, error) {
 	b := make([]byte, batchSize)
 	le := binary.LittleEndian
 	var chunks uint64
+	fused := items[0].Scalars.Fused
 	for i, it := range items {
+		if it.Scalars.Fused != fused {
+			return nil, 0, fmt.Errorf("device: tensor %d: fused and foreach tensors in one batch", i)
+		}
 		if it.Numel <= 0 {
 			return nil, 0, fmt.Errorf("device: tensor %d: numel %d", i, it.Numel)
 		}
@@ -117,15 +133,32 @@ func PackBatch(items []Launch) ([]byte, uint64, error) {
 		}
 		le.PutUint64(d[offNumel:], uint64(it.Numel))
 		le.PutUint64(d[offFirstChunk:], chunks)
-		for _, f := range []struct {
+		type slot struct {
 			off int
 			v   float64
-		}{{offDecay, sc.Decay}, {offBeta1W, sc.Beta1W}, {offBeta2, sc.Beta2}, {offOneMinusB2, sc.OneMinusB2},
-			{offNegStepSize, sc.NegStepSize}, {offBC2Sqrt, sc.BC2Sqrt}, {offEps, sc.Eps}} {
-			// Python float -> opmath float: round to nearest, as c10::Scalar::to<float>.
+		}
+		slots := []slot{{offDecay, sc.Decay}, {offBeta1W, sc.Beta1W}, {offBeta2, sc.Beta2}, {offOneMinusB2, sc.OneMinusB2},
+			{offNegStepSize, sc.NegStepSize}, {offBC2Sqrt, sc.BC2Sqrt}, {offEps, sc.Eps}}
+		flags := scalarFlags(sc)
+		if fused {
+			if it.Step < 1 {
+				return nil, 0, fmt.Errorf("device: tensor %d: fused step count %d", i, it.Step)
+			}
+			// torch's state_step is a float32 tensor; the kernel reads it as float.
+			slots = []slot{{offFusedLR, sc.LR}, {offFusedBeta1, sc.Beta1}, {offFusedBeta2, sc.Beta2},
+				{offFusedWD, sc.WeightDecay}, {offFusedEps, sc.Eps}, {offFusedStep, float64(float32(it.Step))}}
+			// The fused kernel decays when its float weight_decay is not 0.
+			flags &^= flagDecay
+			if float32(sc.WeightDecay) != 0 {
+				flags |= flagDecay
+			}
+		}
+		for _, f := range slots {
+			// Python float -> opmath float: round to nearest, as c10::Scalar::to<float>
+			// (foreach) and static_cast<float> (fused).
 			le.PutUint32(d[f.off:], math.Float32bits(float32(f.v)))
 		}
-		le.PutUint32(d[offFlags:], scalarFlags(sc))
+		le.PutUint32(d[offFlags:], flags)
 		chunks += uint64((it.Numel + ChunkElems - 1) / ChunkElems)
 	}
 	le.PutUint32(b[batchOffN:], uint32(len(items)))
@@ -218,9 +251,13 @@ func kernelFor(prefix string, dt optimizer.DType) (string, error) {
 }
 
 // AdamW queues one AdamW step of every tensor on s: one launch per
-// MaxBatchTensors tensors. The host does not wait; record an event to know
-// when the update is done.
+// MaxBatchTensors tensors, of the fused kernel when the items are fused
+// (all or none), else of the foreach one. The host does not wait; record an
+// event to know when the update is done.
 func (k *Kernels) AdamW(s *cuda.Stream, dt optimizer.DType, items []Launch) error {
+	if len(items) > 0 && items[0].Scalars.Fused {
+		return launchBatches(k, s, "sonar_fused_adamw", dt, items, PackBatch)
+	}
 	return launchBatches(k, s, "sonar_adamw", dt, items, PackBatch)
 }
 
