@@ -92,6 +92,24 @@ int main() {
 	if got := strings.TrimSpace(string(out)); got != want {
 		t.Errorf("C layout %s\n Go layout %s", got, want)
 	}
+	fbin := hostBuild(t, hostPrelude, section(t, "LAYOUT"), `
+int main() {
+  printf("%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\n", sizeof(SonarFusedTensor),
+    offsetof(SonarFusedTensor, param), offsetof(SonarFusedTensor, numel), offsetof(SonarFusedTensor, first_chunk),
+    offsetof(SonarFusedTensor, lr), offsetof(SonarFusedTensor, beta1), offsetof(SonarFusedTensor, beta2),
+    offsetof(SonarFusedTensor, weight_decay), offsetof(SonarFusedTensor, eps), offsetof(SonarFusedTensor, step),
+    offsetof(SonarFusedTensor, flags), offsetof(SonarFusedBatch, n), offsetof(SonarFusedBatch, total_chunks), sizeof(SonarFusedBatch));
+  return 0;
+}`)
+	fout, err := exec.Command(fbin).Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fwant := fmt.Sprintf("%d %d %d %d %d %d %d %d %d %d %d %d %d %d", tensorDescSize, offParam, offNumel, offFirstChunk,
+		offFusedLR, offFusedBeta1, offFusedBeta2, offFusedWD, offFusedEps, offFusedStep, offFlags, batchOffN, batchOffTotal, batchSize)
+	if got := strings.TrimSpace(string(fout)); got != fwant {
+		t.Errorf("C layout of the fused batch %s\n Go layout %s", got, fwant)
+	}
 	if batchSize > maxKernelParams {
 		t.Errorf("SonarBatch is %d bytes, over the %d-byte kernel parameter limit", batchSize, maxKernelParams)
 	}
@@ -320,6 +338,44 @@ func TestPackBatch(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestPackFusedBatch checks the fused descriptors: the hyper-parameters
+// and step as floats, decay decided by the float weight decay (as torch's
+// kernel tests it), and batches that mix the two arithmetics refused.
+func TestPackFusedBatch(t *testing.T) {
+	sc := optimizer.Scalars{Fused: true, LR: 3e-4, Beta1: 0.9, Beta2: 0.95, WeightDecay: 0.1, Eps: 1e-6, ApplyDecay: true, Maximize: true}
+	tiny := sc
+	tiny.WeightDecay = 1e-50 // not 0 in double, 0 in float: torch's kernel does not decay
+	it := func(s optimizer.Scalars, step int64) Launch {
+		return Launch{Param: 0x1000, Grad: 0x2000, ExpAvg: 0x3000, ExpAvgSq: 0x4000, Numel: 5, Scalars: s, Step: step}
+	}
+	b, chunks, err := PackBatch([]Launch{it(sc, 7), it(tiny, 1)})
+	if err != nil || chunks != 2 {
+		t.Fatalf("PackBatch: %v (%d chunks)", err, chunks)
+	}
+	le := binary.LittleEndian
+	f := func(d []byte, off int) float32 { return math.Float32frombits(le.Uint32(d[off:])) }
+	d := b[:tensorDescSize]
+	if f(d, offFusedLR) != float32(3e-4) || f(d, offFusedBeta1) != 0.9 || f(d, offFusedBeta2) != 0.95 ||
+		f(d, offFusedWD) != float32(0.1) || f(d, offFusedEps) != float32(1e-6) || f(d, offFusedStep) != 7 {
+		t.Errorf("fused descriptor floats %v %v %v %v %v %v", f(d, offFusedLR), f(d, offFusedBeta1), f(d, offFusedBeta2),
+			f(d, offFusedWD), f(d, offFusedEps), f(d, offFusedStep))
+	}
+	if fl := le.Uint32(d[offFlags:]); fl != flagDecay|flagMaximize {
+		t.Errorf("flags %#x", fl)
+	}
+	if fl := le.Uint32(b[tensorDescSize+offFlags:]); fl != flagMaximize {
+		t.Errorf("weight decay 1e-50 (0 in float): flags %#x, want no decay", fl)
+	}
+	foreach := sc
+	foreach.Fused = false
+	if _, _, err := PackBatch([]Launch{it(sc, 1), it(foreach, 1)}); err == nil || !strings.Contains(err.Error(), "fused and foreach") {
+		t.Errorf("mixed batch: %v", err)
+	}
+	if _, _, err := PackBatch([]Launch{it(sc, 0)}); err == nil || !strings.Contains(err.Error(), "step count 0") {
+		t.Errorf("step 0: %v", err)
 	}
 }
 
