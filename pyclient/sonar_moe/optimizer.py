@@ -119,6 +119,19 @@ def torch_fused_scalars(group: Mapping[str, Any], step: float, dtype: torch.dtyp
     }
 
 
+def torch_fused_cuda_scalars(group: Mapping[str, Any], step: float) -> dict[str, Any]:
+    """One step's constants for torch's fused CUDA AdamW (``fused=True`` on a GPU). That kernel takes
+    lr, the betas, weight_decay and eps as C doubles, casts each to float on the device and derives
+    everything else there from the float step count (``1 - powf(beta, step)``); sonard's fused kernel
+    does the same from ``lr``, ``beta1``, ``weight_decay``, ``beta2`` and ``eps`` sent here. The other
+    scalars are the usual float64 ones (the server checks ``beta1_w`` and ``decay`` against them)."""
+    sc = torch_scalars(group, step)
+    lr, beta1 = _value(group["lr"]), _value(group["betas"][0])
+    wd = float(group["weight_decay"])
+    sc.update(decay=1 - lr * wd, beta1_w=1 - beta1, fused=True, lanes=0, lr=lr, beta1=beta1, weight_decay=wd)
+    return sc
+
+
 def open_backend(named: list[tuple[str, nn.Parameter]], server: str | None, options: BackendOptions,
                  hyper_of: Callable[[nn.Parameter], Mapping[str, Any]], counter: Any) -> ExpertBackend:
     """The expert backend of these tensors, chosen once: CUDA IPC when any expert tensor is on
@@ -313,11 +326,8 @@ class SonarAdamW(torch.optim.AdamW):
             owner = _owner(p)
             if owner is not None and owner is not self:
                 owner._surrender()
-        for name, p in new:
-            if self._group_of(p)["fused"]:
-                if p.device.type != "cpu":
-                    raise NotImplementedError(f"fused=True for the CUDA expert tensor {name}: sonard's CUDA kernels are "
-                                              "torch's foreach arithmetic; use fused=False (foreach, torch's CUDA default)")
+        for _, p in new:
+            if self._group_of(p)["fused"] and p.device.type == "cpu":
                 fused_lanes(p.dtype)  # refuses CPU builds whose fused kernel is not reproduced
         if isinstance(self._backend, NoExperts):
             self._backend = open_backend(new, self._server, self._options, self._hyper_of, self)
@@ -379,6 +389,8 @@ class SonarAdamW(torch.optim.AdamW):
         step = step_t.item()
         g = self._group_of(p)
         if g["fused"]:
+            if p.device.type == "cuda":
+                return int(step), torch_fused_cuda_scalars(g, step)
             return int(step), torch_fused_scalars(g, step, p.dtype)
         return int(step), torch_scalars(g, step, p.dtype)
 
