@@ -32,3 +32,11 @@ def test_fused_cuda_scalars_with_tensor_lr_and_betas() -> None:
     assert sc["beta1"] == float(torch.tensor(0.9).item()) and sc["beta2"] == float(torch.tensor(0.95).item())
     assert sc["beta1_w"] == 1 - sc["beta1"] and sc["decay"] == 1 - sc["lr"] * sc["weight_decay"]
     assert all(isinstance(v, (bool, int, float)) for v in sc.values())
+
+
+def test_fused_cuda_needs_torch_2_11() -> None:
+    from sonar_moe.optimizer import fused_cuda_supported
+
+    for v, ok in [("2.10.0+cu128", False), ("2.9.1", False), ("2.8.0", False), ("1.13.1", False),
+                  ("2.11.0+cu130", True), ("2.11.0a0+git70d99e9", True), ("2.15.0+cu132", True), ("3.0.0", True)]:
+        assert fused_cuda_supported(v) is ok, v

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import statistics
 import subprocess
 import time
@@ -117,6 +118,18 @@ def torch_fused_scalars(group: Mapping[str, Any], step: float, dtype: torch.dtyp
         "fused": True,
         "lanes": lanes,
     }
+
+
+# torch's fused CUDA AdamW computes in float from torch 2.11 on (sonard's fused kernels); up to
+# 2.10 its kernel evaluates the moments and the decay in double (docs/gpu.md, "Fused").
+FUSED_CUDA_MIN_TORCH = (2, 11)
+
+
+def fused_cuda_supported(version: str | None = None) -> bool:
+    """Whether this torch's fused CUDA AdamW is the arithmetic sonard's fused kernels reproduce
+    (torch >= 2.11; a pre-release of 2.11 counts as 2.11)."""
+    m = re.match(r"(\d+)\.(\d+)", version or torch.__version__)
+    return m is not None and (int(m.group(1)), int(m.group(2))) >= FUSED_CUDA_MIN_TORCH
 
 
 def torch_fused_cuda_scalars(group: Mapping[str, Any], step: float) -> dict[str, Any]:
@@ -326,9 +339,16 @@ class SonarAdamW(torch.optim.AdamW):
             owner = _owner(p)
             if owner is not None and owner is not self:
                 owner._surrender()
-        for _, p in new:
-            if self._group_of(p)["fused"] and p.device.type == "cpu":
+        for name, p in new:
+            if not self._group_of(p)["fused"]:
+                continue
+            if p.device.type == "cpu":
                 fused_lanes(p.dtype)  # refuses CPU builds whose fused kernel is not reproduced
+            elif not fused_cuda_supported():
+                raise NotImplementedError(
+                    f"fused=True for the CUDA expert tensor {name} with torch {torch.__version__}: its fused CUDA "
+                    "AdamW evaluates the update in double, sonard reproduces the float kernel of torch >= 2.11; "
+                    "use torch >= 2.11, or fused=False (foreach, torch's CUDA default)")
         if isinstance(self._backend, NoExperts):
             self._backend = open_backend(new, self._server, self._options, self._hyper_of, self)
         else:
