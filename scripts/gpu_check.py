@@ -17,7 +17,8 @@ docs/gpu-results.md and docs/gpu-results.json (and copies both to $OUT when that
    too, so a mismatch says whether the assumed rounding or the kernel is wrong.
 2. sonard: a small OLMoE (transformers, on CUDA) trained by sonar_moe.SonarAdamW with a
    private sonard (started by the client, as a user gets it), float32 and bfloat16, with and
-   without max_grad_norm, bit for bit against torch.optim.AdamW over all parameters: (a) a
+   without max_grad_norm, and with fused=True (float32, and bfloat16 with clipping), bit for
+   bit against torch.optim.AdamW (with the same flags) over all parameters: (a) a
    shadow AdamW fed the very gradients of the Sonar run, after every step; (b) an independent
    torch run (meaningful when two torch runs agree); (c) state_dict() (sonard's export) vs
    the shadow's state; (d) load_state_dict() of torch's state into a fresh SonarAdamW (sonard's
