@@ -173,6 +173,9 @@ type ScalarsMsg struct {
 	LR          float64 `msgpack:"lr,omitempty"`
 	Beta1       float64 `msgpack:"beta1,omitempty"`
 	WeightDecay float64 `msgpack:"weight_decay,omitempty"`
+	// FusedDouble (with Fused, CUDA): the client's torch is 2.8 to 2.10,
+	// whose fused CUDA kernel computes partly in double.
+	FusedDouble bool `msgpack:"fused_double,omitempty"`
 }
 
 // StepItem is one tensor's gradient. Apply false accumulates it (a

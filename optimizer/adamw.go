@@ -31,6 +31,9 @@ type Scalars struct {
 	// constants on the device from them, the step count, Beta2 and Eps);
 	// only the CUDA engine's fused kernels use them.
 	LR, Beta1, WeightDecay float64
+	// FusedDouble selects the fused CUDA arithmetic of torch 2.8 to 2.10,
+	// which evaluates part of the update in double (fused_cuda.go).
+	FusedDouble bool
 }
 
 // Hyper are AdamW's hyper-parameters, as torch.optim.AdamW takes them.

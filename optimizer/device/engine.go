@@ -211,10 +211,10 @@ func (e *Engine) queue(wait *cuda.Event, items []Item) error {
 		}
 	}
 	adds := map[optimizer.DType][]AddItem{}
-	// One launch list per dtype and arithmetic (foreach, fused).
+	// One launch list per dtype and arithmetic (foreach, fused, fused double).
 	type kind struct {
-		dt    optimizer.DType
-		fused bool
+		dt optimizer.DType
+		k  int
 	}
 	apply := map[kind][]Launch{}
 	for _, it := range items {
@@ -234,7 +234,7 @@ func (e *Engine) queue(wait *cuda.Event, items []Item) error {
 			src = t.accum
 		}
 		if it.Apply {
-			k := kind{t.DType, it.Scalars.Fused}
+			k := kind{t.DType, batchKind(it.Scalars)}
 			apply[k] = append(apply[k], Launch{Param: t.Param, Grad: src, ExpAvg: t.m, ExpAvgSq: t.v,
 				MaxExpAvgSq: t.vmax, Numel: t.Numel, Scalars: it.Scalars, Step: t.Step + 1})
 		}
@@ -247,8 +247,8 @@ func (e *Engine) queue(wait *cuda.Event, items []Item) error {
 		}
 	}
 	for _, dt := range []optimizer.DType{optimizer.Float32, optimizer.BFloat16} {
-		for _, fused := range []bool{false, true} {
-			if l := apply[kind{dt, fused}]; len(l) > 0 {
+		for k := 0; k < 3; k++ {
+			if l := apply[kind{dt, k}]; len(l) > 0 {
 				if err := e.Kernels.AdamW(e.Stream, dt, l); err != nil {
 					return err
 				}
