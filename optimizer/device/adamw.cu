@@ -26,8 +26,10 @@
 // p + m/d), the scalars are the Python floats rounded to float32, and R is
 // the identity for float32 and round-to-nearest-even to bfloat16. Every
 // operation is written with an explicit IEEE intrinsic (the _rn forms are
-// never contracted) and the module is compiled with --fmad=false, so what is
-// fused and what is rounded is exactly what this file says. docs/gpu.md
+// never contracted, whatever --fmad says), so what is fused and what is
+// rounded is exactly what this file says. The module is compiled with
+// nvcc's default --fmad=true, as torch is, for the one thing it changes:
+// libdevice's pow, which the fused kernels call. docs/gpu.md
 // lists which of these facts were read from torch's sources and which are
 // only confirmed by the GPU check.
 //

@@ -507,6 +507,24 @@ func TestCompileKernels(t *testing.T) {
 		if !strings.Contains(s, "fma.rn.f32") || !strings.Contains(s, "div.rn.f32") || !strings.Contains(s, "sqrt.rn.f32") {
 			t.Errorf("compute_%d: expected fma.rn, div.rn and sqrt.rn in the PTX", arch)
 		}
+		// --fmad changes nothing in the kernels themselves (every operation is
+		// an _rn intrinsic), only inside libdevice's pow functions.
+		opts := CompileOptions(arch)
+		for i, o := range opts {
+			if o == "--fmad=true" {
+				opts[i] = "--fmad=false"
+			}
+		}
+		ptxNoFMA, err := nv.Compile(KernelSource(), "adamw.cu", opts)
+		if err != nil {
+			t.Fatalf("compute_%d with --fmad=false: %v", arch, err)
+		}
+		noFMA := ptxFunctions(string(ptxNoFMA))
+		for _, k := range kernelNames {
+			if funcs[k] != noFMA[k] {
+				t.Errorf("compute_%d: %s differs between --fmad=true and --fmad=false: an operation is not pinned", arch, k)
+			}
+		}
 	}
 }
 
