@@ -189,8 +189,26 @@ func TestCUDAPathOnStandInDriver(t *testing.T) {
 	if got := strings.TrimSpace(w.f.Kernels()); got != "sonar_fused_adamw_f32 sonar_adamw_bf16" {
 		t.Errorf("fused f32 + foreach bf16 step launched %q", got)
 	}
+	// torch 2.8-2.10's fused arithmetic (fused_double): its own kernels, the doubles in the descriptor.
+	items[0].Step, items[1].Step = 4, 4
+	items[1].Scalars = fused(sc)
+	items[1].Scalars.FusedDouble = true
+	w.f.ClearLog()
+	w.must(c, ipc.OpStep, ipc.Step{Items: items, WaitEvent: true})
+	if got := strings.TrimSpace(w.f.Kernels()); got != "sonar_fused_adamw_f32 sonar_fused64_adamw_bf16" {
+		t.Errorf("fused f32 + fused double bf16 step launched %q", got)
+	}
+	p104 := make([]byte, 104)
+	w.f.Launch(&dims, &stream, &p104[0], int32(len(p104)))
+	f64at := func(off int) float64 { return math.Float64frombits(le.Uint64(p104[off:])) }
+	if f64at(56) != 1e-3 || f64at(64) != 0.9 || f64at(72) != 0.999 || f64at(80) != 0.01 || f64at(88) != 1e-8 ||
+		math.Float32frombits(le.Uint32(p104[96:])) != 4 || le.Uint32(p104[100:])&1 == 0 {
+		t.Errorf("fused double descriptor: %v %v %v %v %v step %v flags %#x", f64at(56), f64at(64), f64at(72), f64at(80),
+			f64at(88), math.Float32frombits(le.Uint32(p104[96:])), le.Uint32(p104[100:]))
+	}
+	items[1].Scalars = sc
 	bad := items[0]
-	bad.Step = 4
+	bad.Step = 5
 	bad.Scalars.LR = 0 // a client that sent only the CPU kernel's fused scalars
 	launches0 := w.f.State(cudatest.Launches)
 	if _, err := w.call(c, ipc.OpStep, ipc.Step{Items: []ipc.StepItem{bad}}); err == nil || !strings.Contains(err.Error(), "needs the step's lr") {
@@ -207,7 +225,7 @@ func TestCUDAPathOnStandInDriver(t *testing.T) {
 	cpuReg := w.must(c, ipc.OpRegister, ipc.Register{Tensors: []ipc.TensorSpec{{Name: "cpu", Shape: []int64{8}, DType: "float32",
 		Param: ipc.MemRef{Seg: shm.id, Bytes: 32}, Hyper: hyper}}}).(ipc.RegisterReply)
 	launches := w.f.State(cudatest.Launches)
-	mod := func(f func(*ipc.StepItem)) ipc.StepItem { it := items[0]; it.Step = 4; f(&it); return it }
+	mod := func(f func(*ipc.StepItem)) ipc.StepItem { it := items[0]; it.Step = 5; f(&it); return it }
 	for _, tc := range []struct {
 		name string
 		step ipc.Step
@@ -221,7 +239,7 @@ func TestCUDAPathOnStandInDriver(t *testing.T) {
 			"overlaps the parameter"},
 		{"gradient outside the allocation", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Grad.Offset = cudaAlloc - 512 })}},
 			"outside its"},
-		{"wrong step", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Step = 5 })}}, "client step 5 but server is at step 3"},
+		{"wrong step", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Step = 7 })}}, "client step 7 but server is at step 4"},
 		{"amsgrad differs", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Scalars.Amsgrad = false })}}, "amsgrad/maximize differ"},
 		{"nothing accumulated", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Grad = ipc.MemRef{} })}}, "nothing accumulated"},
 	} {

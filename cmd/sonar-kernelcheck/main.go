@@ -152,12 +152,17 @@ type ScalarsJSON struct {
 	Step        int64   `json:"step,omitempty"`
 	BC1         float64 `json:"bc1,omitempty"`
 	BC2         float64 `json:"bc2,omitempty"`
+	// FusedDouble (with Fused): torch 2.8-2.10's fused arithmetic (the
+	// sonar_fused64 kernels); BC1 and BC2 are then the double bias
+	// corrections.
+	FusedDouble bool `json:"fused_double,omitempty"`
 }
 
 func (s ScalarsJSON) scalars() optimizer.Scalars {
 	return optimizer.Scalars{Decay: s.Decay, ApplyDecay: s.ApplyDecay, Beta1W: s.Beta1W, Beta2: s.Beta2,
 		OneMinusB2: s.OneMinusB2, NegStepSize: s.NegStepSize, BC2Sqrt: s.BC2Sqrt, Eps: s.Eps,
-		Amsgrad: s.Amsgrad, Maximize: s.Maximize, Fused: s.Fused, LR: s.LR, Beta1: s.Beta1, WeightDecay: s.WeightDecay}
+		Amsgrad: s.Amsgrad, Maximize: s.Maximize, Fused: s.Fused, LR: s.LR, Beta1: s.Beta1, WeightDecay: s.WeightDecay,
+		FusedDouble: s.FusedDouble}
 }
 
 // reference applies the Go reference of the arithmetic sc selects to host buffers.
@@ -165,6 +170,16 @@ func (s ScalarsJSON) reference(dt optimizer.DType, step int64, p, g, m, v, vmax 
 	sc := s.scalars()
 	if !s.Fused {
 		return optimizer.ForeachStep(dt, p, g, m, v, vmax, sc)
+	}
+	if s.FusedDouble {
+		k := optimizer.FusedCUDA64Of(sc, step)
+		if s.BC1 != 0 {
+			k.BC1 = s.BC1
+		}
+		if s.BC2 != 0 {
+			k.BC2 = s.BC2
+		}
+		return optimizer.FusedCUDA64Step(dt, p, g, m, v, vmax, k)
 	}
 	k := optimizer.FusedCUDAOf(sc, step)
 	if s.BC1 != 0 {
@@ -326,11 +341,14 @@ func files(dir string) error {
 				return err
 			}
 		}
-		// One launch list per arithmetic (a batch is all fused or all foreach).
-		var lists [2][]device.Launch
+		// One launch list per arithmetic (foreach, fused, fused double).
+		var lists [3][]device.Launch
 		for _, it := range items {
 			k := 0
-			if it.Scalars.Fused {
+			switch {
+			case it.Scalars.Fused && it.Scalars.FusedDouble:
+				k = 2
+			case it.Scalars.Fused:
 				k = 1
 			}
 			lists[k] = append(lists[k], it)
@@ -374,6 +392,7 @@ func bench(args []string) error {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	dtName := fs.String("dtype", "bfloat16", "float32 or bfloat16")
 	fused := fs.Bool("fused", false, "time the fused kernel (AdamW(fused=True)) instead of the foreach one")
+	fusedDouble := fs.Bool("fused-double", false, "with -fused: torch 2.8-2.10's fused kernel")
 	numel := fs.Int64("numel", 1<<28, "elements in all")
 	tensors := fs.Int("tensors", 2, "tensors the elements are split into")
 	iters := fs.Int("iters", 20, "timed launches")
@@ -395,7 +414,7 @@ func bench(args []string) error {
 	h := optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}
 	sc := optimizer.ScalarsFor(h, 1)
 	if *fused {
-		sc.Fused, sc.LR, sc.Beta1, sc.WeightDecay = true, h.LR, h.Beta1, h.WeightDecay
+		sc.Fused, sc.LR, sc.Beta1, sc.WeightDecay, sc.FusedDouble = true, h.LR, h.Beta1, h.WeightDecay, *fusedDouble
 	}
 	var items []device.Launch
 	var bufs []cuda.DevicePtr

@@ -140,4 +140,18 @@ func TestReferenceFollowsFused(t *testing.T) {
 	if !bytes.Equal(p1, p2) || !bytes.Equal(m1, m2) || !bytes.Equal(v1, v2) {
 		t.Error("fused scalars: reference is not optimizer.FusedCUDAStep with the given bias corrections")
 	}
+	sj.FusedDouble = true
+	p1, g, m1, v1 = mk()
+	if err := sj.reference(optimizer.Float32, 2, p1, g, m1, v1, nil); err != nil {
+		t.Fatal(err)
+	}
+	k64 := optimizer.FusedCUDA64Of(sj.scalars(), 2)
+	k64.BC1, k64.BC2 = 0.19, 0.002
+	p2, _, m2, v2 = mk()
+	if err := optimizer.FusedCUDA64Step(optimizer.Float32, p2, g, m2, v2, nil, k64); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(p1, p2) || !bytes.Equal(m1, m2) || !bytes.Equal(v1, v2) {
+		t.Error("fused double scalars: reference is not optimizer.FusedCUDA64Step with the given bias corrections")
+	}
 }
