@@ -4,6 +4,7 @@ docs/gpu.md). CPU only: the kernels themselves are checked by scripts/gpu-check.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sonar_moe import torch_fused_cuda_scalars, torch_scalars
@@ -34,9 +35,20 @@ def test_fused_cuda_scalars_with_tensor_lr_and_betas() -> None:
     assert all(isinstance(v, (bool, int, float)) for v in sc.values())
 
 
-def test_fused_cuda_needs_torch_2_11() -> None:
-    from sonar_moe.optimizer import fused_cuda_supported
+def test_fused_cuda_arithmetic_by_torch_version() -> None:
+    from sonar_moe.optimizer import fused_cuda_arithmetic
 
-    for v, ok in [("2.10.0+cu128", False), ("2.9.1", False), ("2.8.0", False), ("1.13.1", False),
-                  ("2.11.0+cu130", True), ("2.11.0a0+git70d99e9", True), ("2.15.0+cu132", True), ("3.0.0", True)]:
-        assert fused_cuda_supported(v) is ok, v
+    for v, want in [("2.10.0+cu128", "double"), ("2.9.1", "double"), ("2.8.0", "double"), ("2.7.1", None),
+                    ("1.13.1", None), ("2.11.0+cu130", "float"), ("2.11.0a0+git70d99e9", "float"),
+                    ("2.15.0+cu132", "float"), ("3.0.0", "float"), ("junk", None)]:
+        assert fused_cuda_arithmetic(v) == want, v
+
+
+def test_fused_cuda_scalars_say_which_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sonar_moe.optimizer as o
+
+    assert "fused_double" not in torch_fused_cuda_scalars(GROUP, 1.0) or o.fused_cuda_arithmetic() == "double"
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cu128")
+    assert torch_fused_cuda_scalars(GROUP, 1.0)["fused_double"] is True
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert "fused_double" not in torch_fused_cuda_scalars(GROUP, 1.0)
