@@ -167,6 +167,15 @@ type ScalarsMsg struct {
 	// (8 or 16 lanes of an AVX2/AVX-512 build, 0 for a build without them).
 	Fused bool `msgpack:"fused,omitempty"`
 	Lanes int  `msgpack:"lanes,omitempty"`
+	// LR, Beta1 and WeightDecay are the group's hyper-parameters as the
+	// client's torch passes them to its fused CUDA kernel; sent with Fused
+	// (the CUDA backend's fused kernels need them, the CPU one ignores them).
+	LR          float64 `msgpack:"lr,omitempty"`
+	Beta1       float64 `msgpack:"beta1,omitempty"`
+	WeightDecay float64 `msgpack:"weight_decay,omitempty"`
+	// FusedDouble (with Fused, CUDA): the client's torch is 2.8 to 2.10,
+	// whose fused CUDA kernel computes partly in double.
+	FusedDouble bool `msgpack:"fused_double,omitempty"`
 }
 
 // StepItem is one tensor's gradient. Apply false accumulates it (a
@@ -374,7 +383,8 @@ func (s *Step) Validate() error {
 		if sc.Lanes < 0 || sc.Lanes > 64 || sc.Lanes&(sc.Lanes-1) != 0 || (sc.Lanes != 0 && !sc.Fused) {
 			return fmt.Errorf("item %d: lanes %d (want 0, or a power of two up to 64 with fused)", i, sc.Lanes)
 		}
-		for _, x := range []float64{sc.Decay, sc.Beta1W, sc.Beta2, sc.OneMinusB2, sc.NegStepSize, sc.BC2Sqrt, sc.Eps} {
+		for _, x := range []float64{sc.Decay, sc.Beta1W, sc.Beta2, sc.OneMinusB2, sc.NegStepSize, sc.BC2Sqrt, sc.Eps,
+			sc.LR, sc.Beta1, sc.WeightDecay} {
 			if it.Apply && !finite(x) {
 				return fmt.Errorf("item %d: non-finite scalar", i)
 			}

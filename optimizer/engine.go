@@ -6,8 +6,9 @@
 // bookkeeping here, as torch keeps _single_tensor_adam apart from its
 // Optimizer class: adamw.go (with kernel_amd64.s) is torch's single-tensor
 // arithmetic, which this engine runs, bit for bit that of torch.optim.AdamW
-// on CPU for float32 and bfloat16; foreach.go is torch's foreach arithmetic,
-// which the device engine (package optimizer/device) runs on a GPU.
+// on CPU for float32 and bfloat16; foreach.go is torch's foreach arithmetic
+// and fused_cuda.go its fused CUDA one, which the device engine (package
+// optimizer/device) runs on a GPU; fused.go is torch's fused CPU kernel.
 package optimizer
 
 import (

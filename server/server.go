@@ -389,7 +389,8 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 func scalarsOf(sc ipc.ScalarsMsg) optimizer.Scalars {
 	return optimizer.Scalars{Decay: sc.Decay, ApplyDecay: sc.ApplyDecay, Beta1W: sc.Beta1W, Beta2: sc.Beta2,
 		OneMinusB2: sc.OneMinusB2, NegStepSize: sc.NegStepSize, BC2Sqrt: sc.BC2Sqrt, Eps: sc.Eps,
-		Amsgrad: sc.Amsgrad, Maximize: sc.Maximize, Fused: sc.Fused, Lanes: sc.Lanes}
+		Amsgrad: sc.Amsgrad, Maximize: sc.Maximize, Fused: sc.Fused, Lanes: sc.Lanes,
+		LR: sc.LR, Beta1: sc.Beta1, WeightDecay: sc.WeightDecay, FusedDouble: sc.FusedDouble}
 }
 
 func (s *Server) step(ss *session, st ipc.Step) (any, error) {

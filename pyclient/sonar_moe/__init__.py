@@ -26,7 +26,7 @@ from ._launch import start_private_server
 from ._sqrt import torch_sqrt_library
 from ._version import __version__
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .optimizer import SonarAdamW, torch_fused_scalars, torch_scalars
+from .optimizer import SonarAdamW, torch_fused_cuda_scalars, torch_fused_scalars, torch_scalars
 
 __all__ = [
     "__version__",
@@ -44,6 +44,7 @@ __all__ = [
     "find_sonard",
     "group_key",
     "is_expert_param",
+    "torch_fused_cuda_scalars",
     "torch_fused_scalars",
     "torch_scalars",
 ]
