@@ -1,0 +1,47 @@
+// Package fault turns a memory fault (SIGBUS or SIGSEGV on a mapped address:
+// a client truncated or punched a hole in a shared-memory segment it handed
+// the server) into an error for the code that touched the memory, instead of
+// the Go runtime's fatal "unexpected fault address". Every goroutine that
+// reads or writes client memory runs that access through Catch.
+package fault
+
+import (
+	"fmt"
+	"runtime/debug"
+)
+
+// Error is a memory fault at Addr caught by Catch.
+type Error struct {
+	Addr uintptr
+	Msg  string // the runtime's description
+}
+
+func (e *Error) Error() string {
+	return fmt.Sprintf("memory fault at address %#x (%s)", e.Addr, e.Msg)
+}
+
+// Catch runs f with faults on memory turned into panics (debug.SetPanicOnFault,
+// which is per goroutine) and returns a fault in f as an *Error. Any other
+// panic is not a fault of client memory and propagates.
+func Catch(f func()) (err error) {
+	old := debug.SetPanicOnFault(true)
+	defer debug.SetPanicOnFault(old)
+	defer func() {
+		r := recover()
+		if r == nil {
+			return
+		}
+		// The runtime's fault panics carry the faulting address; nil-pointer
+		// dereferences (addresses below 4 KiB) do not and are bugs.
+		if fe, ok := r.(interface {
+			error
+			Addr() uintptr
+		}); ok {
+			err = &Error{Addr: fe.Addr(), Msg: fe.Error()}
+			return
+		}
+		panic(r)
+	}()
+	f()
+	return nil
+}
