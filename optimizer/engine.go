@@ -179,9 +179,9 @@ func (e *FaultError) Error() string {
 		what = "its state is intact, the destination memory is incomplete"
 	}
 	if e.Partial {
-		what = "its parameter and optimizer state may be partly updated: the tensor refuses updates until its state is imported again"
+		what = "its parameter and optimizer state may be partly updated: the tensor refuses updates and exports until its state is imported again (load_state_dict)"
 		if e.Op == "accumulate" {
-			what = "its accumulated gradient is partly summed: the tensor refuses updates until its state is imported again"
+			what = "its accumulated gradient is partly summed: the tensor refuses updates and exports until its state is imported again (load_state_dict)"
 		}
 	}
 	return fmt.Sprintf("tensor %q: %s interrupted by a %v; %s", e.Tensor, e.Op, e.Fault, what)

@@ -433,7 +433,7 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 			}
 		}
 		if err := t.state.Damage(); err != nil {
-			return nil, fmt.Errorf("item %d (%s): refused: %w", i, t.name, err)
+			return nil, fmt.Errorf("item %d (%s): refused, the tensor is damaged: %w", i, t.name, err)
 		}
 		if err := t.seg.seg.Verify(); err != nil {
 			return nil, fmt.Errorf("item %d (%s) param: %w", i, t.name, err)
@@ -558,7 +558,7 @@ func (s *Server) transfer(ss *session, x ipc.StateXfer, out bool) (any, error) {
 		return nil, fmt.Errorf("tensor %q: negative step %d", t.name, x.Step)
 	}
 	if err := t.state.Damage(); err != nil && out {
-		return nil, fmt.Errorf("export refused: %w", err)
+		return nil, fmt.Errorf("export refused, the tensor is damaged: %w", err)
 	}
 	refs := []ipc.MemRef{x.ExpAvg, x.ExpAvgSq}
 	if t.hyper.Amsgrad {

@@ -13,11 +13,12 @@ import (
 // Error is a memory fault at Addr caught by Catch.
 type Error struct {
 	Addr uintptr
-	Msg  string // the runtime's description
 }
 
 func (e *Error) Error() string {
-	return fmt.Sprintf("memory fault at address %#x (%s)", e.Addr, e.Msg)
+	// The runtime's own text ("invalid memory address or nil pointer
+	// dereference") misleads here: the address was mapped, its page is gone.
+	return fmt.Sprintf("memory fault (SIGBUS/SIGSEGV) at address %#x: mapped memory whose pages are gone", e.Addr)
 }
 
 // Catch runs f with faults on memory turned into panics (debug.SetPanicOnFault,
@@ -37,7 +38,7 @@ func Catch(f func()) (err error) {
 			error
 			Addr() uintptr
 		}); ok {
-			err = &Error{Addr: fe.Addr(), Msg: fe.Error()}
+			err = &Error{Addr: fe.Addr()}
 			return
 		}
 		panic(r)
