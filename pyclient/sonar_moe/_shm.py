@@ -32,7 +32,11 @@ class ShmFullError(SonarError, MemoryError):
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    """n bytes in binary units ("4.0 KiB", "1.1 MiB")."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def shm_free() -> int:
