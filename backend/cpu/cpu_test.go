@@ -37,11 +37,15 @@ func TestFaultDuringStepIsAnError(t *testing.T) {
 	const numel = 1 << 16 // several workers' chunks
 	for _, tc := range []struct {
 		name    string
+		dtype   optimizer.DType
+		fused   bool
 		apply   bool
 		partial bool
 	}{
-		{"apply", true, true},
-		{"accumulate first micro-batch", false, false},
+		{"apply float32", optimizer.Float32, false, true, true},
+		{"apply bfloat16", optimizer.BFloat16, false, true, true},
+		{"apply float32 fused", optimizer.Float32, true, true, true},
+		{"accumulate first micro-batch", optimizer.Float32, false, false, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()
@@ -64,12 +68,20 @@ func TestFaultDuringStepIsAnError(t *testing.T) {
 			param, _ := backend.Resolve(pseg, 0, 4*numel, 4)
 			grad, _ := backend.Resolve(gseg, 0, 4*numel, 4)
 			h := optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}
-			ts, err := bs.Create([]backend.Spec{{Name: "w", DType: optimizer.Float32, Numel: numel, Hyper: h, Param: param}})
+			nb := int64(numel * tc.dtype.Size())
+			param, _ = backend.Resolve(pseg, 0, nb, 4)
+			grad, _ = backend.Resolve(gseg, 0, nb, 4)
+			ts, err := bs.Create([]backend.Spec{{Name: "w", DType: tc.dtype, Numel: numel, Hyper: h, Param: param}})
 			if err != nil {
 				t.Fatal(err)
 			}
 			tn := ts[0]
-			step := []backend.Item{{Tensor: tn, Grad: &grad, Apply: true, Scalars: optimizer.ScalarsFor(h, 1)}}
+			sc := func(k int64) optimizer.Scalars {
+				s := optimizer.ScalarsFor(h, k)
+				s.Fused = tc.fused
+				return s
+			}
+			step := []backend.Item{{Tensor: tn, Grad: &grad, Apply: true, Scalars: sc(1)}}
 			if err := bs.Step(step, false); err != nil {
 				t.Fatal(err)
 			}
@@ -80,7 +92,7 @@ func TestFaultDuringStepIsAnError(t *testing.T) {
 			if err := gseg.Verify(); err == nil || !strings.Contains(err.Error(), "truncated") {
 				t.Fatalf("Verify after truncate: %v", err)
 			}
-			items := []backend.Item{{Tensor: tn, Grad: &grad, Apply: tc.apply, Scalars: optimizer.ScalarsFor(h, 2)}}
+			items := []backend.Item{{Tensor: tn, Grad: &grad, Apply: tc.apply, Scalars: sc(2)}}
 			err = bs.Step(items, false)
 			var fe *optimizer.FaultError
 			if !errors.As(err, &fe) {
@@ -109,8 +121,8 @@ func TestFaultDuringStepIsAnError(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			m, _ := backend.Resolve(xseg, 0, 4*numel, 4)
-			v, _ := backend.Resolve(xseg, 4*numel, 4*numel, 4)
+			m, _ := backend.Resolve(xseg, 0, nb, 4)
+			v, _ := backend.Resolve(xseg, 4*numel, nb, 4)
 			if err := bs.Import(tn, 1, []backend.Ref{m, v}); err != nil {
 				t.Fatal(err)
 			}
