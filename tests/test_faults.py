@@ -207,6 +207,18 @@ def test_state_budget_refuses_register_and_changes_nothing(sonard_binary: str, t
         assert proc.wait(timeout=10) == 0
 
 
+def test_state_budget_from_environment_reaches_the_private_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SONAR_MAX_SESSION_STATE_BYTES bounds a private sonard, which takes no flags."""
+    monkeypatch.setenv("SONAR_MAX_SESSION_STATE_BYTES", "16KiB")
+    conn = start_private_server(timeout=10.0)
+    try:
+        with pytest.raises(SonarRefused, match=r"over the memory budget.*--max-session-state-bytes"):
+            Client(conn.address, conn=conn)
+        assert conn.call("stats", {})["tensors"] == 0
+    finally:
+        conn.shutdown()
+
+
 def _vm_size(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
