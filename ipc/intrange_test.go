@@ -2,6 +2,7 @@ package ipc
 
 import (
 	"math"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -71,5 +72,20 @@ func TestEnvelopeIDOutOfRange(t *testing.T) {
 	b, _ = msgpack.Marshal(map[string]any{"v": 1, "op": "stats", "id": uint64(math.MaxUint64)})
 	if r, err := DecodeRequest(b); err != nil || r.ID != math.MaxUint64 {
 		t.Fatalf("id 2^64-1: %+v %v", r, err)
+	}
+}
+
+func BenchmarkCheckIntRanges(b *testing.B) {
+	st := Step{}
+	for i := range 8 {
+		st.Items = append(st.Items, StepItem{Tensor: uint32(i + 1), Grad: MemRef{Seg: 2, Offset: int64(i) << 14, Bytes: 16384},
+			Apply: true, Step: 7, Scalars: ScalarsMsg{Decay: 1, Beta1W: 0.1, Beta2: 0.999, OneMinusB2: 0.001, NegStepSize: -1e-3, BC2Sqrt: 1, Eps: 1e-8}})
+	}
+	body, _ := msgpack.Marshal(st)
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := CheckIntRanges(body, reflect.TypeOf(&st)); err != nil {
+			b.Fatal(err)
+		}
 	}
 }

@@ -293,9 +293,23 @@ func (s *Server) event(ss *session, e ipc.CUDAEvent) (any, error) {
 	return ipc.EventReply{Event: true}, nil
 }
 
+// verifier checks that each segment a request uses still has all its memory
+// (Segment.Verify: an fstat for shared memory), once per request however many
+// references name it.
+type verifier map[*segment]error
+
+func (v verifier) check(seg *segment) error {
+	err, done := v[seg]
+	if !done {
+		err = seg.seg.Verify()
+		v[seg] = err
+	}
+	return err
+}
+
 // resolve checks a reference of the session: its segment, the size the
-// tensor needs and the range.
-func (ss *session) resolve(ref ipc.MemRef, want, align int64) (*segment, backend.Ref, error) {
+// tensor needs, the range, and that the segment's memory is all there.
+func (ss *session) resolve(ref ipc.MemRef, want, align int64, v verifier) (*segment, backend.Ref, error) {
 	seg := ss.segments[ref.Seg]
 	if seg == nil {
 		return nil, backend.Ref{}, fmt.Errorf("unknown segment %d", ref.Seg)
@@ -305,14 +319,14 @@ func (ss *session) resolve(ref ipc.MemRef, want, align int64) (*segment, backend
 	}
 	r, err := backend.Resolve(seg.seg, ref.Offset, ref.Bytes, align)
 	if err == nil {
-		err = seg.seg.Verify()
+		err = v.check(seg)
 	}
 	return seg, r, err
 }
 
 // resolveFor is resolve for memory that must belong to t's backend.
-func (ss *session) resolveFor(t *tensor, ref ipc.MemRef) (backend.Ref, error) {
-	seg, r, err := ss.resolve(ref, t.bytes(), int64(t.dtype.Size()))
+func (ss *session) resolveFor(t *tensor, ref ipc.MemRef, v verifier) (backend.Ref, error) {
+	seg, r, err := ss.resolve(ref, t.bytes(), int64(t.dtype.Size()), v)
 	if err != nil {
 		return r, err
 	}
@@ -328,6 +342,7 @@ func (ss *session) resolveFor(t *tensor, ref ipc.MemRef) (backend.Ref, error) {
 func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 	// Validate all first; register all or none.
 	made := make([]*tensor, 0, len(r.Tensors))
+	v := verifier{}
 	names := make(map[string]bool, len(r.Tensors))
 	for _, t := range ss.tensors {
 		names[t.name] = true
@@ -352,7 +367,7 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 			return nil, fmt.Errorf("tensor %q: %w", spec.Name, err)
 		}
 		t := &tensor{name: spec.Name, dtype: d, numel: spec.Numel(), shape: spec.Shape, hyper: h}
-		seg, param, err := ss.resolve(spec.Param, t.bytes(), int64(d.Size()))
+		seg, param, err := ss.resolve(spec.Param, t.bytes(), int64(d.Size()), v)
 		if err != nil {
 			return nil, fmt.Errorf("tensor %q param: %w", spec.Name, err)
 		}
@@ -416,6 +431,7 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 	var rep ipc.StepReply
 	var first *tensor
 	var accum int64
+	v := verifier{}
 	for i, it := range st.Items {
 		t := ss.tensors[it.Tensor]
 		if t == nil {
@@ -435,7 +451,7 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 		if err := t.state.Damage(); err != nil {
 			return nil, fmt.Errorf("item %d (%s): refused, the tensor is damaged: %w", i, t.name, err)
 		}
-		if err := t.seg.seg.Verify(); err != nil {
+		if err := v.check(t.seg); err != nil {
 			return nil, fmt.Errorf("item %d (%s) param: %w", i, t.name, err)
 		}
 		if !it.Apply && t.state.Pending() == 0 && t.backend == "cpu" {
@@ -443,7 +459,7 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 		}
 		item := backend.Item{Tensor: t.state, Apply: it.Apply, Scalars: scalarsOf(it.Scalars)}
 		if it.Grad.Seg != 0 {
-			g, err := ss.resolveFor(t, it.Grad)
+			g, err := ss.resolveFor(t, it.Grad, v)
 			if err != nil {
 				return nil, fmt.Errorf("item %d (%s) grad: %w", i, t.name, err)
 			}
@@ -565,8 +581,9 @@ func (s *Server) transfer(ss *session, x ipc.StateXfer, out bool) (any, error) {
 		refs = append(refs, x.MaxExpAvgSq)
 	}
 	mem := make([]backend.Ref, len(refs))
+	v := verifier{}
 	for i, r := range refs {
-		m, err := ss.resolveFor(t, r)
+		m, err := ss.resolveFor(t, r, v)
 		if err != nil {
 			return nil, fmt.Errorf("tensor %s state part %d: %w", t.name, i, err)
 		}
