@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"reflect"
 
 	"github.com/vmihailenco/msgpack/v5"
 )
@@ -287,6 +288,9 @@ func DecodeRequest(b []byte) (Request, error) {
 	if err := CheckMsgpack(b); err != nil {
 		return Request{}, fmt.Errorf("%w: malformed msgpack: %v", ErrProtocol, err)
 	}
+	if err := CheckIntRanges(b, reflect.TypeOf(r)); err != nil {
+		return Request{}, fmt.Errorf("%w: envelope: %v", ErrProtocol, err)
+	}
 	if err := msgpack.Unmarshal(b, &r); err != nil {
 		return Request{}, fmt.Errorf("%w: malformed msgpack envelope: %v", ErrProtocol, err)
 	}
@@ -304,6 +308,9 @@ func DecodeRequest(b []byte) (Request, error) {
 func DecodeBody(r Request, v any) error {
 	if len(r.Body) == 0 {
 		return fmt.Errorf("%w: %s: missing body", ErrProtocol, r.Op)
+	}
+	if err := CheckIntRanges(r.Body, reflect.TypeOf(v)); err != nil {
+		return fmt.Errorf("%w: %s: %v", ErrProtocol, r.Op, err)
 	}
 	if err := msgpack.Unmarshal(r.Body, v); err != nil {
 		return fmt.Errorf("%w: %s: malformed body: %v", ErrProtocol, r.Op, err)

@@ -22,6 +22,7 @@ or None).
 from ._binary import find_sonard
 from ._connection import PROTOCOL_VERSION, Connection, SonarError, SonarRefused, SonarServerDied
 from ._detect import group_key, is_expert_param
+from ._shm import ShmFullError
 from ._launch import start_private_server
 from ._sqrt import torch_sqrt_library
 from ._version import __version__
@@ -41,6 +42,7 @@ __all__ = [
     "SonarAdamW",
     "SonarError",
     "SonarServerDied",
+    "ShmFullError",
     "find_sonard",
     "group_key",
     "is_expert_param",
