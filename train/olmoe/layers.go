@@ -156,7 +156,7 @@ func attentionBackward[F Float](dq, dk, dv, dp, do, p, q, k, v []F, a attnShape)
 			j := b*a.heads + h
 			pb, dpb := p[j*s*s:(j+1)*s*s], dp[j*s*s:(j+1)*s*s]
 			dob, qb, dqb := do[b*s*hw+h*d:], q[b*s*hw+h*d:], dq[b*s*hw+h*d:]
-			gemm(true, false, s, d, s, pb, s, dob, hw, 1, dvb, kw)  // dv += p^T do
+			gemm(true, false, s, d, s, pb, s, dob, hw, 1, dvb, kw) // dv += p^T do
 			gemm(false, true, s, s, d, dob, hw, vb, kw, 0, dpb, s) // dp = do v^T
 			for r := range s {
 				pr, dr := pb[r*s:(r+1)*s], dpb[r*s:(r+1)*s]
