@@ -322,3 +322,12 @@ func WriteFile(path string, tensors map[string]Tensor, metadata map[string]strin
 	}
 	return nil
 }
+
+// F64 makes a float64 tensor of the given shape.
+func F64(shape []int, v []float64) Tensor {
+	b := make([]byte, 8*len(v))
+	for i, x := range v {
+		binary.LittleEndian.PutUint64(b[8*i:], math.Float64bits(x))
+	}
+	return Tensor{DType: "F64", Shape: slices.Clone(shape), Data: b}
+}

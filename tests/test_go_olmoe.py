@@ -1,0 +1,139 @@
+"""The Go OLMoE (train/olmoe, through cmd/sonar-hfcheck) against transformers.
+
+Each case builds a tiny OlmoeForCausalLM from a config (no download), saves it with
+save_pretrained, runs transformers' fp32 eager forward and backward on a batch, and runs the Go
+model on the same checkpoint and batch. Logits and loss must agree within 1e-5 relative and
+every parameter's gradient within 1e-4 relative (max |go - torch| / max |torch| per tensor).
+The Go side also writes the checkpoint back; from_pretrained must load it with no missing,
+unexpected or mismatched keys and no warning, and every weight must be bit-for-bit the original.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, OlmoeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LOGITS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def go_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """cmd/sonar-hfcheck and cmd/sonar-train, built once with scripts/build-go."""
+    out = tmp_path_factory.mktemp("gobin")
+    subprocess.run([str(ROOT / "scripts" / "build-go"), "-o", str(out), "sonar-hfcheck", "sonar-train"],
+                   cwd=ROOT, check=True)
+    return out
+
+
+def tiny_config(**kw: object) -> OlmoeConfig:
+    base: dict[str, object] = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+        initializer_range=0.1, pad_token_id=1, eos_token_id=2, bos_token_id=None)
+    base.update(kw)
+    return OlmoeConfig(**base)
+
+
+def eager_model(cfg: OlmoeConfig, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager").float()
+
+
+def rel(go: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((go.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+def load_quietly(path: Path, caplog: pytest.LogCaptureFixture) -> torch.nn.Module:
+    """from_pretrained(path) in eager mode; asserts nothing is missing, unexpected or mismatched
+    and that transformers logged no warning."""
+    logger = transformers.logging.get_logger("transformers")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING):
+            caplog.clear()
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, output_loading_info=True, attn_implementation="eager", experts_implementation="eager")
+    finally:
+        logger.removeHandler(caplog.handler)
+    for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        assert not info.get(k), (k, info[k])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    return model
+
+
+CASES = {
+    # name: (config overrides, how the checkpoint is written)
+    "gqa": ({}, "save_pretrained"),
+    "norm_topk_aux_mha": (dict(norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.1,
+                               num_key_value_heads=4), "save_pretrained"),
+    "tied_mqa_sharded": (dict(tie_word_embeddings=True, num_key_value_heads=1, num_experts_per_tok=3), "sharded"),
+    "batched_keys": ({}, "batched"),
+    "bf16": (dict(output_router_logits=True), "bf16"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_go_matches_transformers(case: str, go_bin: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    overrides, layout = CASES[case]
+    cfg = tiny_config(**overrides)
+    model = eager_model(cfg)
+    ck = tmp_path / "ck"
+    if layout == "save_pretrained":
+        model.save_pretrained(ck)
+    elif layout == "sharded":
+        model.save_pretrained(ck, max_shard_size="20KB")
+        assert (ck / "model.safetensors.index.json").exists()
+    elif layout == "batched":
+        # The v5 module's own names: one [E, 2I, H] and one [E, H, I] tensor per layer.
+        model.save_pretrained(ck)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ck / "model.safetensors"),
+                  metadata={"format": "pt"})
+    elif layout == "bf16":
+        # A bfloat16 checkpoint; the reference is the fp32 model holding exactly its values (not
+        # model.to(bfloat16).float(), which would round the rotary inv_freq buffer as well).
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        copy.deepcopy(model).to(torch.bfloat16).save_pretrained(ck)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (3, 12), generator=g)
+    ids[0, 3] = cfg.pad_token_id  # the padding row of the embedding gets no gradient
+    labels = ids.clone()
+    labels[1, 5] = -100
+    save_file({"input_ids": ids, "labels": labels}, str(tmp_path / "in.safetensors"))
+
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+
+    saved = tmp_path / "saved"
+    subprocess.run([str(go_bin / "sonar-hfcheck"), "--model", str(ck), "--inputs", str(tmp_path / "in.safetensors"),
+                    "--out", str(tmp_path / "out.safetensors"), "--save", str(saved)], check=True)
+    res = load_file(str(tmp_path / "out.safetensors"))
+
+    assert rel(res["logits"], out.logits.detach()) <= LOGITS_RTOL
+    assert abs(res["loss"].item() - out.loss.item()) <= LOGITS_RTOL * abs(out.loss.item())
+    if cfg.output_router_logits:
+        assert abs(res["aux"].item() - out.aux_loss.item()) <= LOGITS_RTOL * abs(out.aux_loss.item())
+    names = set()
+    for name, p in model.named_parameters():
+        names.add(name)
+        assert p.grad is not None, name
+        err = rel(res["grad." + name], p.grad)
+        assert err <= GRAD_RTOL, (name, err)
+    assert names == {k[len("grad."):] for k in res if k.startswith("grad.")}
+
+    back = load_quietly(saved, caplog)
+    ref = model.state_dict()
+    for name, t in back.state_dict().items():
+        assert torch.equal(t, ref[name]), name
