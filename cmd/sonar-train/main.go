@@ -13,6 +13,12 @@
 //	sonar-train --compare=false       # per-layer updates only
 //	sonar-train --keep-all-grads      # the baseline only
 //	sonar-train --data notes.txt --steps 500 --layers 6 --experts 16
+//
+// With --hf it fine-tunes a Hugging Face OLMoE checkpoint instead (package
+// train/olmoe) on token ids, and --out saves the result as a directory that
+// transformers' from_pretrained loads:
+//
+//	sonar-train --hf ./olmoe-tiny --tokens ids.safetensors --out ./olmoe-tuned --steps 100
 package main
 
 import (
@@ -68,6 +74,10 @@ type config struct {
 	logLevel     string
 	maxProcs     int
 	heldFraction float64
+	hf           string // fine-tune this Hugging Face OLMoE checkpoint instead
+	tokens       string // token ids to fine-tune it on
+	out          string // where to save the fine-tuned checkpoint
+	outBF16      bool
 }
 
 func parseFlags(args []string, stderr io.Writer) (*config, error) {
@@ -101,6 +111,10 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.IntVar(&c.maxProcs, "procs", 0, "GOMAXPROCS (0: all cores)")
 	fs.Float64Var(&c.heldFraction, "held-out", 0.05, "fraction of the text held out for evaluation")
+	fs.StringVar(&c.hf, "hf", "", "fine-tune this Hugging Face OLMoE checkpoint (a save_pretrained directory) instead of the byte-level model; needs --tokens")
+	fs.StringVar(&c.tokens, "tokens", "", "with --hf: token ids to train on (.safetensors with input_ids, or a text file of ids; see scripts/tokenize-hf)")
+	fs.StringVar(&c.out, "out", "", "with --hf: save the fine-tuned checkpoint (of the per-layer run) to this directory")
+	fs.BoolVar(&c.outBF16, "out-bf16", false, "with --out: store the weights as bfloat16 (default float32)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -129,6 +143,14 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	if err := c.model.Validate(); err != nil {
 		return nil, err
 	}
+	switch {
+	case c.hf != "" && c.tokens == "":
+		return nil, errors.New("--hf needs --tokens (token ids of the checkpoint's tokenizer)")
+	case c.hf == "" && (c.tokens != "" || c.out != "" || c.outBF16):
+		return nil, errors.New("--tokens, --out and --out-bf16 go with --hf")
+	case c.hf != "" && len(c.data) > 0:
+		return nil, errors.New("--hf trains on --tokens, not --data")
+	}
 	return c, nil
 }
 
@@ -150,7 +172,11 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if c.maxProcs > 0 {
 		runtime.GOMAXPROCS(c.maxProcs)
 	}
-	if err := train1(c, log, stdout, stderr); err != nil {
+	train := train1
+	if c.hf != "" {
+		train = trainHF
+	}
+	if err := train(c, log, stdout, stderr); err != nil {
 		log.Error("training failed", zap.Error(err))
 		return exitError
 	}
