@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,44 @@ def test_go_finetune_roundtrip(go_bin: Path, tmp_path: Path, caplog: pytest.LogC
     assert any("experts.gate_up_proj" in n for n in changed) and any("self_attn.q_proj" in n for n in changed)
     out = after.generate(batch[:, :8], max_new_tokens=8, do_sample=False)
     assert out.shape == (1, 16)
+
+
+def test_tokenize_finetune_generate(go_bin: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The user's path with a tokenizer: a local BPE tokenizer (trained here, nothing downloaded)
+    saved with a tiny OLMoE, scripts/tokenize_hf.py -> sonar-train --hf -> from_pretrained of
+    model and tokenizer from the output directory -> generate and decode."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    text = (Path(logging.__file__)).read_text()[:20000]
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(text)
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train([str(corpus)], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<pad>", "<eos>"],
+                                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    from tokenizers import decoders
+    bpe.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    ck = tmp_path / "ck"
+    cfg = tiny_config(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    eager_model(cfg).save_pretrained(ck)
+    tok.save_pretrained(ck)
+
+    ids_path = tmp_path / "ids.safetensors"
+    subprocess.run([str(Path(sys.executable)), str(ROOT / "scripts" / "tokenize_hf.py"), "--tokenizer", str(ck),
+                    "--out", str(ids_path), str(corpus)], check=True)
+    ids = load_file(str(ids_path))["input_ids"]
+    assert ids.dtype == torch.int64 and ids[-1].item() == tok.eos_token_id
+    assert ids[:-1].tolist() == tok.encode(text, add_special_tokens=False)
+
+    tuned = tmp_path / "tuned"
+    subprocess.run([str(go_bin / "sonar-train"), "--hf", str(ck), "--tokens", str(ids_path), "--out", str(tuned),
+                    "--steps", "20", "--batch", "4", "--seq-len", "32", "--lr", "1e-2", "--warmup", "2",
+                    "--compare=false", "--log-level", "warn", "--progress", "off"], check=True, capture_output=True)
+    model = load_quietly(tuned, caplog)
+    tok2 = AutoTokenizer.from_pretrained(tuned)
+    prompt = tok2("import logging", return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=10, do_sample=False)
+    assert out.shape[1] > prompt["input_ids"].shape[1]
+    assert isinstance(tok2.decode(out[0]), str)

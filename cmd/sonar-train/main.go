@@ -112,7 +112,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.IntVar(&c.maxProcs, "procs", 0, "GOMAXPROCS (0: all cores)")
 	fs.Float64Var(&c.heldFraction, "held-out", 0.05, "fraction of the text held out for evaluation")
 	fs.StringVar(&c.hf, "hf", "", "fine-tune this Hugging Face OLMoE checkpoint (a save_pretrained directory) instead of the byte-level model; needs --tokens")
-	fs.StringVar(&c.tokens, "tokens", "", "with --hf: token ids to train on (.safetensors with input_ids, or a text file of ids; see scripts/tokenize-hf)")
+	fs.StringVar(&c.tokens, "tokens", "", "with --hf: token ids to train on (.safetensors with input_ids, or a text file of ids; see scripts/tokenize_hf.py)")
 	fs.StringVar(&c.out, "out", "", "with --hf: save the fine-tuned checkpoint (of the per-layer run) to this directory")
 	fs.BoolVar(&c.outBF16, "out-bf16", false, "with --out: store the weights as bfloat16 (default float32)")
 	if err := fs.Parse(args); err != nil {
