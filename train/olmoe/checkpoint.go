@@ -2,6 +2,7 @@ package olmoe
 
 import (
 	"encoding/json"
+	"math"
 	"errors"
 	"fmt"
 	"io"
@@ -76,7 +77,13 @@ func Load[F Float](dir string) (*Model[F], *Checkpoint, error) {
 		if p.Expert {
 			continue
 		}
-		v, err := take(p.Name, p.Shape)
+		name := p.Name
+		if stored := storedName(cfg, p.Name); stored != name {
+			if _, ok := tensors[name]; !ok {
+				name = stored
+			}
+		}
+		v, err := take(name, p.Shape)
 		if err != nil {
 			return nil, nil, fmt.Errorf("olmoe load %s: %w", dir, err)
 		}
@@ -103,9 +110,14 @@ func Load[F Float](dir string) (*Model[F], *Checkpoint, error) {
 func loadExperts[F Float](m *Model[F], l int, ly Layer[F], tensors map[string]safetensors.Tensor, take func(string, []int) ([]float32, error)) error {
 	c := m.Cfg
 	e, in, h := c.Experts, c.Intermediate, c.Hidden
-	if _, ok := tensors[ly.GateUp.Name]; ok {
+	_, batched := tensors[ly.GateUp.Name]
+	if c.Arch == ArchGraniteMoE || batched {
 		for _, p := range []*Param[F]{ly.GateUp, ly.Down} {
-			v, err := take(p.Name, p.Shape)
+			name := p.Name
+			if !batched {
+				name = storedName(c, name)
+			}
+			v, err := take(name, p.Shape)
 			if err != nil {
 				return err
 			}
@@ -154,6 +166,27 @@ func equalShape(a, b []int) bool {
 		}
 	}
 	return true
+}
+
+// storedName is the name transformers' save_pretrained gives the parameter
+// named name in the model: GraniteMoe checkpoints keep the names of its
+// original modules (router.layer, input_linear, output_linear), which
+// transformers 5.x renames on load. OLMoE's dense tensors keep their names
+// (its experts are stored per expert, see Save).
+func storedName(c Config, name string) string {
+	if c.Arch != ArchGraniteMoE {
+		return name
+	}
+	for _, r := range [...][2]string{
+		{"block_sparse_moe.router.weight", "block_sparse_moe.router.layer.weight"},
+		{"block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight"},
+		{"block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight"},
+	} {
+		if strings.HasSuffix(name, r[0]) {
+			return strings.TrimSuffix(name, r[0]) + r[1]
+		}
+	}
+	return name
 }
 
 // readTensors reads model.safetensors, or every shard the index names.
@@ -217,9 +250,10 @@ type SaveOptions struct {
 // Save writes m as a save_pretrained directory that transformers'
 // AutoModelForCausalLM.from_pretrained loads: config.json (the given JSON
 // object, or one built from m.Cfg when nil, with its dtype updated) and
-// model.safetensors with per-expert keys, the layout transformers 5.x itself
-// writes (it converts them to the batched tensors on load). A tied lm_head
-// is not stored, as transformers does not store it.
+// model.safetensors in the layout transformers 5.x itself writes (and
+// converts to its batched expert tensors on load): OLMoE experts per expert,
+// GraniteMoe experts batched under their original module names. A tied
+// lm_head is not stored, as transformers does not store it.
 func Save[F Float](dir string, m *Model[F], config map[string]any, o SaveOptions) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("olmoe save: %w", err)
@@ -264,11 +298,14 @@ func Save[F Float](dir string, m *Model[F], config map[string]any, o SaveOptions
 	e, in, h := c.Experts, c.Intermediate, c.Hidden
 	out := map[string]safetensors.Tensor{}
 	for _, p := range m.params {
-		if !p.Expert {
-			out[p.Name] = mk(p.Shape, p.W)
+		if !p.Expert || c.Arch == ArchGraniteMoE {
+			out[storedName(c, p.Name)] = mk(p.Shape, p.W)
 		}
 	}
 	for l, ly := range m.Layers {
+		if c.Arch == ArchGraniteMoE {
+			break // batched, stored above
+		}
 		for x := range e {
 			pre := fmt.Sprintf("model.layers.%d.mlp.experts.%d.", l, x)
 			gu := ly.GateUp.W[x*2*in*h : (x+1)*2*in*h]
@@ -327,6 +364,32 @@ func (c Config) hfJSON() map[string]any {
 	if c.PadTokenID >= 0 {
 		pad = c.PadTokenID
 	}
+	if c.Arch == ArchGraniteMoE {
+		return map[string]any{
+			"architectures":        []string{"GraniteMoeForCausalLM"},
+			"model_type":           ArchGraniteMoE,
+			"vocab_size":           c.Vocab,
+			"hidden_size":          c.Hidden,
+			"intermediate_size":    c.Intermediate,
+			"num_hidden_layers":    c.Layers,
+			"num_attention_heads":  c.Heads,
+			"num_key_value_heads":  c.KVHeads,
+			"num_local_experts":    c.Experts,
+			"num_experts_per_tok":  c.TopK,
+			"rms_norm_eps":         c.NormEps,
+			"rope_parameters":      map[string]any{"rope_type": "default", "rope_theta": c.RopeTheta},
+			"output_router_logits": c.AuxLoss,
+			"router_aux_loss_coef": c.RouterAuxCoef,
+			"tie_word_embeddings":  c.TieEmbeddings,
+			"pad_token_id":         pad,
+			"hidden_act":           "silu",
+			"attention_bias":       false,
+			"embedding_multiplier": orOne(c.EmbeddingMultiplier),
+			"residual_multiplier":  orOne(c.ResidualMultiplier),
+			"attention_multiplier": c.attnScale(),
+			"logits_scaling":       orOne(c.LogitsScaling),
+		}
+	}
 	return map[string]any{
 		"architectures":        []string{"OlmoeForCausalLM"},
 		"model_type":           "olmoe",
@@ -349,4 +412,12 @@ func (c Config) hfJSON() map[string]any {
 		"attention_bias":       false,
 		"clip_qkv":             nil,
 	}
+}
+
+// attnScale is the attention's scale: attention_multiplier, or head_dim^-0.5.
+func (c Config) attnScale() float64 {
+	if c.AttentionMultiplier != 0 {
+		return c.AttentionMultiplier
+	}
+	return math.Pow(float64(c.HeadDim()), -0.5)
 }

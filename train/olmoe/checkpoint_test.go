@@ -189,3 +189,40 @@ func TestSaveCopiesTokenizerFiles(t *testing.T) {
 		t.Error("config.json was copied over the written one")
 	}
 }
+
+func TestGraniteSaveLoad(t *testing.T) {
+	cfg := tinyConfig()
+	cfg.Arch, cfg.NormTopKProb, cfg.RouterAuxCoef = ArchGraniteMoE, true, 0.001
+	cfg.EmbeddingMultiplier, cfg.ResidualMultiplier, cfg.AttentionMultiplier, cfg.LogitsScaling = 12, 0.22, 0.0078125, 6
+	m, err := New[float32](cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Init(4, 0.3)
+	dir := t.TempDir()
+	if err := Save(dir, m, nil, SaveOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	f, err := safetensors.ReadFile(filepath.Join(dir, "model.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []string{"model.layers.1.block_sparse_moe.input_linear.weight", "model.layers.1.block_sparse_moe.output_linear.weight",
+		"model.layers.0.block_sparse_moe.router.layer.weight"} {
+		if _, ok := f.Tensors[n]; !ok {
+			t.Errorf("no %s in %v", n, f.Names())
+		}
+	}
+	back, _, err := Load[float32](dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if back.Cfg != cfg {
+		t.Errorf("config back %+v, want %+v", back.Cfg, cfg)
+	}
+	for i, p := range m.Params() {
+		if !slices.Equal(p.W, back.Params()[i].W) {
+			t.Errorf("%s differs after the round trip", p.Name)
+		}
+	}
+}

@@ -6,9 +6,21 @@ import (
 	"math"
 )
 
-// Config is the shape and the options of an OLMoE model, read from the
-// config.json that transformers' save_pretrained writes (OlmoeConfig).
+// Architectures.
+const (
+	ArchOLMoE      = "olmoe"      // OlmoeForCausalLM
+	ArchGraniteMoE = "granitemoe" // GraniteMoeForCausalLM
+)
+
+// Config is the shape and the options of a model, read from the config.json
+// that transformers' save_pretrained writes (OlmoeConfig or
+// GraniteMoeConfig).
 type Config struct {
+	// Arch is ArchOLMoE (the zero value) or ArchGraniteMoE. GraniteMoe is
+	// OLMoE without the q/k norms, with four scalar multipliers (below),
+	// and a router whose weights are the softmax of the top-k logits (the
+	// same values as OLMoE's renormalized top-k probabilities).
+	Arch string
 	Vocab        int     // vocab_size
 	Hidden       int     // hidden_size, H
 	Intermediate int     // intermediate_size, I (of each expert)
@@ -27,6 +39,23 @@ type Config struct {
 	RouterAuxCoef float64 // router_aux_loss_coef
 	TieEmbeddings bool    // tie_word_embeddings: lm_head is the embedding
 	PadTokenID    int     // pad_token_id (its embedding row gets no gradient); -1: none
+
+	// GraniteMoe's multipliers; 0 means absent (1, and head_dim^-0.5 for
+	// the attention scale).
+	EmbeddingMultiplier float64 // embedding_multiplier: the embeddings are scaled by it
+	ResidualMultiplier  float64 // residual_multiplier: attention and MoE outputs are scaled by it before the residual add
+	AttentionMultiplier float64 // attention_multiplier: the attention scale instead of head_dim^-0.5
+	LogitsScaling       float64 // logits_scaling: the logits are divided by it
+}
+
+// QKNorm says whether attention normalizes queries and keys (OLMoE).
+func (c Config) QKNorm() bool { return c.Arch != ArchGraniteMoE }
+
+func orOne(v float64) float64 {
+	if v == 0 {
+		return 1
+	}
+	return v
 }
 
 // HeadDim is the width of one attention head.
@@ -38,6 +67,10 @@ func (c Config) KVDim() int { return c.KVHeads * c.HeadDim() }
 // Validate checks that the model can be built.
 func (c Config) Validate() error {
 	switch {
+	case c.Arch != ArchOLMoE && c.Arch != ArchGraniteMoE && c.Arch != "":
+		return fmt.Errorf("architecture %q: want %q or %q", c.Arch, ArchOLMoE, ArchGraniteMoE)
+	case c.EmbeddingMultiplier < 0 || c.ResidualMultiplier < 0 || c.AttentionMultiplier < 0 || c.LogitsScaling < 0:
+		return fmt.Errorf("multipliers must not be negative")
 	case c.Vocab < 2:
 		return fmt.Errorf("vocab_size %d: want at least 2", c.Vocab)
 	case c.Hidden < 1 || c.Intermediate < 1 || c.Layers < 1:
@@ -75,6 +108,11 @@ type hfConfig struct {
 	KVHeads            *int            `json:"num_key_value_heads"`
 	HeadDim            *int            `json:"head_dim"`
 	Experts            int             `json:"num_experts"`
+	LocalExperts       int             `json:"num_local_experts"`
+	EmbeddingMult      *float64        `json:"embedding_multiplier"`
+	ResidualMult       *float64        `json:"residual_multiplier"`
+	AttentionMult      *float64        `json:"attention_multiplier"`
+	LogitsScaling      *float64        `json:"logits_scaling"`
 	TopK               int             `json:"num_experts_per_tok"`
 	NormEps            *float64        `json:"rms_norm_eps"`
 	RopeTheta          *float64        `json:"rope_theta"`
@@ -95,17 +133,17 @@ type ropeParameters struct {
 	RopeTheta *float64 `json:"rope_theta"`
 }
 
-// ParseHFConfig reads an OLMoE config.json (transformers 4.x or 5.x form),
-// with OlmoeConfig's defaults for absent fields, and refuses the options the
-// Go model does not implement (clip_qkv, attention biases, rope scaling,
-// activations other than SiLU).
+// ParseHFConfig reads an OLMoE or GraniteMoe config.json (transformers 4.x
+// or 5.x form), with OlmoeConfig's or GraniteMoeConfig's defaults for absent
+// fields, and refuses the options the Go model does not implement (clip_qkv,
+// attention biases, rope scaling, activations other than SiLU).
 func ParseHFConfig(b []byte) (Config, error) {
 	var h hfConfig
 	if err := json.Unmarshal(b, &h); err != nil {
 		return Config{}, fmt.Errorf("config.json: %w", err)
 	}
-	if h.ModelType != "olmoe" {
-		return Config{}, fmt.Errorf("config.json: model_type %q, want \"olmoe\"", h.ModelType)
+	if h.ModelType != ArchOLMoE && h.ModelType != ArchGraniteMoE {
+		return Config{}, fmt.Errorf("config.json: model_type %q, want %q or %q", h.ModelType, ArchOLMoE, ArchGraniteMoE)
 	}
 	if h.HiddenAct != "" && h.HiddenAct != "silu" {
 		return Config{}, fmt.Errorf("config.json: hidden_act %q: only silu is implemented", h.HiddenAct)
@@ -122,6 +160,23 @@ func ParseHFConfig(b []byte) (Config, error) {
 	c := Config{Vocab: h.Vocab, Hidden: h.Hidden, Intermediate: h.Intermediate, Layers: h.Layers, Heads: h.Heads,
 		Experts: h.Experts, TopK: h.TopK, NormEps: 1e-5, RopeTheta: 10000, NormTopKProb: h.NormTopKProb,
 		AuxLoss: h.OutputRouterLogits, RouterAuxCoef: 0.01, TieEmbeddings: h.TieEmbeddings, PadTokenID: -1}
+	if h.ModelType == ArchGraniteMoE {
+		c.Arch, c.Experts, c.NormEps, c.RouterAuxCoef = ArchGraniteMoE, h.LocalExperts, 1e-6, 0.001
+		c.NormTopKProb = true // the softmax of the top-k logits
+		for _, m := range []struct {
+			dst *float64
+			src *float64
+		}{{&c.EmbeddingMultiplier, h.EmbeddingMult}, {&c.ResidualMultiplier, h.ResidualMult},
+			{&c.AttentionMultiplier, h.AttentionMult}, {&c.LogitsScaling, h.LogitsScaling}} {
+			*m.dst = 1
+			if m.src != nil {
+				*m.dst = *m.src
+			}
+			if !(*m.dst > 0) {
+				return Config{}, fmt.Errorf("config.json: GraniteMoe multipliers must be positive")
+			}
+		}
+	}
 	c.KVHeads = c.Heads
 	if h.KVHeads != nil {
 		c.KVHeads = *h.KVHeads

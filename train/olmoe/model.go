@@ -40,15 +40,15 @@ type Layer[F Float] struct {
 	K        *Param[F] // self_attn.k_proj [KV, H]
 	V        *Param[F] // self_attn.v_proj [KV, H]
 	O        *Param[F] // self_attn.o_proj [H, H]
-	QNorm    *Param[F] // self_attn.q_norm [H]
-	KNorm    *Param[F] // self_attn.k_norm [KV]
+	QNorm    *Param[F] // self_attn.q_norm [H] (nil for GraniteMoe)
+	KNorm    *Param[F] // self_attn.k_norm [KV] (nil for GraniteMoe)
 	PostNorm *Param[F] // post_attention_layernorm [H]
-	Router   *Param[F] // mlp.gate [E, H]
+	Router   *Param[F] // mlp.gate [E, H] (GraniteMoe: block_sparse_moe.router)
 	GateUp   *Param[F] // mlp.experts.gate_up_proj [E, 2I, H]: rows 0..I-1 gate, I..2I-1 up
 	Down     *Param[F] // mlp.experts.down_proj [E, H, I]
 }
 
-// Model is an OlmoeForCausalLM.
+// Model is an OlmoeForCausalLM or a GraniteMoeForCausalLM.
 type Model[F Float] struct {
 	Cfg       Config
 	Embed     *Param[F] // model.embed_tokens [V, H]
@@ -86,21 +86,28 @@ func New[F Float](cfg Config) (*Model[F], error) {
 		return p
 	}
 	m.Embed = add("model.embed_tokens.weight", false, v, h)
+	moe, router := "mlp.", "mlp.gate.weight"
+	if cfg.Arch == ArchGraniteMoE {
+		moe, router = "block_sparse_moe.", "block_sparse_moe.router.weight"
+	}
 	for l := range cfg.Layers {
 		pre := fmt.Sprintf("model.layers.%d.", l)
-		m.Layers = append(m.Layers, Layer[F]{
-			InNorm:   norm(pre+"input_layernorm.weight", h),
-			Q:        add(pre+"self_attn.q_proj.weight", false, h, h),
-			K:        add(pre+"self_attn.k_proj.weight", false, kv, h),
-			V:        add(pre+"self_attn.v_proj.weight", false, kv, h),
-			O:        add(pre+"self_attn.o_proj.weight", false, h, h),
-			QNorm:    norm(pre+"self_attn.q_norm.weight", h),
-			KNorm:    norm(pre+"self_attn.k_norm.weight", kv),
-			PostNorm: norm(pre+"post_attention_layernorm.weight", h),
-			Router:   add(pre+"mlp.gate.weight", false, e, h),
-			GateUp:   add(pre+"mlp.experts.gate_up_proj", true, e, 2*in, h),
-			Down:     add(pre+"mlp.experts.down_proj", true, e, h, in),
-		})
+		ly := Layer[F]{
+			InNorm: norm(pre+"input_layernorm.weight", h),
+			Q:      add(pre+"self_attn.q_proj.weight", false, h, h),
+			K:      add(pre+"self_attn.k_proj.weight", false, kv, h),
+			V:      add(pre+"self_attn.v_proj.weight", false, kv, h),
+			O:      add(pre+"self_attn.o_proj.weight", false, h, h),
+		}
+		if cfg.QKNorm() {
+			ly.QNorm = norm(pre+"self_attn.q_norm.weight", h)
+			ly.KNorm = norm(pre+"self_attn.k_norm.weight", kv)
+		}
+		ly.PostNorm = norm(pre+"post_attention_layernorm.weight", h)
+		ly.Router = add(pre+router, false, e, h)
+		ly.GateUp = add(pre+moe+"experts.gate_up_proj", true, e, 2*in, h)
+		ly.Down = add(pre+moe+"experts.down_proj", true, e, h, in)
+		m.Layers = append(m.Layers, ly)
 	}
 	m.FinalNorm = norm("model.norm.weight", h)
 	if cfg.TieEmbeddings {

@@ -2,7 +2,6 @@ package olmoe
 
 import (
 	"fmt"
-	"math"
 )
 
 // ExpertGrads receives one layer's expert gradients during Backward.
@@ -59,6 +58,7 @@ type Pass[F Float] struct {
 	auxGrad    []F // [E] gradient of the loss w.r.t. every token's router probabilities
 	// backward scratch
 	dx, dx1, dn, datt, dq, dqp []F
+	dres                       []F // a residual branch's gradient times residual_multiplier
 	dk, dv, dkp                []F
 	dp                         []F
 	dw                         []F
@@ -77,7 +77,8 @@ func (m *Model[F]) NewPass(batch, seq int) (*Pass[F], error) {
 	f := func(n int) []F { return make([]F, n) }
 	pp := batch * c.Heads * seq * seq
 	p := &Pass[F]{m: m, batch: batch, seq: seq,
-		attn: attnShape{batch: batch, seq: seq, heads: c.Heads, kvHeads: c.KVHeads, d: hd, scale: math.Pow(float64(hd), -0.5)},
+		attn: attnShape{batch: batch, seq: seq, heads: c.Heads, kvHeads: c.KVHeads, d: hd, scale: c.attnScale()},
+		dres: f(T * h),
 		tok:  make([]int32, T), tgt: make([]int32, T), x0: f(T * h), rf: f(T), hf: f(T * h),
 		logits: f(T * c.Vocab), lse: make([]float64, T), auxGrad: f(c.Experts),
 		dx: f(T * h), dx1: f(T * h), dn: f(T * h), datt: f(T * h), dq: f(T * h), dqp: f(T * h),
@@ -126,6 +127,7 @@ func (p *Pass[F]) Forward(inputs, targets []int32) (Loss, error) {
 	for t, id := range p.tok {
 		copy(p.x0[t*h:(t+1)*h], emb[int(id)*h:(int(id)+1)*h])
 	}
+	scale(p.x0, c.EmbeddingMultiplier)
 	eps := c.NormEps
 	for l := range p.layers {
 		la, b := &p.layers[l], &p.m.Layers[l]
@@ -133,16 +135,23 @@ func (p *Pass[F]) Forward(inputs, targets []int32) (Loss, error) {
 		gemm(false, true, T, h, h, la.n1, h, b.Q.W, h, 0, la.q, h)
 		gemm(false, true, T, kv, h, la.n1, h, b.K.W, h, 0, la.k, kv)
 		gemm(false, true, T, kv, h, la.n1, h, b.V.W, h, 0, la.v, kv)
-		rmsNormForward(la.qr, la.rq, la.q, b.QNorm.W, h, eps)
-		rmsNormForward(la.kr, la.rk, la.k, b.KNorm.W, kv, eps)
+		if c.QKNorm() {
+			rmsNormForward(la.qr, la.rq, la.q, b.QNorm.W, h, eps)
+			rmsNormForward(la.kr, la.rk, la.k, b.KNorm.W, kv, eps)
+		} else {
+			copy(la.qr, la.q)
+			copy(la.kr, la.k)
+		}
 		ropeForward(la.qr, p.cos, p.sin, p.seq, h, p.attn.d)
 		ropeForward(la.kr, p.cos, p.sin, p.seq, kv, p.attn.d)
 		attentionForward(la.att, la.p, la.qr, la.kr, la.v, p.attn)
 		gemm(false, true, T, h, h, la.att, h, b.O.W, h, 0, la.x1, h)
+		scale(la.x1, c.ResidualMultiplier)
 		add(la.x1, la.x)
 		rmsNormForward(la.n2, la.r2, la.x1, b.PostNorm.W, h, eps)
 		routerForward(&la.rt, la.n2, b.Router.W, h)
 		expertsForward(la.out, la.n2, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
+		scale(la.out, c.ResidualMultiplier)
 		add(la.out, la.x1)
 		for e := range la.expertRows {
 			la.expertRows[e] = la.d.off[e+1] - la.d.off[e]
@@ -154,6 +163,11 @@ func (p *Pass[F]) Forward(inputs, targets []int32) (Loss, error) {
 	}
 	rmsNormForward(p.hf, p.rf, last, p.m.FinalNorm.W, h, eps)
 	gemm(false, true, T, c.Vocab, h, p.hf, h, p.m.Head.W, h, 0, p.logits, c.Vocab)
+	if ls := c.LogitsScaling; ls != 0 && ls != 1 {
+		for i := range p.logits {
+			p.logits[i] /= F(ls)
+		}
+	}
 	ce, n := crossEntropy(p.logits, p.lse, p.tgt, c.Vocab)
 	if n == 0 {
 		return Loss{}, fmt.Errorf("olmoe forward: no target to predict")
@@ -215,6 +229,11 @@ func (p *Pass[F]) Backward(eg ExpertGrads[F]) error {
 		last = p.layers[n-1].out
 	}
 	crossEntropyBackward(p.logits, p.lse, p.tgt, v, p.loss.Count, 1)
+	if ls := c.LogitsScaling; ls != 0 && ls != 1 {
+		for i := range p.logits {
+			p.logits[i] /= F(ls)
+		}
+	}
 	gemm(true, false, v, h, T, p.logits, v, p.hf, h, 1, p.m.Head.G, h)  // dHead += dlogits^T hf
 	gemm(false, false, T, h, v, p.logits, v, p.m.Head.W, h, 0, p.dn, h) // dhf = dlogits Head
 	clear(p.dx)
@@ -231,7 +250,8 @@ func (p *Pass[F]) Backward(eg ExpertGrads[F]) error {
 				l, len(gu), len(dn), b.GateUp.Numel(), b.Down.Numel())
 		}
 		clear(p.dn)
-		expertsBackward(p.dn, p.dw, gu, dn, &p.es, p.dx, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
+		dmoe := scaled(p.dres, p.dx, c.ResidualMultiplier)
+		expertsBackward(p.dn, p.dw, gu, dn, &p.es, dmoe, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
 		if err := eg.Ready(l, gu, dn); err != nil {
 			return fmt.Errorf("olmoe backward layer %d: expert gradients: %w", l, err)
 		}
@@ -239,17 +259,23 @@ func (p *Pass[F]) Backward(eg ExpertGrads[F]) error {
 		copy(p.dx1, p.dx)
 		rmsNormBackward(p.dx1, b.PostNorm.G, p.dn, la.x1, b.PostNorm.W, la.r2, h)
 		// x1 = x + o_proj(attention(n1)).
-		gemm(true, false, h, h, T, p.dx1, h, la.att, h, 1, b.O.G, h)  // dWo += dx1^T att
-		gemm(false, false, T, h, h, p.dx1, h, b.O.W, h, 0, p.datt, h) // datt = dx1 Wo
+		do := scaled(p.dres, p.dx1, c.ResidualMultiplier)
+		gemm(true, false, h, h, T, do, h, la.att, h, 1, b.O.G, h)  // dWo += do^T att
+		gemm(false, false, T, h, h, do, h, b.O.W, h, 0, p.datt, h) // datt = do Wo
 		clear(p.dk)
 		clear(p.dv)
 		attentionBackward(p.dq, p.dk, p.dv, p.dp, p.datt, la.p, la.qr, la.kr, la.v, p.attn)
 		ropeBackward(p.dq, p.cos, p.sin, p.seq, h, p.attn.d)
 		ropeBackward(p.dk, p.cos, p.sin, p.seq, kv, p.attn.d)
-		clear(p.dqp)
-		rmsNormBackward(p.dqp, b.QNorm.G, p.dq, la.q, b.QNorm.W, la.rq, h)
-		clear(p.dkp)
-		rmsNormBackward(p.dkp, b.KNorm.G, p.dk, la.k, b.KNorm.W, la.rk, kv)
+		if c.QKNorm() {
+			clear(p.dqp)
+			rmsNormBackward(p.dqp, b.QNorm.G, p.dq, la.q, b.QNorm.W, la.rq, h)
+			clear(p.dkp)
+			rmsNormBackward(p.dkp, b.KNorm.G, p.dk, la.k, b.KNorm.W, la.rk, kv)
+		} else {
+			copy(p.dqp, p.dq)
+			copy(p.dkp, p.dk)
+		}
 		gemm(true, false, h, h, T, p.dqp, h, la.n1, h, 1, b.Q.G, h)
 		gemm(true, false, kv, h, T, p.dkp, kv, la.n1, h, 1, b.K.G, h)
 		gemm(true, false, kv, h, T, p.dv, kv, la.n1, h, 1, b.V.G, h)
@@ -260,6 +286,7 @@ func (p *Pass[F]) Backward(eg ExpertGrads[F]) error {
 		rmsNormBackward(p.dx, b.InNorm.G, p.dn, la.x, b.InNorm.W, la.r1, h)
 	}
 	g := p.m.Embed.G
+	scale(p.dx, c.EmbeddingMultiplier)
 	for t, id := range p.tok {
 		if int(id) == c.PadTokenID {
 			continue // nn.Embedding(padding_idx) gives its row no gradient
@@ -270,6 +297,27 @@ func (p *Pass[F]) Backward(eg ExpertGrads[F]) error {
 		}
 	}
 	return nil
+}
+
+// scale multiplies x by m unless m is 0 (absent) or 1.
+func scale[F Float](x []F, m float64) {
+	if m == 0 || m == 1 {
+		return
+	}
+	for i := range x {
+		x[i] *= F(m)
+	}
+}
+
+// scaled returns g times m, in buf, or g itself when m is 0 (absent) or 1.
+func scaled[F Float](buf, g []F, m float64) []F {
+	if m == 0 || m == 1 {
+		return g
+	}
+	for i, v := range g {
+		buf[i] = v * F(m)
+	}
+	return buf
 }
 
 func add[F Float](dst, src []F) {
