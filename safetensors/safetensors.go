@@ -3,7 +3,7 @@
 // tensor's dtype, shape and byte range, then the raw little-endian data), and
 // converts the floating-point dtypes checkpoints use (F32, BF16, F16, F64) to
 // and from float32. It owns the format only; which tensors a model has is the
-// business of its package (train/olmoe).
+// business of its package (train/hfmoe).
 package safetensors
 
 import (

@@ -1,7 +1,7 @@
-// Command sonar-hfcheck runs the Go OLMoE (package train/olmoe) once,
-// forward and backward, on a Hugging Face checkpoint and a batch of token
-// ids, and writes what transformers would compute to compare: logits, loss
-// and every parameter's gradient. tests/test_go_olmoe.py runs it against
+// Command sonar-hfcheck runs the Go OLMoE or GraniteMoe (package
+// train/hfmoe) once, forward and backward, on a Hugging Face checkpoint and
+// a batch of token ids, and writes what transformers would compute to
+// compare: logits, loss and every parameter's gradient. tests/test_go_hfmoe.py runs it against
 // transformers' fp32 eager forward and backward on the same weights.
 //
 //	sonar-hfcheck --model DIR --inputs IN.safetensors --out OUT.safetensors [--save DIR2] [--f64]
@@ -10,7 +10,7 @@
 // [B, S] (default: the inputs; -100 not counted), with transformers'
 // meaning: position s predicts labels[s+1]. OUT holds "logits" [B, S, V],
 // "loss", "ce", "aux" (float64 scalars as [1]) and "grad.NAME" for every
-// parameter, named as OlmoeForCausalLM.named_parameters() names them in
+// parameter, named as the model's named_parameters() names them in
 // transformers 5.x (expert tensors batched: "...mlp.experts.gate_up_proj").
 // With --save the loaded weights are written back as a checkpoint to DIR2.
 package main
@@ -21,7 +21,7 @@ import (
 	"os"
 
 	"github.com/sonar-moe/sonar/safetensors"
-	"github.com/sonar-moe/sonar/train/olmoe"
+	"github.com/sonar-moe/sonar/train/hfmoe"
 )
 
 func main() {
@@ -33,7 +33,7 @@ func main() {
 
 func run(args []string) error {
 	fs := flag.NewFlagSet("sonar-hfcheck", flag.ContinueOnError)
-	modelDir := fs.String("model", "", "save_pretrained directory of an OlmoeForCausalLM")
+	modelDir := fs.String("model", "", "save_pretrained directory of an OlmoeForCausalLM or GraniteMoeForCausalLM")
 	inputs := fs.String("inputs", "", "safetensors file with input_ids [B, S] and optionally labels [B, S]")
 	out := fs.String("out", "", "safetensors file to write logits, losses and gradients to")
 	save := fs.String("save", "", "also write the loaded model back as a checkpoint to this directory")
@@ -91,18 +91,18 @@ func ReadBatch(path string) (inputs, targets []int32, b, s int, err error) {
 }
 
 // keep is an ExpertGrads that keeps every layer's expert gradients.
-type keep[F olmoe.Float] struct{ gu, dn [][]F }
+type keep[F hfmoe.Float] struct{ gu, dn [][]F }
 
 func (k *keep[F]) Buffers(l int) ([]F, []F, error) { return k.gu[l], k.dn[l], nil }
 func (k *keep[F]) Ready(int, []F, []F) error       { return nil }
 
-func check[F olmoe.Float](dir, save, out string, inputs, targets []int32, b, s int) error {
-	m, ck, err := olmoe.Load[F](dir)
+func check[F hfmoe.Float](dir, save, out string, inputs, targets []int32, b, s int) error {
+	m, ck, err := hfmoe.Load[F](dir)
 	if err != nil {
 		return err
 	}
 	if save != "" {
-		if err := olmoe.Save(save, m, ck.Config, olmoe.SaveOptions{CopyFrom: dir}); err != nil {
+		if err := hfmoe.Save(save, m, ck.Config, hfmoe.SaveOptions{CopyFrom: dir}); err != nil {
 			return err
 		}
 	}

@@ -14,12 +14,12 @@ import (
 
 	"github.com/sonar-moe/sonar/safetensors"
 	"github.com/sonar-moe/sonar/train"
+	"github.com/sonar-moe/sonar/train/hfmoe"
 	"github.com/sonar-moe/sonar/train/model"
-	"github.com/sonar-moe/sonar/train/olmoe"
 	"go.uber.org/zap"
 )
 
-// Fine-tuning a Hugging Face OLMoE checkpoint (--hf): the model is loaded
+// Fine-tuning a Hugging Face OLMoE or GraniteMoe checkpoint (--hf): the model is loaded
 // from a save_pretrained directory, trained on token ids (--tokens) with the
 // same per-layer expert updates, and written back (--out) as a directory
 // transformers loads.
@@ -111,9 +111,9 @@ func trainHF(c *config, log *zap.Logger, stdout, stderr io.Writer) error {
 	}
 	prog := newProgress(stderr, c.progress)
 	var results []*result
-	var cfg olmoe.Config
+	var cfg hfmoe.Config
 	for i, keepAll := range modes {
-		m, ck, err := olmoe.Load[float32](c.hf)
+		m, ck, err := hfmoe.Load[float32](c.hf)
 		if err != nil {
 			return err
 		}
@@ -124,22 +124,22 @@ func trainHF(c *config, log *zap.Logger, stdout, stderr io.Writer) error {
 		}
 		results = append(results, r)
 		if i == 0 && c.out != "" {
-			if err := olmoe.Save(c.out, m, ck.Config, olmoe.SaveOptions{BF16: c.outBF16, CopyFrom: c.hf}); err != nil {
+			if err := hfmoe.Save(c.out, m, ck.Config, hfmoe.SaveOptions{BF16: c.outBF16, CopyFrom: c.hf}); err != nil {
 				return err
 			}
 			fmt.Fprintf(stdout, "saved the fine-tuned model to %s\n", c.out)
 		}
 	}
 	r0 := results[0]
-	fmt.Fprintf(stdout, "\nmodel: %s (OLMoE): %d layers x %d experts (top-%d), hidden %d, intermediate %d, vocab %d: %s parameters, %s in experts (%.0f%%)\n",
-		c.hf, cfg.Layers, cfg.Experts, cfg.TopK, cfg.Hidden, cfg.Intermediate, cfg.Vocab,
+	fmt.Fprintf(stdout, "\nmodel: %s (%s): %d layers x %d experts (top-%d), hidden %d, intermediate %d, vocab %d: %s parameters, %s in experts (%.0f%%)\n",
+		c.hf, cfg.Arch, cfg.Layers, cfg.Experts, cfg.TopK, cfg.Hidden, cfg.Intermediate, cfg.Vocab,
 		count(r0.totalParams), count(r0.expertParam), 100*float64(r0.expertParam)/float64(r0.totalParams))
 	fmt.Fprintf(stdout, "data: %s, %d train / %d held-out tokens; %d steps of %d x %d tokens\n\n", c.tokens, len(trainToks), len(heldToks), c.steps, c.batch, c.seq)
 	printTable(stdout, results)
 	return nil
 }
 
-func runHFMode(c *config, m *olmoe.Model[float32], trainToks, heldToks []int32, keepAll bool, log *zap.Logger, out io.Writer, prog *progress) (*result, error) {
+func runHFMode(c *config, m *hfmoe.Model[float32], trainToks, heldToks []int32, keepAll bool, log *zap.Logger, out io.Writer, prog *progress) (*result, error) {
 	for i, t := range trainToks {
 		if int(t) >= m.Cfg.Vocab {
 			return nil, fmt.Errorf("--tokens: token %d at %d is outside the vocabulary (%d)", t, i, m.Cfg.Vocab)
@@ -152,7 +152,7 @@ func runHFMode(c *config, m *olmoe.Model[float32], trainToks, heldToks []int32, 
 	}
 	opts := train.Options{Hyper: train.DefaultHyper(), MaxGradNorm: c.maxGradNorm, KeepAllGrads: keepAll}
 	opts.Hyper.LR, opts.Hyper.WeightDecay = c.lr, c.weightDecay
-	tr, err := train.NewOlmoe(m, c.batch, c.seq, opts)
+	tr, err := train.NewHF(m, c.batch, c.seq, opts)
 	if err != nil {
 		return nil, err
 	}

@@ -9,22 +9,22 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/sonar-moe/sonar/train/olmoe"
+	"github.com/sonar-moe/sonar/train/hfmoe"
 )
 
 // --hf end to end in Go: a tiny checkpoint, token ids in a text file, both
 // modes bit-equal, and the saved checkpoint loads with changed weights.
 func TestTrainHF(t *testing.T) {
 	dir := t.TempDir()
-	cfg := olmoe.Config{Vocab: 40, Hidden: 16, Intermediate: 8, Layers: 2, Heads: 4, KVHeads: 2, Experts: 4, TopK: 2,
+	cfg := hfmoe.Config{Vocab: 40, Hidden: 16, Intermediate: 8, Layers: 2, Heads: 4, KVHeads: 2, Experts: 4, TopK: 2,
 		NormEps: 1e-5, RopeTheta: 10000, RouterAuxCoef: 0.01, PadTokenID: -1}
-	m, err := olmoe.New[float32](cfg)
+	m, err := hfmoe.New[float32](cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	m.Init(1, 0.1)
 	ck := filepath.Join(dir, "ck")
-	if err := olmoe.Save(ck, m, nil, olmoe.SaveOptions{}); err != nil {
+	if err := hfmoe.Save(ck, m, nil, hfmoe.SaveOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	var ids strings.Builder
@@ -45,7 +45,7 @@ func TestTrainHF(t *testing.T) {
 	if s := stdout.String(); !strings.Contains(s, "params bitwise equal: yes") || !strings.Contains(s, "(1 layer)") {
 		t.Errorf("output:\n%s", s)
 	}
-	back, _, err := olmoe.Load[float32](out)
+	back, _, err := hfmoe.Load[float32](out)
 	if err != nil {
 		t.Fatal(err)
 	}

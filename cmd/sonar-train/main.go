@@ -14,8 +14,8 @@
 //	sonar-train --keep-all-grads      # the baseline only
 //	sonar-train --data notes.txt --steps 500 --layers 6 --experts 16
 //
-// With --hf it fine-tunes a Hugging Face OLMoE checkpoint instead (package
-// train/olmoe) on token ids, and --out saves the result as a directory that
+// With --hf it fine-tunes a Hugging Face OLMoE or GraniteMoe checkpoint instead (package
+// train/hfmoe) on token ids, and --out saves the result as a directory that
 // transformers' from_pretrained loads:
 //
 //	sonar-train --hf ./olmoe-tiny --tokens ids.safetensors --out ./olmoe-tuned --steps 100
@@ -74,7 +74,7 @@ type config struct {
 	logLevel     string
 	maxProcs     int
 	heldFraction float64
-	hf           string // fine-tune this Hugging Face OLMoE checkpoint instead
+	hf           string // fine-tune this Hugging Face OLMoE or GraniteMoe checkpoint instead
 	tokens       string // token ids to fine-tune it on
 	out          string // where to save the fine-tuned checkpoint
 	outBF16      bool
@@ -111,7 +111,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.IntVar(&c.maxProcs, "procs", 0, "GOMAXPROCS (0: all cores)")
 	fs.Float64Var(&c.heldFraction, "held-out", 0.05, "fraction of the text held out for evaluation")
-	fs.StringVar(&c.hf, "hf", "", "fine-tune this Hugging Face OLMoE checkpoint (a save_pretrained directory) instead of the byte-level model; needs --tokens")
+	fs.StringVar(&c.hf, "hf", "", "fine-tune this Hugging Face OLMoE or GraniteMoe checkpoint (a save_pretrained directory) instead of the byte-level model; needs --tokens")
 	fs.StringVar(&c.tokens, "tokens", "", "with --hf: token ids to train on (.safetensors with input_ids, or a text file of ids; see scripts/tokenize_hf.py)")
 	fs.StringVar(&c.out, "out", "", "with --hf: save the fine-tuned checkpoint (of the per-layer run) to this directory")
 	fs.BoolVar(&c.outBF16, "out-bf16", false, "with --out: store the weights as bfloat16 (default float32)")

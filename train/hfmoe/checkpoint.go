@@ -1,12 +1,12 @@
-package olmoe
+package hfmoe
 
 import (
 	"encoding/json"
-	"math"
 	"errors"
 	"fmt"
 	"io"
 	"io/fs"
+	"math"
 	"os"
 	"path/filepath"
 	"sort"
@@ -34,19 +34,19 @@ type Checkpoint struct {
 func Load[F Float](dir string) (*Model[F], *Checkpoint, error) {
 	cb, err := os.ReadFile(filepath.Join(dir, "config.json"))
 	if err != nil {
-		return nil, nil, fmt.Errorf("olmoe load: %w", err)
+		return nil, nil, fmt.Errorf("hfmoe load: %w", err)
 	}
 	cfg, err := ParseHFConfig(cb)
 	if err != nil {
-		return nil, nil, fmt.Errorf("olmoe load %s: %w", dir, err)
+		return nil, nil, fmt.Errorf("hfmoe load %s: %w", dir, err)
 	}
 	ck := &Checkpoint{Dir: dir}
 	if err := json.Unmarshal(cb, &ck.Config); err != nil {
-		return nil, nil, fmt.Errorf("olmoe load: config.json: %w", err)
+		return nil, nil, fmt.Errorf("hfmoe load: config.json: %w", err)
 	}
 	tensors, err := readTensors(dir)
 	if err != nil {
-		return nil, nil, fmt.Errorf("olmoe load: %w", err)
+		return nil, nil, fmt.Errorf("hfmoe load: %w", err)
 	}
 	m, err := New[F](cfg)
 	if err != nil {
@@ -70,7 +70,7 @@ func Load[F Float](dir string) (*Model[F], *Checkpoint, error) {
 	}
 	for l, ly := range m.Layers {
 		if err := loadExperts(m, l, ly, tensors, take); err != nil {
-			return nil, nil, fmt.Errorf("olmoe load %s: %w", dir, err)
+			return nil, nil, fmt.Errorf("hfmoe load %s: %w", dir, err)
 		}
 	}
 	for _, p := range m.params {
@@ -85,7 +85,7 @@ func Load[F Float](dir string) (*Model[F], *Checkpoint, error) {
 		}
 		v, err := take(name, p.Shape)
 		if err != nil {
-			return nil, nil, fmt.Errorf("olmoe load %s: %w", dir, err)
+			return nil, nil, fmt.Errorf("hfmoe load %s: %w", dir, err)
 		}
 		for i, x := range v {
 			p.W[i] = F(x)
@@ -102,7 +102,7 @@ func Load[F Float](dir string) (*Model[F], *Checkpoint, error) {
 	}
 	if len(extra) > 0 {
 		sort.Strings(extra)
-		return nil, nil, fmt.Errorf("olmoe load %s: %d unexpected tensors: %s", dir, len(extra), strings.Join(extra[:min(len(extra), 5)], ", "))
+		return nil, nil, fmt.Errorf("hfmoe load %s: %d unexpected tensors: %s", dir, len(extra), strings.Join(extra[:min(len(extra), 5)], ", "))
 	}
 	return m, ck, nil
 }
@@ -256,11 +256,11 @@ type SaveOptions struct {
 // lm_head is not stored, as transformers does not store it.
 func Save[F Float](dir string, m *Model[F], config map[string]any, o SaveOptions) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return fmt.Errorf("olmoe save: %w", err)
+		return fmt.Errorf("hfmoe save: %w", err)
 	}
 	if o.CopyFrom != "" {
 		if err := copyExtras(o.CopyFrom, dir); err != nil {
-			return fmt.Errorf("olmoe save: %w", err)
+			return fmt.Errorf("hfmoe save: %w", err)
 		}
 	}
 	if config == nil {
@@ -279,10 +279,10 @@ func Save[F Float](dir string, m *Model[F], config map[string]any, o SaveOptions
 	}
 	cb, err := json.MarshalIndent(config, "", "  ")
 	if err != nil {
-		return fmt.Errorf("olmoe save: config.json: %w", err)
+		return fmt.Errorf("hfmoe save: config.json: %w", err)
 	}
 	if err := os.WriteFile(filepath.Join(dir, "config.json"), append(cb, '\n'), 0o644); err != nil {
-		return fmt.Errorf("olmoe save: %w", err)
+		return fmt.Errorf("hfmoe save: %w", err)
 	}
 	mk := func(shape []int, v []F) safetensors.Tensor {
 		f := make([]float32, len(v))
@@ -316,7 +316,7 @@ func Save[F Float](dir string, m *Model[F], config map[string]any, o SaveOptions
 	}
 	os.Remove(filepath.Join(dir, "model.safetensors.index.json")) // a stale index would win over the file
 	if err := safetensors.WriteFile(filepath.Join(dir, "model.safetensors"), out, map[string]string{"format": "pt"}); err != nil {
-		return fmt.Errorf("olmoe save: %w", err)
+		return fmt.Errorf("hfmoe save: %w", err)
 	}
 	return nil
 }

@@ -4,21 +4,21 @@ import (
 	"math/rand/v2"
 	"testing"
 
-	"github.com/sonar-moe/sonar/train/olmoe"
+	"github.com/sonar-moe/sonar/train/hfmoe"
 )
 
-// BenchmarkOlmoeStep is one training step of the configuration that
+// BenchmarkHFStep is one training step of the configuration that
 // bench/olmoe_go_vs_torch.py compares with torch (4 layers x 8 experts,
 // hidden 128, intermediate 128, vocab 256, 8 x 128 tokens).
-func BenchmarkOlmoeStep(b *testing.B) {
-	cfg := olmoe.Config{Vocab: 256, Hidden: 128, Intermediate: 128, Layers: 4, Heads: 4, KVHeads: 4, Experts: 8, TopK: 2,
+func BenchmarkHFStep(b *testing.B) {
+	cfg := hfmoe.Config{Vocab: 256, Hidden: 128, Intermediate: 128, Layers: 4, Heads: 4, KVHeads: 4, Experts: 8, TopK: 2,
 		NormEps: 1e-5, RopeTheta: 10000, RouterAuxCoef: 0.01, PadTokenID: -1}
-	m, err := olmoe.New[float32](cfg)
+	m, err := hfmoe.New[float32](cfg)
 	if err != nil {
 		b.Fatal(err)
 	}
 	m.Init(1, 0.02)
-	tr, err := NewOlmoe(m, 8, 128, Options{Hyper: DefaultHyper(), MaxGradNorm: 1})
+	tr, err := NewHF(m, 8, 128, Options{Hyper: DefaultHyper(), MaxGradNorm: 1})
 	if err != nil {
 		b.Fatal(err)
 	}

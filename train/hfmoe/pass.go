@@ -1,4 +1,4 @@
-package olmoe
+package hfmoe
 
 import (
 	"fmt"
@@ -70,7 +70,7 @@ type Pass[F Float] struct {
 // seq tokens.
 func (m *Model[F]) NewPass(batch, seq int) (*Pass[F], error) {
 	if batch < 1 || seq < 1 {
-		return nil, fmt.Errorf("olmoe: batch %d x seq %d: both must be positive", batch, seq)
+		return nil, fmt.Errorf("hfmoe: batch %d x seq %d: both must be positive", batch, seq)
 	}
 	c := m.Cfg
 	T, h, kv, hd := batch*seq, c.Hidden, c.KVDim(), c.HeadDim()
@@ -114,11 +114,11 @@ func (p *Pass[F]) Forward(inputs, targets []int32) (Loss, error) {
 	c := p.m.Cfg
 	T, h, kv := p.Tokens(), c.Hidden, c.KVDim()
 	if len(inputs) != T || len(targets) != T {
-		return Loss{}, fmt.Errorf("olmoe forward: %d inputs and %d targets, want %d each", len(inputs), len(targets), T)
+		return Loss{}, fmt.Errorf("hfmoe forward: %d inputs and %d targets, want %d each", len(inputs), len(targets), T)
 	}
 	for i := range inputs {
 		if inputs[i] < 0 || int(inputs[i]) >= c.Vocab || int(targets[i]) >= c.Vocab {
-			return Loss{}, fmt.Errorf("olmoe forward: position %d: token %d or target %d outside the vocabulary (%d)", i, inputs[i], targets[i], c.Vocab)
+			return Loss{}, fmt.Errorf("hfmoe forward: position %d: token %d or target %d outside the vocabulary (%d)", i, inputs[i], targets[i], c.Vocab)
 		}
 	}
 	copy(p.tok, inputs)
@@ -170,7 +170,7 @@ func (p *Pass[F]) Forward(inputs, targets []int32) (Loss, error) {
 	}
 	ce, n := crossEntropy(p.logits, p.lse, p.tgt, c.Vocab)
 	if n == 0 {
-		return Loss{}, fmt.Errorf("olmoe forward: no target to predict")
+		return Loss{}, fmt.Errorf("hfmoe forward: no target to predict")
 	}
 	p.loss = Loss{CE: ce, Total: ce, Count: n}
 	p.loss.Aux = p.auxLoss()
@@ -212,7 +212,7 @@ func (p *Pass[F]) auxLoss() float64 {
 // back to eg.Ready as soon as they are final, last layer first.
 func (p *Pass[F]) Backward(eg ExpertGrads[F]) error {
 	if !p.forwarded {
-		return fmt.Errorf("olmoe backward: no forward to take the gradient of")
+		return fmt.Errorf("hfmoe backward: no forward to take the gradient of")
 	}
 	p.forwarded = false
 	c := p.m.Cfg
@@ -243,17 +243,17 @@ func (p *Pass[F]) Backward(eg ExpertGrads[F]) error {
 		// out = x1 + MoE(n2).
 		gu, dn, err := eg.Buffers(l)
 		if err != nil {
-			return fmt.Errorf("olmoe backward layer %d: expert gradient buffers: %w", l, err)
+			return fmt.Errorf("hfmoe backward layer %d: expert gradient buffers: %w", l, err)
 		}
 		if len(gu) != b.GateUp.Numel() || len(dn) != b.Down.Numel() {
-			return fmt.Errorf("olmoe backward layer %d: expert gradient buffers of %d and %d elements, want %d and %d",
+			return fmt.Errorf("hfmoe backward layer %d: expert gradient buffers of %d and %d elements, want %d and %d",
 				l, len(gu), len(dn), b.GateUp.Numel(), b.Down.Numel())
 		}
 		clear(p.dn)
 		dmoe := scaled(p.dres, p.dx, c.ResidualMultiplier)
 		expertsBackward(p.dn, p.dw, gu, dn, &p.es, dmoe, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
 		if err := eg.Ready(l, gu, dn); err != nil {
-			return fmt.Errorf("olmoe backward layer %d: expert gradients: %w", l, err)
+			return fmt.Errorf("hfmoe backward layer %d: expert gradients: %w", l, err)
 		}
 		routerBackward(p.dn, b.Router.G, &la.rt, p.dw, aux, la.n2, b.Router.W, h)
 		copy(p.dx1, p.dx)

@@ -1,10 +1,13 @@
-// Package olmoe is the OLMoE architecture as Hugging Face transformers 5.x
-// implements it (OlmoeForCausalLM), forward and backward, in Go: RMSNorm,
-// attention with q/k RMSNorm, rotary embeddings, grouped key/value heads and
-// a causal mask; a top-k softmax router (norm_topk_prob as configured);
-// SiLU-gated experts in the batched layout ([E, 2I, H] gate_up, [E, H, I]
-// down); the load-balancing auxiliary loss when the config enables it. It
-// reads and writes save_pretrained checkpoints (checkpoint.go).
+// Package hfmoe is the Mixture-of-Experts decoders of Hugging Face
+// transformers 5.x that Sonar-MoE fine-tunes in Go, OLMoE (OlmoeForCausalLM)
+// and GraniteMoe (GraniteMoeForCausalLM), forward and backward: RMSNorm,
+// attention with rotary embeddings, grouped key/value heads and a causal
+// mask (OLMoE: with q/k RMSNorm); a top-k softmax router (norm_topk_prob as
+// configured; GraniteMoe: softmax over the top-k logits); SiLU-gated experts
+// in the batched layout ([E, 2I, H] gate_up, [E, H, I] down); GraniteMoe's
+// embedding, residual, attention and logits multipliers; the load-balancing
+// auxiliary loss when the config enables it. It reads and writes
+// save_pretrained checkpoints (checkpoint.go).
 //
 // The model is generic over its element type: float32 to train (the AdamW
 // engine steps float32 weights in place), float64 for finite-difference
@@ -12,7 +15,7 @@
 // gradients: it asks an ExpertGrads for one layer's buffers at a time and
 // hands them back the moment they are final, last layer first. Dense
 // gradients accumulate in each Param's G.
-package olmoe
+package hfmoe
 
 import (
 	"fmt"
@@ -62,7 +65,7 @@ type Model[F Float] struct {
 // one). Init draws random weights.
 func New[F Float](cfg Config) (*Model[F], error) {
 	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("olmoe: %w", err)
+		return nil, fmt.Errorf("hfmoe: %w", err)
 	}
 	m := &Model[F]{Cfg: cfg}
 	h, kv, e, in, v := cfg.Hidden, cfg.KVDim(), cfg.Experts, cfg.Intermediate, cfg.Vocab

@@ -1,4 +1,4 @@
-package olmoe
+package hfmoe
 
 import (
 	"encoding/json"
@@ -20,7 +20,7 @@ type Config struct {
 	// OLMoE without the q/k norms, with four scalar multipliers (below),
 	// and a router whose weights are the softmax of the top-k logits (the
 	// same values as OLMoE's renormalized top-k probabilities).
-	Arch string
+	Arch         string
 	Vocab        int     // vocab_size
 	Hidden       int     // hidden_size, H
 	Intermediate int     // intermediate_size, I (of each expert)
@@ -157,7 +157,7 @@ func ParseHFConfig(b []byte) (Config, error) {
 	if len(h.RopeScaling) > 0 && string(h.RopeScaling) != "null" {
 		return Config{}, fmt.Errorf("config.json: rope_scaling is not implemented")
 	}
-	c := Config{Vocab: h.Vocab, Hidden: h.Hidden, Intermediate: h.Intermediate, Layers: h.Layers, Heads: h.Heads,
+	c := Config{Arch: ArchOLMoE, Vocab: h.Vocab, Hidden: h.Hidden, Intermediate: h.Intermediate, Layers: h.Layers, Heads: h.Heads,
 		Experts: h.Experts, TopK: h.TopK, NormEps: 1e-5, RopeTheta: 10000, NormTopKProb: h.NormTopKProb,
 		AuxLoss: h.OutputRouterLogits, RouterAuxCoef: 0.01, TieEmbeddings: h.TieEmbeddings, PadTokenID: -1}
 	if h.ModelType == ArchGraniteMoE {

@@ -5,15 +5,15 @@ import (
 	"math/rand/v2"
 	"testing"
 
+	"github.com/sonar-moe/sonar/train/hfmoe"
 	"github.com/sonar-moe/sonar/train/model"
-	"github.com/sonar-moe/sonar/train/olmoe"
 )
 
-func tinyOlmoe(t *testing.T, aux bool) *olmoe.Model[float32] {
+func tinyHF(t *testing.T, aux bool) *hfmoe.Model[float32] {
 	t.Helper()
-	cfg := olmoe.Config{Vocab: 32, Hidden: 16, Intermediate: 8, Layers: 3, Heads: 4, KVHeads: 2, Experts: 4, TopK: 2,
+	cfg := hfmoe.Config{Vocab: 32, Hidden: 16, Intermediate: 8, Layers: 3, Heads: 4, KVHeads: 2, Experts: 4, TopK: 2,
 		NormEps: 1e-5, RopeTheta: 10000, AuxLoss: aux, RouterAuxCoef: 0.01, PadTokenID: -1}
-	m, err := olmoe.New[float32](cfg)
+	m, err := hfmoe.New[float32](cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -34,7 +34,7 @@ func patternBatch(rng *rand.Rand, batch, seq, vocab int) (in, tg []int32) {
 	return in, tg
 }
 
-func olmoeBytes(m *olmoe.Model[float32]) []byte {
+func hfBytes(m *hfmoe.Model[float32]) []byte {
 	var b bytes.Buffer
 	for _, p := range m.Params() {
 		b.Write(model.Bytes(p.W))
@@ -42,14 +42,14 @@ func olmoeBytes(m *olmoe.Model[float32]) []byte {
 	return b.Bytes()
 }
 
-func TestOlmoePerLayerMatchesKeepAll(t *testing.T) {
+func TestHFPerLayerMatchesKeepAll(t *testing.T) {
 	for _, aux := range []bool{false, true} {
 		var bits [2][]byte
 		var mem [2]Memory
 		for i, keep := range []bool{false, true} {
-			m := tinyOlmoe(t, aux)
+			m := tinyHF(t, aux)
 			o := Options{Hyper: DefaultHyper(), MaxGradNorm: 0.5, KeepAllGrads: keep}
-			tr, err := NewOlmoe(m, 3, 8, o)
+			tr, err := NewHF(m, 3, 8, o)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -60,7 +60,7 @@ func TestOlmoePerLayerMatchesKeepAll(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			bits[i], mem[i] = olmoeBytes(m), tr.Memory()
+			bits[i], mem[i] = hfBytes(m), tr.Memory()
 		}
 		if !bytes.Equal(bits[0], bits[1]) {
 			t.Errorf("aux=%v: per-layer and keep-all parameters differ", aux)
@@ -71,9 +71,9 @@ func TestOlmoePerLayerMatchesKeepAll(t *testing.T) {
 	}
 }
 
-func TestOlmoeLossFalls(t *testing.T) {
-	m := tinyOlmoe(t, true)
-	tr, err := NewOlmoe(m, 4, 12, Options{Hyper: DefaultHyper(), MaxGradNorm: 1})
+func TestHFLossFalls(t *testing.T) {
+	m := tinyHF(t, true)
+	tr, err := NewHF(m, 4, 12, Options{Hyper: DefaultHyper(), MaxGradNorm: 1})
 	if err != nil {
 		t.Fatal(err)
 	}

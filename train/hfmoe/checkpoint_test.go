@@ -1,4 +1,4 @@
-package olmoe
+package hfmoe
 
 import (
 	"os"

@@ -1,4 +1,4 @@
-package olmoe
+package hfmoe
 
 import (
 	"fmt"
@@ -279,7 +279,7 @@ func (k *keepGrads[F]) Ready(l int, gu, dn []F) error {
 }
 
 func tinyConfig() Config {
-	return Config{Vocab: 11, Hidden: 8, Intermediate: 6, Layers: 2, Heads: 4, KVHeads: 2, Experts: 4, TopK: 2,
+	return Config{Arch: ArchOLMoE, Vocab: 11, Hidden: 8, Intermediate: 6, Layers: 2, Heads: 4, KVHeads: 2, Experts: 4, TopK: 2,
 		NormEps: 1e-5, RopeTheta: 10000, RouterAuxCoef: 0.01, PadTokenID: 1}
 }
 

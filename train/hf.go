@@ -6,71 +6,71 @@ import (
 	"time"
 
 	"github.com/sonar-moe/sonar/optimizer"
+	"github.com/sonar-moe/sonar/train/hfmoe"
 	"github.com/sonar-moe/sonar/train/model"
-	"github.com/sonar-moe/sonar/train/olmoe"
 )
 
-// OlmoeTrainer fine-tunes an OLMoE model (package train/olmoe, float32) the
-// way Trainer trains the byte-level model: each layer's batched expert
-// tensors (gate_up_proj, down_proj) are stepped by the expert engine inside
-// backward, the moment their gradients are final, through one layer-sized
+// HFTrainer fine-tunes an OLMoE or GraniteMoe model (package train/hfmoe,
+// float32) the way Trainer trains the byte-level model: each layer's batched
+// expert tensors (gate_up_proj, down_proj) are stepped by the expert engine
+// inside backward, the moment their gradients are final, through one layer-sized
 // gradient buffer; every other parameter (embedding, attention, norms,
 // router, head) is a dense tensor stepped after backward with global-norm
 // clipping over the dense gradients only. With KeepAllGrads it is the
 // standard baseline, which ends with the same bits.
-type OlmoeTrainer struct {
-	m                *olmoe.Model[float32]
-	pass             *olmoe.Pass[float32]
+type HFTrainer struct {
+	m                *hfmoe.Model[float32]
+	pass             *hfmoe.Pass[float32]
 	opts             Options
 	experts, dense   *optimizer.Engine
 	layers           []layerTensors
-	denseT           []olmoeDense
+	denseT           []hfDense
 	mem              Memory
 	lr               float64
 	gradGU, gradDown [][]float32
 	pending          []bool
 }
 
-type olmoeDense struct {
+type hfDense struct {
 	t *optimizer.Tensor
-	p *olmoe.Param[float32]
+	p *hfmoe.Param[float32]
 }
 
-// NewOlmoe registers m's tensors with two engines and allocates the working
+// NewHF registers m's tensors with two engines and allocates the working
 // memory for batches of batch sequences of seq tokens.
-func NewOlmoe(m *olmoe.Model[float32], batch, seq int, o Options) (*OlmoeTrainer, error) {
+func NewHF(m *hfmoe.Model[float32], batch, seq int, o Options) (*HFTrainer, error) {
 	if err := o.Hyper.Validate(); err != nil {
-		return nil, fmt.Errorf("olmoe trainer: %w", err)
+		return nil, fmt.Errorf("hf trainer: %w", err)
 	}
 	if o.Hyper.Amsgrad || o.Hyper.Maximize {
-		return nil, fmt.Errorf("olmoe trainer: amsgrad and maximize are not supported")
+		return nil, fmt.Errorf("hf trainer: amsgrad and maximize are not supported")
 	}
 	if o.MaxGradNorm < 0 || math.IsNaN(o.MaxGradNorm) {
-		return nil, fmt.Errorf("olmoe trainer: max grad norm %v: want >= 0", o.MaxGradNorm)
+		return nil, fmt.Errorf("hf trainer: max grad norm %v: want >= 0", o.MaxGradNorm)
 	}
 	pass, err := m.NewPass(batch, seq)
 	if err != nil {
-		return nil, fmt.Errorf("olmoe trainer: %w", err)
+		return nil, fmt.Errorf("hf trainer: %w", err)
 	}
-	t := &OlmoeTrainer{m: m, pass: pass, opts: o, experts: optimizer.NewEngine(), dense: optimizer.NewEngine()}
+	t := &HFTrainer{m: m, pass: pass, opts: o, experts: optimizer.NewEngine(), dense: optimizer.NewEngine()}
 	for _, p := range m.Params() {
 		if p.Expert {
 			continue
 		}
 		ot, err := optimizer.NewTensor(p.Name, optimizer.Float32, p.Numel(), o.Hyper, model.Bytes(p.W))
 		if err != nil {
-			return nil, fmt.Errorf("olmoe trainer: register %s: %w", p.Name, err)
+			return nil, fmt.Errorf("hf trainer: register %s: %w", p.Name, err)
 		}
-		t.denseT = append(t.denseT, olmoeDense{t: ot, p: p})
+		t.denseT = append(t.denseT, hfDense{t: ot, p: p})
 	}
 	for l, ly := range m.Layers {
 		gu, err := optimizer.NewTensor(ly.GateUp.Name, optimizer.Float32, ly.GateUp.Numel(), o.Hyper, model.Bytes(ly.GateUp.W))
 		if err != nil {
-			return nil, fmt.Errorf("olmoe trainer: register layer %d experts: %w", l, err)
+			return nil, fmt.Errorf("hf trainer: register layer %d experts: %w", l, err)
 		}
 		dn, err := optimizer.NewTensor(ly.Down.Name, optimizer.Float32, ly.Down.Numel(), o.Hyper, model.Bytes(ly.Down.W))
 		if err != nil {
-			return nil, fmt.Errorf("olmoe trainer: register layer %d experts: %w", l, err)
+			return nil, fmt.Errorf("hf trainer: register layer %d experts: %w", l, err)
 		}
 		t.layers = append(t.layers, layerTensors{gateUp: gu, down: dn})
 	}
@@ -90,21 +90,21 @@ func NewOlmoe(m *olmoe.Model[float32], batch, seq int, o Options) (*OlmoeTrainer
 }
 
 // Memory returns the expert-gradient accounting.
-func (t *OlmoeTrainer) Memory() Memory { return t.mem }
+func (t *HFTrainer) Memory() Memory { return t.mem }
 
 // Model is the model being trained.
-func (t *OlmoeTrainer) Model() *olmoe.Model[float32] { return t.m }
+func (t *HFTrainer) Model() *hfmoe.Model[float32] { return t.m }
 
-func (t *OlmoeTrainer) scalars(x *optimizer.Tensor) optimizer.Scalars {
+func (t *HFTrainer) scalars(x *optimizer.Tensor) optimizer.Scalars {
 	h := t.opts.Hyper
 	h.LR = t.lr
 	return optimizer.ScalarsFor(h, x.Step+1)
 }
 
-// olmoeSink is the trainer as backward's olmoe.ExpertGrads.
-type olmoeSink struct{ t *OlmoeTrainer }
+// hfSink is the trainer as backward's hfmoe.ExpertGrads.
+type hfSink struct{ t *HFTrainer }
 
-func (s olmoeSink) Buffers(l int) ([]float32, []float32, error) {
+func (s hfSink) Buffers(l int) ([]float32, []float32, error) {
 	t := s.t
 	i := 0
 	if t.opts.KeepAllGrads {
@@ -116,7 +116,7 @@ func (s olmoeSink) Buffers(l int) ([]float32, []float32, error) {
 	return t.gradGU[i], t.gradDown[i], nil
 }
 
-func (s olmoeSink) Ready(l int, gu, down []float32) error {
+func (s hfSink) Ready(l int, gu, down []float32) error {
 	t := s.t
 	if t.opts.KeepAllGrads {
 		t.pending[l] = true
@@ -129,7 +129,7 @@ func (s olmoeSink) Ready(l int, gu, down []float32) error {
 	return nil
 }
 
-func (t *OlmoeTrainer) applyLayer(l int, gu, down []float32) error {
+func (t *HFTrainer) applyLayer(l int, gu, down []float32) error {
 	lt := t.layers[l]
 	if err := t.experts.Apply(lt.gateUp, model.Bytes(gu), t.scalars(lt.gateUp)); err != nil {
 		return fmt.Errorf("apply %s: %w", lt.gateUp.Name, err)
@@ -144,7 +144,7 @@ func (t *OlmoeTrainer) applyLayer(l int, gu, down []float32) error {
 // update at learning rate lr. inputs and targets are batch*seq token ids;
 // negative targets are not counted. StepStats.Loss is the total loss (with
 // the auxiliary loss when the config enables it).
-func (t *OlmoeTrainer) Step(inputs, targets []int32, lr float64) (StepStats, error) {
+func (t *HFTrainer) Step(inputs, targets []int32, lr float64) (StepStats, error) {
 	st := StepStats{LR: lr}
 	if !(lr >= 0) || math.IsInf(lr, 0) {
 		return st, fmt.Errorf("step: learning rate %v", lr)
@@ -160,7 +160,7 @@ func (t *OlmoeTrainer) Step(inputs, targets []int32, lr float64) (StepStats, err
 	st.Loss = loss.Total
 	fwd := time.Now()
 	st.Forward = fwd.Sub(start)
-	if err := t.pass.Backward(olmoeSink{t}); err != nil {
+	if err := t.pass.Backward(hfSink{t}); err != nil {
 		return st, fmt.Errorf("step: %w", err)
 	}
 	bwd := time.Now()
@@ -191,7 +191,7 @@ func (t *OlmoeTrainer) Step(inputs, targets []int32, lr float64) (StepStats, err
 }
 
 // Eval returns the loss on one batch without changing anything.
-func (t *OlmoeTrainer) Eval(inputs, targets []int32) (olmoe.Loss, error) {
+func (t *HFTrainer) Eval(inputs, targets []int32) (hfmoe.Loss, error) {
 	loss, err := t.pass.Forward(inputs, targets)
 	if err != nil {
 		return loss, fmt.Errorf("eval: %w", err)

@@ -1,4 +1,4 @@
-"""The Go OLMoE (train/olmoe, through cmd/sonar-hfcheck) against transformers.
+"""The Go OLMoE (train/hfmoe, through cmd/sonar-hfcheck) against transformers.
 
 Each case builds a tiny OlmoeForCausalLM from a config (no download), saves it with
 save_pretrained, runs transformers' fp32 eager forward and backward on a batch, and runs the Go
