@@ -6,7 +6,7 @@ Builds an OlmoeForCausalLM from a config (nothing is downloaded), saves it, and 
 --steps steps on random token ids, batch x seq tokens a step, lr 1e-3, dense-only clipping at 1:
 - torch: fp32, `clip_grad_norm_` over the dense parameters then `torch.optim.AdamW` over all,
   `torch.set_num_threads(T)`, for each attention/experts implementation in --torch-impls;
-- Go: `sonar-train --hf --procs T --compare=false` (expert updates in backward, dense AdamW).
+- Go: `sonar-train --hf --procs T` (per-layer run only; expert updates in backward, dense AdamW).
 Prints a markdown table: median step ms, tokens/s from the median step, CPU seconds per step
 (process user+system time; on a shared machine it is the steadier figure).
 """
@@ -62,7 +62,7 @@ def torch_run(ck: Path, ids, batch: int, seq: int, steps: int, threads: int, imp
 def go_run(binary: Path, ck: Path, ids_path: Path, batch: int, seq: int, steps: int, threads: int) -> dict:
     res = subprocess.run([str(binary), "--hf", str(ck), "--tokens", str(ids_path), "--steps", str(steps),
                           "--batch", str(batch), "--seq-len", str(seq), "--lr", "1e-3", "--warmup", "0",
-                          "--compare=false", "--procs", str(threads), "--eval-batches", "0", "--log-level", "warn",
+                          "--procs", str(threads), "--eval-batches", "0", "--log-level", "warn",
                           "--progress", "off", "--held-out", "0"], check=True, capture_output=True, text=True)
     row = re.search(r"\| per-layer[^|]*\|[^|]*\|[^|]*\|[^|]*\| ([0-9.]+) \| ([0-9.]+) \|", res.stdout)
     assert row, res.stdout

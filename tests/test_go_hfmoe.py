@@ -166,7 +166,7 @@ def test_go_finetune_roundtrip(arch: str, go_bin: Path, tmp_path: Path, caplog: 
     save_file({"input_ids": ids}, str(tmp_path / "ids.safetensors"))
     tuned = tmp_path / "tuned"
     res = subprocess.run([str(go_bin / "sonar-train"), "--hf", str(ck), "--tokens", str(tmp_path / "ids.safetensors"),
-                          "--out", str(tuned), "--steps", "30", "--batch", "4", "--seq-len", "16", "--lr", "1e-2",
+                          "--out", str(tuned), "--compare", "--steps", "30", "--batch", "4", "--seq-len", "16", "--lr", "1e-2",
                           "--warmup", "3", "--eval-batches", "2", "--log-level", "warn", "--progress", "off"],
                          check=True, capture_output=True, text=True)
     assert "params bitwise equal: yes" in res.stdout, res.stdout
@@ -220,7 +220,7 @@ def test_tokenize_finetune_generate(go_bin: Path, tmp_path: Path, caplog: pytest
     tuned = tmp_path / "tuned"
     subprocess.run([str(go_bin / "sonar-train"), "--hf", str(ck), "--tokens", str(ids_path), "--out", str(tuned),
                     "--steps", "20", "--batch", "4", "--seq-len", "32", "--lr", "1e-2", "--warmup", "2",
-                    "--compare=false", "--log-level", "warn", "--progress", "off"], check=True, capture_output=True)
+                    "--log-level", "warn", "--progress", "off"], check=True, capture_output=True)
     model = load_quietly(tuned, caplog)
     tok2 = AutoTokenizer.from_pretrained(tuned)
     prompt = tok2("import logging", return_tensors="pt")

@@ -37,7 +37,7 @@ func TestTrainHF(t *testing.T) {
 	}
 	out := filepath.Join(dir, "out")
 	var stdout, stderr bytes.Buffer
-	args := []string{"--hf", ck, "--tokens", tokens, "--out", out, "--steps", "20", "--batch", "2", "--seq-len", "12",
+	args := []string{"--hf", ck, "--tokens", tokens, "--out", out, "--compare", "--steps", "20", "--batch", "2", "--seq-len", "12",
 		"--lr", "1e-2", "--warmup", "2", "--eval-batches", "2", "--log-level", "warn", "--progress", "off"}
 	if code := run(args, &stdout, &stderr); code != exitOK {
 		t.Fatalf("exit %d; stderr:\n%s", code, stderr.String())

@@ -19,6 +19,8 @@
 // transformers' from_pretrained loads:
 //
 //	sonar-train --hf ./olmoe-tiny --tokens ids.safetensors --out ./olmoe-tuned --steps 100
+//
+// (With --hf, --compare is off and --lr is 1e-4 unless given.)
 package main
 
 import (
@@ -36,6 +38,11 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
+
+// hfDefaultLR is the peak learning rate of --hf fine-tuning when --lr is
+// not given: pretrained weights want a much smaller step than the byte
+// model trained from scratch.
+const hfDefaultLR = 1e-4
 
 // Exit codes.
 const (
@@ -97,14 +104,14 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.IntVar(&c.seq, "seq-len", 64, "bytes per sequence")
 	fs.IntVar(&c.batch, "batch", 16, "sequences per step")
 	fs.IntVar(&c.steps, "steps", 200, "training steps (per run)")
-	fs.Float64Var(&c.lr, "lr", 3e-3, "peak learning rate (linear warmup, cosine decay)")
+	fs.Float64Var(&c.lr, "lr", 3e-3, "peak learning rate (linear warmup, cosine decay); with --hf the default is 1e-4")
 	fs.IntVar(&c.warmup, "warmup", 20, "warmup steps")
 	fs.Float64Var(&c.minLRFrac, "min-lr-frac", 0.1, "final learning rate as a fraction of --lr")
 	fs.Float64Var(&c.weightDecay, "weight-decay", 1e-2, "AdamW weight decay")
 	fs.Float64Var(&c.maxGradNorm, "max-grad-norm", 1.0, "clip the dense gradients to this global norm (0: off); experts are not clipped")
 	fs.Uint64Var(&c.seed, "seed", 1, "seed of the weights, the file order and the batches")
 	fs.BoolVar(&c.keepAll, "keep-all-grads", false, "run only standard training: every expert gradient kept until backward ends (the baseline)")
-	fs.BoolVar(&c.compare, "compare", true, "run per-layer updates, then standard training with the same seed, and print both (false: per-layer updates only)")
+	fs.BoolVar(&c.compare, "compare", true, "run per-layer updates, then standard training with the same seed, and print both (false: per-layer updates only); with --hf the default is false")
 	fs.IntVar(&c.evalBatches, "eval-batches", 8, "held-out batches for the final held-out loss")
 	fs.IntVar(&c.logEvery, "log-every", 0, "print the loss every this many steps (0: 10 lines per run)")
 	fs.StringVar(&c.progress, "progress", "auto", "progress line on stderr: auto (when a terminal), on, off")
@@ -122,10 +129,20 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		return nil, fmt.Errorf("unexpected arguments: %v", fs.Args())
 	}
 	c.data = data
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if c.hf != "" {
+		// Fine-tuning: one run unless --compare asks for the baseline too,
+		// and a fine-tuning learning rate unless --lr says otherwise.
+		if !set["compare"] {
+			c.compare = false
+		}
+		if !set["lr"] {
+			c.lr = hfDefaultLR
+		}
+	}
 	if c.keepAll {
-		explicit := false
-		fs.Visit(func(f *flag.Flag) { explicit = explicit || f.Name == "compare" })
-		if explicit && c.compare {
+		if set["compare"] && c.compare {
 			return nil, errors.New("--keep-all-grads runs only the baseline; --compare runs both: choose one")
 		}
 		c.compare = false

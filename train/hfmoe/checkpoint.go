@@ -30,7 +30,7 @@ type Checkpoint struct {
 // ("model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight"), or batched
 // as the v5 module holds them ("...mlp.experts.gate_up_proj", [E, 2I, H];
 // "...mlp.experts.down_proj", [E, H, I]). A missing or unexpected tensor is
-// an error.
+// an error (a stored rotary_emb.inv_freq buffer is ignored).
 func Load[F Float](dir string) (*Model[F], *Checkpoint, error) {
 	cb, err := os.ReadFile(filepath.Join(dir, "config.json"))
 	if err != nil {
@@ -96,7 +96,9 @@ func Load[F Float](dir string) (*Model[F], *Checkpoint, error) {
 	}
 	var extra []string
 	for name := range tensors {
-		if !used[name] {
+		// Older checkpoints may carry the rotary embedding's buffer, which
+		// transformers recomputes and ignores on load, as the Go model does.
+		if !used[name] && !strings.HasSuffix(name, "rotary_emb.inv_freq") {
 			extra = append(extra, name)
 		}
 	}

@@ -107,6 +107,10 @@ func TestLoadRejects(t *testing.T) {
 		{"shape", func(ts map[string]safetensors.Tensor) {
 			ts["lm_head.weight"] = safetensors.F32([]int{2}, []float32{1, 2})
 		}, "shape [2]"},
+		{"inv_freq ignored, extra reported", func(ts map[string]safetensors.Tensor) {
+			ts["model.layers.0.self_attn.rotary_emb.inv_freq"] = safetensors.F32([]int{1}, []float32{1})
+			ts["model.zzz"] = safetensors.F32([]int{1}, []float32{1})
+		}, "1 unexpected tensors: model.zzz"},
 		{"dtype", func(ts map[string]safetensors.Tensor) {
 			ts["model.norm.weight"] = safetensors.I64([]int{8}, make([]int64, 8))
 		}, "not a float"},
