@@ -20,8 +20,10 @@ var (
 )
 
 // gemm computes C = op(A)·op(B) + beta·C for row-major matrices with leading
-// dimensions lda, ldb, ldc, where op(A) is m×k and op(B) is k×n. It uses
-// gonum's pure-Go BLAS, whose results do not depend on scheduling.
+// dimensions lda, ldb, ldc, where op(A) is m×k and op(B) is k×n. float32
+// products go to sgemmKernel (sgemm.go) where the CPU has AVX2 and FMA and
+// the product is not tiny, else to gonum's pure-Go BLAS; float64 to gonum.
+// Either way results do not depend on scheduling.
 func gemm[F Float](transA, transB bool, m, n, k int, a []F, lda int, b []F, ldb int, beta F, c []F, ldc int) {
 	if m == 0 || n == 0 {
 		return
@@ -44,6 +46,10 @@ func gemm[F Float](transA, transB bool, m, n, k int, a []F, lda int, b []F, ldb 
 	}
 	switch a := any(a).(type) {
 	case []float32:
+		if useKernel && m*n*k >= minKernelF {
+			sgemmKernel(transA, transB, m, n, k, a, lda, any(b).([]float32), ldb, float32(beta), any(c).([]float32), ldc)
+			return
+		}
 		sgemm.Sgemm(ta, tb, m, n, k, 1, a, lda, any(b).([]float32), ldb, float32(beta), any(c).([]float32), ldc)
 	case []float64:
 		dgemm.Dgemm(ta, tb, m, n, k, 1, a, lda, any(b).([]float64), ldb, float64(beta), any(c).([]float64), ldc)
