@@ -44,7 +44,7 @@ func run(args []string) error {
 	if *modelDir == "" || *inputs == "" || *out == "" {
 		return fmt.Errorf("--model, --inputs and --out are required")
 	}
-	ids, labels, b, s, err := ReadBatch(*inputs)
+	ids, labels, b, s, err := readBatch(*inputs)
 	if err != nil {
 		return err
 	}
@@ -54,9 +54,9 @@ func run(args []string) error {
 	return check[float32](*modelDir, *save, *out, ids, labels, b, s)
 }
 
-// ReadBatch reads input_ids and labels (default: input_ids) [B, S] and
+// readBatch reads input_ids and labels (default: input_ids) [B, S] and
 // returns the inputs and the next-token targets of each position.
-func ReadBatch(path string) (inputs, targets []int32, b, s int, err error) {
+func readBatch(path string) (inputs, targets []int32, b, s int, err error) {
 	f, err := safetensors.ReadFile(path)
 	if err != nil {
 		return nil, nil, 0, 0, err
