@@ -133,8 +133,9 @@ class Method:
         elif self.key == "c":
             states = [o.state for o in self.per_param.values()]
         elif self.sonar is not None:
-            states = [self.sonar.dense_optimizer.state, self.sonar.state]
-        out["optimizer_state"] = sum(size(v) for st in states for s in st.values() for v in s.values())
+            states = [self.sonar.state]  # dense moments; an expert's entry holds only its step here
+        # dict.values: what each entry holds locally (an expert's moments are on the server, read on demand)
+        out["optimizer_state"] = sum(size(v) for st in states for s in st.values() for v in dict.values(s))
         if self.sonar is not None:
             s = self.sonar.stats()
             out["shm_params"] = s["param_segment_bytes"]
