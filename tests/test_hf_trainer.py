@@ -10,7 +10,8 @@ import pytest
 import torch
 import transformers
 from torch.utils.data import Dataset
-from transformers import OlmoeConfig, OlmoeForCausalLM, Trainer, TrainingArguments
+from transformers import GraniteMoeConfig, GraniteMoeForCausalLM, OlmoeConfig, OlmoeForCausalLM
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 import sonar_moe
 import tiny_moe as tm
@@ -25,6 +26,20 @@ def olmoe(seed: int = 0) -> OlmoeForCausalLM:
                       max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     return OlmoeForCausalLM(cfg)
+
+
+def granite(seed: int = 0) -> GraniteMoeForCausalLM:
+    """A tiny GraniteMoe with non-unit multipliers (scaled embedding, residual, attention, logits)."""
+    cfg = GraniteMoeConfig(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+                           max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                           embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25,
+                           logits_scaling=2.0)
+    torch.manual_seed(seed)
+    return GraniteMoeForCausalLM(cfg)
+
+
+MODELS = {"olmoe": olmoe, "granite": granite}
 
 
 class Windows(Dataset):
@@ -194,19 +209,41 @@ def test_sonar_trainer_refuses_other_optimizers(tmp_path: Path) -> None:
             t.create_optimizer()
 
 
+# Non-default hyper-parameters on top of the defaults: Trainer's default weight_decay is 0, so
+# "decay" is what exercises its decay/no-decay groups.
+HYPER = {"default": {}, "decay": {"learning_rate": 2e-3, "weight_decay": 0.01}}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("accum", [1, 2])
-def test_sonar_trainer_equals_trainer_default_optimizer(tmp_path: Path, accum: int, dtype: torch.dtype) -> None:
-    """With Trainer's default optimizer (adamw_torch_fused: torch.optim.AdamW(fused=True), decay
-    groups) SonarTrainer ends bit for bit where the stock Trainer does."""
-    a = args(tmp_path, max_grad_norm=0.0, optim="adamw_torch_fused", gradient_accumulation_steps=accum)
-    ref, mine = olmoe().to(dtype), olmoe().to(dtype)
+@pytest.mark.parametrize(("accum", "hyper"), [(1, "default"), (2, "default"), (2, "decay")])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_sonar_trainer_equals_trainer_default_optimizer(tmp_path: Path, family: str, accum: int, hyper: str,
+                                                         dtype: torch.dtype) -> None:
+    """With default TrainingArguments (optim adamw_torch_fused: torch.optim.AdamW(fused=True) with
+    Trainer's decay groups) SonarTrainer ends bit for bit where the stock Trainer does. Only
+    max_grad_norm is set (to 0): Trainer clips all gradients, SonarTrainer the dense ones only."""
+    def default_args() -> TrainingArguments:
+        return TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=6,
+                                 gradient_accumulation_steps=accum, max_grad_norm=0.0, use_cpu=True,
+                                 report_to=[], save_strategy="no", disable_tqdm=True, **HYPER[hyper])
+
+    a = default_args()
+    assert str(getattr(a.optim, "value", a.optim)) == "adamw_torch_fused"
+    ref, mine = MODELS[family]().to(dtype), MODELS[family]().to(dtype)
+    assert isinstance(ref, PreTrainedModel) and torch.equal(ref.lm_head.weight, mine.lm_head.weight)
+    init = {n: p.detach().clone() for n, p in mine.named_parameters()}
     rt = Trainer(model=ref, args=a, train_dataset=Windows())
     rt.train()
     assert all(g["fused"] for g in rt.optimizer.param_groups)
-    st = SonarTrainer(model=mine, args=a, train_dataset=Windows())
+    assert [g["weight_decay"] for g in rt.optimizer.param_groups] == [a.weight_decay, 0.0]
+    st = SonarTrainer(model=mine, args=default_args(), train_dataset=Windows())
     st.train()
     opt = unwrap_sonar(st.optimizer)
     assert opt is not None and all(g["fused"] for g in opt.param_groups)
+    assert [len(g["params"]) for g in opt.param_groups] == [len(g["params"]) for g in rt.optimizer.param_groups]
+    ex = experts(mine)
+    assert len(ex) == 4 and all(mine.get_parameter(n).grad is None for n in ex)  # updated by sonard
     opt.close()
     assert_same(ref, mine)
+    for n in ex:  # the run moved most expert elements (bf16 rounds the smallest updates away)
+        assert (mine.get_parameter(n) != init[n]).float().mean() > 0.4, n
