@@ -80,6 +80,19 @@ def torch_scalars(group: Mapping[str, Any], step: float, dtype: torch.dtype | No
     }
 
 
+def torch_foreach_cpu_scalars(group: Mapping[str, Any], step: float, dtype: torch.dtype) -> dict[str, Any]:
+    """One step's constants as torch's foreach AdamW (``_multi_tensor_adam``) uses them on CPU:
+    those of the single-tensor path, except that ``_foreach_mul_(tensors, scalar)`` on CPU casts
+    its scalar to the tensors' dtype before multiplying (the other foreach ops keep it in
+    float32), so for bfloat16 the weight decay factor and beta2 are rounded to bfloat16 (double
+    -> float -> bfloat16, as c10 converts). For float32 nothing changes."""
+    scalars = torch_scalars(group, step, dtype)
+    if dtype == torch.bfloat16:
+        for key in ("decay", "beta2"):
+            scalars[key] = float(torch.tensor(scalars[key], dtype=torch.float32).to(dtype).item())
+    return scalars
+
+
 def fused_lanes(dtype: torch.dtype) -> int:
     """The vector width of this torch's fused CPU AdamW kernel for ``dtype``: the AVX2 kernel
     (also what AVX-512 machines run) has 8 float32 or 16 bfloat16 lanes and a scalar tail; the
@@ -380,6 +393,8 @@ class SonarAdamW(torch.optim.AdamW):
         g = self._group_of(p)
         if g["fused"]:
             return int(step), torch_fused_scalars(g, step, p.dtype)
+        if g["foreach"] and p.device.type == "cpu":
+            return int(step), torch_foreach_cpu_scalars(g, step, p.dtype)
         return int(step), torch_scalars(g, step, p.dtype)
 
     def retreat(self, p: nn.Parameter, step: int) -> None:
