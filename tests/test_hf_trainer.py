@@ -109,11 +109,12 @@ def test_sonar_trainer_equals_manual_loop_with_dense_clipping(tmp_path: Path) ->
     mine, ref = olmoe(), olmoe()
     tr = Recording(model=mine, args=a, train_dataset=Windows())
     tr.train()
-    assert a.max_grad_norm == 0.0 and tr.sonar_max_grad_norm == 0.5  # Trainer's own clipping is off
+    assert a.max_grad_norm == 0.5 and tr.args is a  # the caller's arguments are not changed
     opt = unwrap_sonar(tr.optimizer)
     assert opt is not None and opt.max_grad_norm == 0.5
     logged = [h["dense_grad_norm"] for h in tr.state.log_history if "dense_grad_norm" in h]
     assert len(logged) == a.max_steps
+    assert not any("grad_norm" in h for h in tr.state.log_history)  # the global norm is not known
     assert all("sonar_peak_expert_grad_bytes" in h for h in tr.state.log_history if "loss" in h)
     opt.close()
 
@@ -138,6 +139,33 @@ def test_sonar_trainer_equals_manual_loop_with_dense_clipping(tmp_path: Path) ->
         ropt.zero_grad()
     assert_same(ref, mine)
     assert logged == pytest.approx(norms, rel=0, abs=0)
+    assert max(norms) > 0.5  # the clipping was active
+
+    # Without clipping, dense_grad_norm is still logged: the first step's equals the norm above.
+    unclipped = SonarTrainer(model=olmoe(), args=args(tmp_path, max_grad_norm=0.0, max_steps=1), train_dataset=Windows())
+    unclipped.train()
+    unwrap_sonar(unclipped.optimizer).close()
+    first = [h for h in unclipped.state.log_history if "loss" in h][0]
+    assert first["dense_grad_norm"] == norms[0] and "grad_norm" not in first
+
+
+def test_sonar_trainer_leaves_training_arguments_alone(tmp_path: Path) -> None:
+    """The saved training_args.bin shows the max_grad_norm asked for, and the same arguments
+    object gives a stock Trainer afterwards its usual (global) clipping."""
+    a = args(tmp_path / "sonar", max_grad_norm=0.5, max_steps=2, save_strategy="steps", save_steps=2)
+    before = a.to_dict()
+    st = SonarTrainer(model=olmoe(), args=a, train_dataset=Windows())
+    st.train()
+    unwrap_sonar(st.optimizer).close()
+    assert a.to_dict() == before
+    saved = torch.load(tmp_path / "sonar" / "checkpoint-2" / "training_args.bin", weights_only=False)
+    assert saved.max_grad_norm == 0.5
+    reused, fresh = olmoe(), olmoe()
+    rt = Trainer(model=reused, args=a, train_dataset=Windows())
+    rt.train()
+    Trainer(model=fresh, args=args(tmp_path / "fresh", max_grad_norm=0.5, max_steps=2), train_dataset=Windows()).train()
+    assert_same(fresh, reused)
+    assert max(h["grad_norm"] for h in rt.state.log_history if "grad_norm" in h) > 0.5  # it clipped
 
 
 def test_sonar_trainer_resume_from_checkpoint_is_bitwise(tmp_path: Path) -> None:

@@ -8,11 +8,21 @@ The optimizer is built from the ``TrainingArguments`` as ``Trainer.create_optimi
 torch's: ``args.optim`` (``adamw_torch`` or ``adamw_torch_fused``, Trainer's default with
 torch >= 2.8), learning_rate, adam_beta1/2, adam_epsilon, and two parameter groups, weight
 decay on the parameters ``Trainer.get_decay_parameter_names`` names and none on the others
-(biases, norm weights); plus max_grad_norm and gradient_accumulation_steps. Trainer's own
-clipping would run after backward, when the expert gradients are already applied and freed,
-so it would silently clip (and log the norm of) the dense parameters only. SonarTrainer turns
-it off and lets SonarAdamW clip the dense parameters with ``args.max_grad_norm`` instead, and
-logs that norm as ``dense_grad_norm`` together with Sonar's figures.
+(biases, norm weights); plus max_grad_norm and gradient_accumulation_steps.
+
+Clipping: Trainer's own clipping would run after backward, when the expert gradients are
+already applied and freed, so it would silently clip the dense parameters only. SonarTrainer
+replaces Trainer's clipping hook (``_clip_grad_norm``) with nothing and lets SonarAdamW clip
+the dense parameters to ``args.max_grad_norm`` in ``step()``; the caller's ``TrainingArguments``
+are not changed (the saved ``training_args.bin`` shows what was asked for, and the same object
+gives a stock Trainer its usual clipping).
+
+Logs: ``dense_grad_norm`` is the norm of the dense gradients before clipping (what SonarAdamW
+clips). Trainer's ``grad_norm`` (the norm over all gradients) is not logged: the expert
+gradients are applied and freed during backward, and with gradient accumulation only sonard
+holds their sum, so the global norm would cost an extra pass over every expert gradient and a
+reduction on the server. ``sonar_peak_expert_grad_bytes`` and ``sonar_update_ms_p50`` come
+from SonarAdamW's statistics.
 """
 
 from __future__ import annotations
@@ -49,10 +59,7 @@ class SonarTrainer(Trainer):
     def __init__(self, *args: Any, sonar_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sonar_kwargs = dict(sonar_kwargs or {})
-        clip = self.args.max_grad_norm
-        self.sonar_max_grad_norm = float(clip) if clip is not None and clip > 0 else None
-        # Trainer must not clip: SonarAdamW clips the dense parameters itself.
-        self.args.max_grad_norm = 0.0
+        self._unclipped_dense_norm: float | None = None
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -76,23 +83,45 @@ class SonarTrainer(Trainer):
                 lr=a.learning_rate,
                 betas=(a.adam_beta1, a.adam_beta2),
                 eps=a.adam_epsilon,
-                max_grad_norm=self.sonar_max_grad_norm,
+                max_grad_norm=float(a.max_grad_norm) if a.max_grad_norm and a.max_grad_norm > 0 else None,
                 grad_accumulation_steps=a.gradient_accumulation_steps,
                 model=target,
                 **{**SUPPORTED_OPTIM[optim], **self.sonar_kwargs},
             )
         return self.optimizer
 
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        """Trainer's clipping, which runs after backward: with SonarAdamW nothing is clipped
+        here (the expert gradients are already applied; SonarAdamW clips the dense ones in
+        step()), and no norm is returned."""
+        if unwrap_sonar(self.optimizer) is None:
+            return super()._clip_grad_norm(model)
+        return None
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        """Trainer's ``grad_norm`` (the norm over all gradients) is not available with SonarAdamW
+        (see the module docstring), so it is not logged. Where SonarAdamW does not clip, the
+        dense norm Trainer would measure is measured here the same way, for ``dense_grad_norm``
+        (only dense parameters have a gradient at this point)."""
+        opt = unwrap_sonar(self.optimizer)
+        if opt is None:
+            return super()._get_grad_norm(model, grad_norm)
+        if opt.max_grad_norm is None:
+            norm = super()._get_grad_norm(model, None)
+            self._unclipped_dense_norm = float(norm) if norm is not None else None
+        return None
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         opt = unwrap_sonar(self.optimizer)
         if opt is not None and "loss" in logs:
-            if opt.last_dense_grad_norm is not None:
+            if opt.max_grad_norm is not None and opt.last_dense_grad_norm is not None:
                 logs["dense_grad_norm"] = float(opt.last_dense_grad_norm)
+            elif opt.max_grad_norm is None and self._unclipped_dense_norm is not None:
+                logs["dense_grad_norm"] = self._unclipped_dense_norm
             st = opt.stats(server=False)
             logs["sonar_peak_expert_grad_bytes"] = st["peak_expert_grad_bytes"]
             logs["sonar_update_ms_p50"] = round(st["latency_ms_p50"], 3)
         super().log(logs, *args, **kwargs)
-
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         """Trainer's loader, plus a reload through ``from_pretrained``.
