@@ -18,6 +18,10 @@ import zmq
 
 PROTOCOL_VERSION = 1
 
+# Once the private server has exited, how long the client still reads for replies it sent
+# before exiting (they are already in the socket; ZeroMQ's I/O thread moves them).
+EXIT_GRACE_S = 0.25
+
 log = logging.getLogger("sonar_moe")
 
 
@@ -132,12 +136,7 @@ class Connection:
             if time.monotonic() > deadline:
                 ops = sorted({p.op for p in self._pending.values()})
                 raise SonarError(f"sonard did not answer within {limit:.1f} s ({len(self._pending)} requests pending: {ops})")
-            if not self.server_alive:
-                self.poll(0.1)  # replies it sent before exiting (a shutdown's) are still readable
-                if (rid is None and self._pending) or (rid is not None and rid in self._pending):
-                    self.check_alive()
-                continue
-            self.poll(0.05)
+            self._poll_or_raise_if_gone(0.05)
         if rid is None:
             return {}
         return self._done.pop(rid)
@@ -146,10 +145,20 @@ class Connection:
         """Wait until at least one reply has been handled."""
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        while not self.poll(0.05):
-            self.check_alive()
+        while not self._poll_or_raise_if_gone(0.05):
             if time.monotonic() > deadline:
                 raise SonarError(f"sonard did not answer within {limit:.1f} s ({len(self._pending)} requests pending)")
+
+    def _poll_or_raise_if_gone(self, timeout: float) -> int:
+        """poll(timeout); raise SonarServerDied only when the private server had already exited
+        before a poll that found nothing. Liveness is sampled first and the socket read after,
+        so a reply the server sent just before exiting (a shutdown's) is always read, never
+        mistaken for a death; ZeroMQ's I/O thread gets EXIT_GRACE_S to hand such a reply over."""
+        alive = self.server_alive
+        n = self.poll(timeout if alive else max(timeout, EXIT_GRACE_S))
+        if not n and not alive:
+            self.check_alive()
+        return n
 
     @property
     def server_alive(self) -> bool:
@@ -200,7 +209,7 @@ class Connection:
             return
         try:
             if self.server_alive:
-                self.call("shutdown" if self.process is not None else "bye", {}, timeout=timeout)
+                self._say_goodbye(timeout)
         finally:
             if self.process is not None:
                 try:
@@ -211,6 +220,19 @@ class Connection:
                 if self.log_path:
                     shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
             self.close()
+
+    def _say_goodbye(self, timeout: float) -> None:
+        """shutdown (private server) or bye (shared server). A private server that exits with
+        code 0 before its reply is read has done what was asked: that is not an error."""
+        if self.process is None:
+            self.call("bye", {}, timeout=timeout)
+            return
+        try:
+            self.call("shutdown", {}, timeout=timeout)
+        except SonarServerDied:
+            if self.process.returncode != 0:
+                raise
+            log.debug("sonard exited cleanly before its shutdown reply was read")
 
     def end_session(self) -> None:
         """shutdown(), best effort (at close or exit): a failure is logged, not raised."""
