@@ -3,6 +3,7 @@ checkpoint resume, and per-tensor expert clipping."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -168,22 +169,104 @@ def test_sonar_trainer_leaves_training_arguments_alone(tmp_path: Path) -> None:
     assert max(h["grad_norm"] for h in rt.state.log_history if "grad_norm" in h) > 0.5  # it clipped
 
 
-def test_sonar_trainer_resume_from_checkpoint_is_bitwise(tmp_path: Path) -> None:
-    full = olmoe()
-    SonarTrainer(model=full, args=args(tmp_path / "full", max_steps=6), train_dataset=Windows()).train()
-    first = olmoe()
-    a = args(tmp_path / "ck", max_steps=6, save_strategy="steps", save_steps=3)
-    t1 = SonarTrainer(model=first, args=a, train_dataset=Windows())
-    # A run with the same schedule saves at step 3; a fresh trainer (new optimizer, new sonard)
-    # resumes from that checkpoint.
+class LoadWarnings:
+    """Collects warnings of transformers' and sonar_moe's loggers (the test module silences
+    transformers' below errors; this lets its warnings through while active)."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def __enter__(self) -> LoadWarnings:
+        self._level = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_warning()
+        self._handler = logging.Handler(logging.WARNING)
+        self._handler.emit = lambda r: self.messages.append(r.getMessage())  # type: ignore[method-assign]
+        for name in ("transformers", "sonar_moe"):
+            logging.getLogger(name).addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name in ("transformers", "sonar_moe"):
+            logging.getLogger(name).removeHandler(self._handler)
+        transformers.logging.set_verbosity(self._level)
+
+    def about_keys(self) -> list[str]:
+        return [m for m in self.messages if "keys" in m or "tensors" in m]
+
+
+def default_args(out: Path, **kw: Any) -> TrainingArguments:
+    """Default TrainingArguments (optim adamw_torch_fused) but for what a tiny test run needs;
+    max_grad_norm=0 since Trainer's global clipping and Sonar's dense clipping differ by design."""
+    base = dict(output_dir=str(out), per_device_train_batch_size=2, max_steps=6, learning_rate=2e-3,
+                max_grad_norm=0.0, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_params(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
+    for n, p in model.named_parameters():
+        assert torch.equal(p, expected[n]), f"{n} differs"
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_sonar_trainer_resume_from_checkpoint_is_bitwise(tmp_path: Path, family: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh SonarTrainer (new optimizer, new sonard, another initialisation) resumed from the
+    checkpoint of step 3 ends where an uninterrupted stock Trainer ends after 6 steps; the
+    checkpoint is loaded in place (no model built with from_pretrained), without warnings."""
+    full = MODELS[family]()
+    Trainer(model=full, args=default_args(tmp_path / "full"), train_dataset=Windows()).train()
+    first = MODELS[family]()
+    t1 = SonarTrainer(model=first, args=default_args(tmp_path / "ck", save_strategy="steps", save_steps=3),
+                      train_dataset=Windows())
     t1.train()
     unwrap_sonar(t1.optimizer).close()
     ck = tmp_path / "ck" / "checkpoint-3"
     assert (ck / "optimizer.pt").exists()
-    resumed = olmoe(seed=123)  # different init: everything must come from the checkpoint
-    t2 = SonarTrainer(model=resumed, args=args(tmp_path / "ck", max_steps=6), train_dataset=Windows())
-    t2.train(resume_from_checkpoint=str(ck))
+
+    def no_second_model(*a: Any, **kw: Any) -> None:
+        raise AssertionError("a second model was loaded with from_pretrained")
+
+    monkeypatch.setattr(type(first), "from_pretrained", no_second_model)
+    resumed = MODELS[family](seed=123)  # different init: everything must come from the checkpoint
+    t2 = SonarTrainer(model=resumed, args=default_args(tmp_path / "ck", save_strategy="steps", save_steps=3),
+                      train_dataset=Windows())
+    with LoadWarnings() as warned:
+        t2.train(resume_from_checkpoint=str(ck))
+    unwrap_sonar(t2.optimizer).close()
+    assert warned.about_keys() == []
     assert_same(full, resumed)
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_load_best_model_at_end_restores_experts(tmp_path: Path, family: str) -> None:
+    """load_best_model_at_end with an eval strategy: SonarTrainer and the stock Trainer pick the
+    same checkpoint, and SonarTrainer's model ends with all of that checkpoint's tensors, experts
+    (saved per expert) and GraniteMoe's renamed router included. The metric picks the worst eval
+    loss, so the best checkpoint is the first one, not the last step."""
+    kw = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+              metric_for_best_model="loss", greater_is_better=True)
+    ref = MODELS[family]()
+    rt = Trainer(model=ref, args=default_args(tmp_path / "ref", **kw), train_dataset=Windows(),
+                 eval_dataset=Windows(n=8, seed=1))
+    rt.train()
+    mine = MODELS[family]()
+    st = SonarTrainer(model=mine, args=default_args(tmp_path / "sonar", **kw), train_dataset=Windows(),
+                      eval_dataset=Windows(n=8, seed=1))
+    with LoadWarnings() as warned:
+        st.train()
+    unwrap_sonar(st.optimizer).close()
+    assert warned.about_keys() == []
+    assert rt.state.best_model_checkpoint is not None and st.state.best_model_checkpoint is not None
+    assert Path(st.state.best_model_checkpoint).name == Path(rt.state.best_model_checkpoint).name == "checkpoint-2"
+    best = type(ref).from_pretrained(rt.state.best_model_checkpoint)  # the stock run's best model
+    last = type(ref).from_pretrained(tmp_path / "ref" / "checkpoint-6")
+    assert_params(mine, params_of(best))
+    assert not any(torch.equal(mine.get_parameter(n), last.get_parameter(n)) for n in experts(mine))
 
 
 def test_max_expert_grad_norm_is_per_tensor_clipping() -> None:

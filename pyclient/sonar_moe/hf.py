@@ -23,16 +23,30 @@ gradients are applied and freed during backward, and with gradient accumulation 
 holds their sum, so the global norm would cost an extra pass over every expert gradient and a
 reduction on the server. ``sonar_peak_expert_grad_bytes`` and ``sonar_update_ms_p50`` come
 from SonarAdamW's statistics.
+
+Checkpoints: resuming and ``load_best_model_at_end`` load the model's weights in place with the
+checkpoint's layout converted back (``load_weights_in_place``): Trainer 5.23 loads them with
+``strict=False`` and no conversion, so expert tensors, saved per expert, would keep their
+current values.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from transformers import PreTrainedModel, Trainer
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from .optimizer import SonarAdamW
+
+log = logging.getLogger("sonar_moe")
 
 # args.optim values SonarTrainer reproduces, and the AdamW flags each one means in Trainer.
 SUPPORTED_OPTIM = {"adamw_torch": {}, "adamw_torch_fused": {"fused": True}}
@@ -124,18 +138,149 @@ class SonarTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
-        """Trainer's loader, plus a reload through ``from_pretrained``.
-
-        transformers 5.x saves batched expert tensors (OLMoE ``mlp.experts.gate_up_proj``) in the
-        per-expert checkpoint layout, and ``Trainer._load_from_checkpoint`` loads with
-        ``strict=False`` without converting back, so the experts silently keep their current
-        values on resume. ``from_pretrained`` applies the conversion; its weights are copied in
-        place, so parameters living in Sonar's shared memory stay where they are.
-        """
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        """Trainer's loader, except for a plain ``PreTrainedModel`` with a safetensors or
+        ``pytorch_model.bin`` checkpoint: that is loaded in place with the checkpoint layout
+        converted (see ``load_weights_in_place``). Trainer 5.23 loads with ``strict=False`` and no
+        conversion, so batched expert tensors (saved per expert) and renamed weights (GraniteMoe's
+        router) would silently keep their current values, with a missing/unexpected-keys warning."""
         target = model if model is not None else self.model
-        if isinstance(target, PreTrainedModel):
-            fresh = type(target).from_pretrained(resume_from_checkpoint, dtype=target.dtype)
-            with torch.no_grad():
-                target.load_state_dict(fresh.state_dict(), strict=True)
-            del fresh
+        if not self._loads_in_place(target, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        report_load(load_weights_in_place(target, resume_from_checkpoint), resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        """Trainer's ``load_best_model_at_end``, with the same in-place, converting load as resume."""
+        best = self.state.best_model_checkpoint
+        if best is None or not self._loads_in_place(self.model, best):
+            super()._load_best_model()
+            return
+        log.info("loading the best model from %s (score %s)", best, self.state.best_metric)
+        report_load(load_weights_in_place(self.model, best), best)
+
+    def _loads_in_place(self, model: torch.nn.Module, checkpoint: str) -> bool:
+        """Whether SonarTrainer loads this checkpoint itself: a plain (not PEFT-wrapped)
+        PreTrainedModel, neither FSDP nor DeepSpeed, and a checkpoint of one safetensors file,
+        sharded safetensors or one pytorch_model.bin. Other cases keep Trainer's loader."""
+        return (isinstance(model, PreTrainedModel) and not hasattr(model, "peft_config")
+                and not self.is_fsdp_enabled and not self.is_deepspeed_enabled
+                and checkpoint_files(checkpoint) is not None)
+
+
+def checkpoint_files(checkpoint: str) -> dict[str, str] | None:
+    """{checkpoint key: file} of a model checkpoint directory, or None where it has no
+    safetensors file, safetensors index or pytorch_model.bin."""
+    single = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
+    index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
+    pickled = os.path.join(checkpoint, WEIGHTS_NAME)
+    if os.path.isfile(single):
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(checkpoint, v) for k, v in json.load(f)["weight_map"].items()}
+    if os.path.isfile(pickled):
+        return {k: pickled for k in torch.load(pickled, map_location="meta", weights_only=True)}
+    return None
+
+
+@dataclass
+class LoadReport:
+    """What load_weights_in_place did: the model's tensors it could not find in the checkpoint,
+    and the checkpoint's tensors no model tensor maps to."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    restored: int = 0
+
+
+class _CheckpointReader:
+    """Reads one checkpoint tensor at a time (safetensors lazily; a pytorch_model.bin once)."""
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self.files = files
+        self._pickled: dict[str, dict[str, torch.Tensor]] = {}
+
+    def get(self, key: str) -> torch.Tensor:
+        path = self.files[key]
+        if path.endswith(".safetensors"):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                return f.get_tensor(key)
+        if path not in self._pickled:
+            self._pickled[path] = torch.load(path, map_location="cpu", weights_only=True)
+        return self._pickled[path][key]
+
+
+def load_weights_in_place(model: PreTrainedModel, checkpoint: str) -> LoadReport:
+    """Copy a ``save_pretrained`` checkpoint into ``model``'s own tensors, converting its layout.
+
+    transformers 5 saves some tensors in another layout than the module holds them (OLMoE's
+    batched ``mlp.experts.gate_up_proj`` as per-expert ``gate_proj``/``up_proj`` matrices,
+    GraniteMoe's ``router.weight`` as ``router.layer.weight``) by reverting the model's weight
+    conversion (``transformers.core_model_loading.revert_weight_conversion``) when saving. That
+    conversion only moves elements, so reverting it on a tensor of element indices tells, for
+    every checkpoint tensor, where each of its elements lives in the model's tensor. The
+    elements are copied there in place: the parameters keep their storage (SonarAdamW's shared
+    memory), no second model is built, and one tensor is read from the checkpoint at a time.
+    """
+    files = checkpoint_files(checkpoint)
+    if files is None:
+        raise FileNotFoundError(f"no model weights in {checkpoint}")
+    reader = _CheckpointReader(files)
+    report = LoadReport()
+    used: set[str] = set()
+    names: dict[int, list[str]] = {}  # tied weights: one tensor under several names
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+        tensors[id(tensor)] = tensor
+    with torch.no_grad():
+        for tid, tensor in tensors.items():
+            found = next((p for p in (_placement(model, n, tensor, files) for n in names[tid]) if p), None)
+            if found is None:
+                report.missing.extend(names[tid])
+                continue
+            flat = tensor.detach().view(-1)
+            for key, where in found.items():
+                value = reader.get(key).to(device=flat.device, dtype=flat.dtype)
+                if where is None:  # stored as the model holds it
+                    tensor.detach().copy_(value)
+                else:
+                    flat[where.reshape(-1).to(flat.device)] = value.reshape(-1)
+                used.add(key)
+            report.restored += 1
+    report.unexpected = sorted(set(files) - used)
+    return report
+
+
+def _placement(model: PreTrainedModel, name: str, tensor: torch.Tensor,
+               files: dict[str, str]) -> dict[str, torch.Tensor | None] | None:
+    """{checkpoint key: indices of its elements in ``tensor`` (None: the whole tensor, as is)}
+    for the model tensor ``name``; None if the checkpoint does not hold it."""
+    probe = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    reverted = revert_weight_conversion(model, {name: probe})
+    if list(reverted) == [name] and reverted[name] is probe:  # not converted: stored as is
+        return {name: None} if name in files else None
+    if not any(k in files for k in reverted):
+        return None
+    dtype = torch.int32 if tensor.numel() < 2**31 else torch.int64
+    index = torch.arange(tensor.numel(), dtype=dtype).view(tensor.shape)
+    parts = revert_weight_conversion(model, {name: index})
+    covered = torch.zeros(tensor.numel(), dtype=torch.int8)
+    for key, where in parts.items():
+        if key not in files or where.dtype != dtype:
+            raise RuntimeError(f"{name}: its checkpoint layout ({sorted(parts)}) is not a rearrangement of its "
+                               f"elements found in the checkpoint, so it cannot be loaded in place")
+        covered.index_add_(0, where.reshape(-1).long(), torch.ones(where.numel(), dtype=torch.int8))
+    if not bool((covered == 1).all()):
+        raise RuntimeError(f"{name}: its checkpoint tensors ({sorted(parts)}) do not cover each element once")
+    return dict(parts)
+
+
+def report_load(report: LoadReport, checkpoint: str) -> None:
+    """Warn, as Trainer does, about model tensors the checkpoint lacked or tensors it had in excess."""
+    if report.missing:
+        log.warning("model tensors not in the checkpoint %s (kept as they were): %s", checkpoint, report.missing)
+    if report.unexpected:
+        log.warning("checkpoint tensors in %s that no model tensor takes: %s", checkpoint, report.unexpected)
+    log.info("loaded %d model tensors in place from %s", report.restored, checkpoint)
