@@ -32,6 +32,9 @@ type Ticker interface {
 // sockets (requests may be pipelined) and send one frame per message.
 type Transport struct {
 	sock *zmq.Socket
+	// ctx is the socket's own ZeroMQ context (nil with CURVE: authentication runs in the
+	// default context). Close terminates it, which is what makes the linger wait happen.
+	ctx  *zmq.Context
 	log  *zap.Logger
 	addr string
 	// ipcPath is the socket file of an ipc:// endpoint, removed on Close.
@@ -53,50 +56,65 @@ func Listen(addr string, log *zap.Logger, curve *Curve) (*Transport, error) {
 	if strings.HasPrefix(addr, "tcp://") && (curve == nil || curve.ServerSecret == "" || len(curve.ClientKeys) == 0) {
 		return nil, fmt.Errorf("listen %s: tcp:// needs CURVE authentication (a server secret key and allowed client keys)", addr)
 	}
-	sock, err := zmq.NewSocket(zmq.ROUTER)
+	var ctx *zmq.Context
+	var sock *zmq.Socket
+	var err error
+	if curve != nil && curve.ServerSecret != "" {
+		sock, err = zmq.NewSocket(zmq.ROUTER)
+	} else if ctx, err = zmq.NewContext(); err == nil {
+		if sock, err = ctx.NewSocket(zmq.ROUTER); err != nil {
+			_ = ctx.Term()
+		}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("zmq socket: %w", err)
+	}
+	abandon := func() { // on a failure below
+		_ = sock.Close()
+		if ctx != nil {
+			_ = ctx.Term()
+		}
 	}
 	if curve != nil && curve.ServerSecret != "" {
 		zmq.AuthSetVerbose(false)
 		if err := zmq.AuthStart(); err != nil {
-			sock.Close()
+			abandon()
 			return nil, fmt.Errorf("zmq auth: %w", err)
 		}
 		zmq.AuthCurveAdd("sonar", curve.ClientKeys...)
 		if err := sock.ServerAuthCurve("sonar", curve.ServerSecret); err != nil {
-			sock.Close()
+			abandon()
 			return nil, fmt.Errorf("zmq curve: %w", err)
 		}
 	}
 	if err := sock.SetLinger(0); err != nil {
-		sock.Close()
+		abandon()
 		return nil, fmt.Errorf("zmq linger: %w", err)
 	}
 	// A reply to a client that went away is dropped, not an error.
 	if err := sock.SetRouterMandatory(0); err != nil {
-		sock.Close()
+		abandon()
 		return nil, fmt.Errorf("zmq router mandatory: %w", err)
 	}
 	if err := sock.SetMaxmsgsize(MaxMessageBytes + 1024); err != nil {
-		sock.Close()
+		abandon()
 		return nil, fmt.Errorf("zmq maxmsgsize: %w", err)
 	}
-	t := &Transport{sock: sock, log: log, addr: addr}
+	t := &Transport{sock: sock, ctx: ctx, log: log, addr: addr}
 	if p, ok := strings.CutPrefix(addr, "ipc://"); ok {
 		t.ipcPath = p
 		if err := privateDir(filepath.Dir(p)); err != nil {
-			sock.Close()
+			abandon()
 			return nil, err
 		}
 	}
 	if err := sock.Bind(addr); err != nil {
-		sock.Close()
+		abandon()
 		return nil, fmt.Errorf("bind %s: %w", addr, err)
 	}
 	if t.ipcPath != "" {
 		if err := os.Chmod(t.ipcPath, 0o600); err != nil {
-			sock.Close()
+			abandon()
 			return nil, fmt.Errorf("chmod %s: %w", t.ipcPath, err)
 		}
 	}
@@ -185,11 +203,19 @@ func (t *Transport) serveOne(h Handler, frames [][]byte) {
 	}
 }
 
-// Close closes the socket (after up to a second to deliver queued replies,
-// such as the answer to a shutdown request) and removes an ipc:// socket file.
+// Close closes the socket, delivering queued replies (such as the answer to
+// a shutdown request) for up to a second, and removes an ipc:// socket file.
+// The wait happens when the socket's own context is terminated: closing a
+// socket only hands it to ZeroMQ's background threads, which a process that
+// exits right after would end before they send.
 func (t *Transport) Close() error {
 	_ = t.sock.SetLinger(time.Second)
 	err := t.sock.Close()
+	if t.ctx != nil {
+		if e := t.ctx.Term(); e != nil && err == nil {
+			err = e
+		}
+	}
 	if t.ipcPath != "" {
 		_ = os.Remove(t.ipcPath)
 	}
