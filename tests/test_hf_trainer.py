@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 import sonar_moe
 import tiny_moe as tm
-from sonar_moe.hf import SonarTrainer, unwrap_sonar
+from sonar_moe.hf import SonarTrainer, load_weights_in_place, unwrap_sonar
 
 transformers.logging.set_verbosity_error()
 
@@ -358,3 +358,31 @@ def test_sonar_trainer_equals_trainer_default_optimizer(tmp_path: Path, family: 
     assert_same(ref, mine)
     for n in ex:  # the run moved most expert elements (bf16 rounds the smallest updates away)
         assert (mine.get_parameter(n) != init[n]).float().mean() > 0.4, n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_load_weights_in_place_restores_every_tensor(tmp_path: Path, family: str, dtype: torch.dtype) -> None:
+    """A save_pretrained checkpoint (experts saved per expert, GraniteMoe's router renamed) is
+    copied into another model's own tensors: every tensor equal, no storage replaced."""
+    src, dst = MODELS[family](seed=1).to(dtype), MODELS[family](seed=2).to(dtype)
+    src.save_pretrained(tmp_path)
+    storage = {n: p.data_ptr() for n, p in dst.named_parameters()}
+    report = load_weights_in_place(dst, str(tmp_path))
+    assert report.missing == [] and report.unexpected == []
+    assert {n: p.data_ptr() for n, p in dst.named_parameters()} == storage
+    assert_same(src, dst)
+
+
+def test_load_weights_in_place_with_tied_embeddings(tmp_path: Path) -> None:
+    cfg = olmoe().config
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(1)
+    src = OlmoeForCausalLM(cfg)
+    torch.manual_seed(2)
+    dst = OlmoeForCausalLM(cfg)
+    assert dst.lm_head.weight is dst.model.embed_tokens.weight
+    src.save_pretrained(tmp_path)
+    report = load_weights_in_place(dst, str(tmp_path))
+    assert report.missing == [] and report.unexpected == []
+    assert_same(src, dst)

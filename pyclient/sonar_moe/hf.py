@@ -271,7 +271,7 @@ def _placement(model: PreTrainedModel, name: str, tensor: torch.Tensor,
         if key not in files or where.dtype != dtype:
             raise RuntimeError(f"{name}: its checkpoint layout ({sorted(parts)}) is not a rearrangement of its "
                                f"elements found in the checkpoint, so it cannot be loaded in place")
-        covered.index_add_(0, where.reshape(-1).long(), torch.ones(where.numel(), dtype=torch.int8))
+        covered.index_add_(0, where.reshape(-1), torch.ones(where.numel(), dtype=torch.int8))
     if not bool((covered == 1).all()):
         raise RuntimeError(f"{name}: its checkpoint tensors ({sorted(parts)}) do not cover each element once")
     return dict(parts)
