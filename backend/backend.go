@@ -25,9 +25,17 @@ type Segment interface {
 	Name() string
 	// Size is its length in bytes.
 	Size() int64
-	// Base is the address of its first byte in the backend's address space
-	// (host virtual or device); it serves only to detect overlaps.
+	// Object is the memory the segment is part of, a comparable value (a
+	// shared-memory file's device and inode; nil where one address space
+	// holds every segment, as a device's); Base is the position of the
+	// segment's first byte in it (a file offset, a device address). Both
+	// serve only to detect overlaps: two attachments of one file (a second
+	// name, a hard link) are the same memory.
+	Object() any
 	Base() uint64
+	// Verify reports whether the memory is still all there (the client did
+	// not shrink it since it was attached); cheap enough for every request.
+	Verify() error
 	// Check reports whether [off, off+n) lies inside the segment with off
 	// aligned to align bytes, and whether the segment is still open.
 	Check(off, n, align int64) error
@@ -49,10 +57,11 @@ func Resolve(seg Segment, off, n, align int64) (Ref, error) {
 	return Ref{Seg: seg, Off: off, Len: n}, nil
 }
 
-// Overlaps reports whether r and o share a byte. Both must belong to one
-// backend (one address space).
+// Overlaps reports whether r and o share a byte: they lie in one memory
+// object (whatever segments name it) and their ranges in it intersect. Both
+// must belong to one backend.
 func (r Ref) Overlaps(o Ref) bool {
-	if r.Seg == nil || o.Seg == nil || r.Len <= 0 || o.Len <= 0 {
+	if r.Seg == nil || o.Seg == nil || r.Len <= 0 || o.Len <= 0 || r.Seg.Object() != o.Seg.Object() {
 		return false
 	}
 	a0, b0 := r.Seg.Base()+uint64(r.Off), o.Seg.Base()+uint64(o.Off)
@@ -78,6 +87,10 @@ type Tensor interface {
 	Pending() int
 	// StateBytes is the memory the backend holds for the tensor.
 	StateBytes() int64
+	// Damage is nil for an intact tensor, else why its parameter and
+	// state may be partly updated (a memory fault interrupted an update);
+	// such a tensor refuses steps and exports until its state is imported.
+	Damage() error
 }
 
 // Item is one tensor of a step request, validated by the server: Grad nil

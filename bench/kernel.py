@@ -85,13 +85,13 @@ def torch_adamw(n: int, dtype: torch.dtype, reps: int) -> list[dict]:
     return out
 
 
-def sonard_e2e(n: int, dtype: torch.dtype, reps: int) -> dict:
+def sonard_e2e(n: int, dtype: torch.dtype, reps: int, fused: bool = False) -> dict:
     """One expert tensor of n elements updated by a private sonard: request latency seen by
     the client (send -> reply handled) and the server's own time for the step."""
     import sonar_moe
     p, grad = make(n, dtype, 1)
     w = grad.clone()
-    with sonar_moe.SonarAdamW([("experts.w", p)], lr=1e-3, weight_decay=0.01,
+    with sonar_moe.SonarAdamW([("experts.w", p)], lr=1e-3, weight_decay=0.01, fused=fused or None,
                               expert_params=lambda name, t: True) as opt:
         walls = []
         for i in range(reps + 1):
@@ -105,7 +105,8 @@ def sonard_e2e(n: int, dtype: torch.dtype, reps: int) -> dict:
         srv = st["server"]
     med = common.median(lat)
     bpe = 7 * torch.finfo(dtype).bits // 8
-    return {"impl": "sonard-e2e", "dtype": str(dtype).removeprefix("torch."), "numel": n,
+    return {"impl": "sonard-e2e-fused" if fused else "sonard-e2e", "arithmetic": "fused" if fused else "single",
+            "dtype": str(dtype).removeprefix("torch."), "numel": n,
             "median_s": med, "min_s": min(lat), "times_s": lat, "elements_per_s": n / med,
             "gb_per_s": n * bpe / med / 1e9, "bytes_per_element": bpe,
             "server_step_us_p50": srv.get("step_us_p50"), "server_step_us_p99": srv.get("step_us_p99"),
@@ -133,14 +134,18 @@ def ipc_ping(n: int) -> dict:
 
 
 def go_engine(go_bench: str, lib: str | None, dtype: str, n: int, reps: int) -> list[dict]:
-    """The Go engine in-process (cmd/sonar-bench), IEEE sqrt and (float32) MKL vmsSqrt."""
+    """The Go engine in-process (cmd/sonar-bench): single-tensor arithmetic with the IEEE sqrt and
+    (float32) MKL vmsSqrt, and the fused arithmetic."""
     import subprocess
-    cmd = [go_bench, "-sizes", str(n), "-dtypes", dtype, "-reps", str(reps), "-copy-mb", "256"]
+    cmd = [go_bench, "-sizes", str(n), "-dtypes", dtype, "-reps", str(reps), "-copy-mb", "256", "-fused",
+           "-stream-m", str(max(1, (n if dtype == "float32" else n // 2) >> 20))]  # the same bytes as the case
     if lib:
         cmd += ["-torch-lib", lib]
     out = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE).stdout)
     copies = [c["gb_per_s_read_write"] for c in out["copy"]]  # right before and after the kernels
-    return [{**k, "copies_gbps": copies} for k in out["kernels"]]
+    # AdamW's own access pattern (4 read + 3 write streams) at this size, before and after.
+    streams = [st["gb_per_s"] for st in out.get("stream", [])]
+    return [{**k, "copies_gbps": copies, "streams_gbps": streams} for k in out["kernels"]]
 
 
 def go_copy(go_bench: str, mb: int, reps: int) -> dict:
@@ -156,9 +161,11 @@ def merge(a: list[dict], b: list[dict]) -> list[dict]:
         times = x["times_s"] + y["times_s"]
         med = common.median(times)
         copies = x["copies_gbps"] + y["copies_gbps"]
+        streams = x.get("streams_gbps", []) + y.get("streams_gbps", [])
         out.append({**x, "times_s": times, "median_s": med, "min_s": min(times), "elements_per_s": x["numel"] / med,
                     "gb_per_s": x["numel"] * x["bytes_per_element"] / med / 1e9, "copies_gbps": copies,
-                    "copy_gbps": common.median(copies)})
+                    "copy_gbps": common.median(copies), "streams_gbps": streams,
+                    "stream_gbps": common.median(streams) if streams else None})
     return out
 
 
@@ -189,6 +196,7 @@ def main() -> None:
                 res["go_kernels"] += merge(go1, go_engine(a.go_bench, a.torch_lib, dn.strip(), n, a.reps))
             if not a.no_sonard:
                 res["sonard"].append(sonard_e2e(n, dtype, a.reps))
+                res["sonard"].append(sonard_e2e(n, dtype, a.reps, fused=True))
     if not a.no_sonard:
         res["ping"] = ipc_ping(a.pings)
     res["copy"].append(copy_bandwidth(a.copy_mb, a.reps))

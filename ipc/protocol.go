@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"reflect"
 
 	"github.com/vmihailenco/msgpack/v5"
 )
@@ -167,6 +168,15 @@ type ScalarsMsg struct {
 	// (8 or 16 lanes of an AVX2/AVX-512 build, 0 for a build without them).
 	Fused bool `msgpack:"fused,omitempty"`
 	Lanes int  `msgpack:"lanes,omitempty"`
+	// LR, Beta1 and WeightDecay are the group's hyper-parameters as the
+	// client's torch passes them to its fused CUDA kernel; sent with Fused
+	// (the CUDA backend's fused kernels need them, the CPU one ignores them).
+	LR          float64 `msgpack:"lr,omitempty"`
+	Beta1       float64 `msgpack:"beta1,omitempty"`
+	WeightDecay float64 `msgpack:"weight_decay,omitempty"`
+	// FusedDouble (with Fused, CUDA): the client's torch is 2.8 to 2.10,
+	// whose fused CUDA kernel computes partly in double.
+	FusedDouble bool `msgpack:"fused_double,omitempty"`
 }
 
 // StepItem is one tensor's gradient. Apply false accumulates it (a
@@ -278,6 +288,9 @@ func DecodeRequest(b []byte) (Request, error) {
 	if err := CheckMsgpack(b); err != nil {
 		return Request{}, fmt.Errorf("%w: malformed msgpack: %v", ErrProtocol, err)
 	}
+	if err := CheckIntRanges(b, reflect.TypeOf(r)); err != nil {
+		return Request{}, fmt.Errorf("%w: envelope: %v", ErrProtocol, err)
+	}
 	if err := msgpack.Unmarshal(b, &r); err != nil {
 		return Request{}, fmt.Errorf("%w: malformed msgpack envelope: %v", ErrProtocol, err)
 	}
@@ -295,6 +308,9 @@ func DecodeRequest(b []byte) (Request, error) {
 func DecodeBody(r Request, v any) error {
 	if len(r.Body) == 0 {
 		return fmt.Errorf("%w: %s: missing body", ErrProtocol, r.Op)
+	}
+	if err := CheckIntRanges(r.Body, reflect.TypeOf(v)); err != nil {
+		return fmt.Errorf("%w: %s: %v", ErrProtocol, r.Op, err)
 	}
 	if err := msgpack.Unmarshal(r.Body, v); err != nil {
 		return fmt.Errorf("%w: %s: malformed body: %v", ErrProtocol, r.Op, err)
@@ -374,7 +390,8 @@ func (s *Step) Validate() error {
 		if sc.Lanes < 0 || sc.Lanes > 64 || sc.Lanes&(sc.Lanes-1) != 0 || (sc.Lanes != 0 && !sc.Fused) {
 			return fmt.Errorf("item %d: lanes %d (want 0, or a power of two up to 64 with fused)", i, sc.Lanes)
 		}
-		for _, x := range []float64{sc.Decay, sc.Beta1W, sc.Beta2, sc.OneMinusB2, sc.NegStepSize, sc.BC2Sqrt, sc.Eps} {
+		for _, x := range []float64{sc.Decay, sc.Beta1W, sc.Beta2, sc.OneMinusB2, sc.NegStepSize, sc.BC2Sqrt, sc.Eps,
+			sc.LR, sc.Beta1, sc.WeightDecay} {
 			if it.Apply && !finite(x) {
 				return fmt.Errorf("item %d: non-finite scalar", i)
 			}

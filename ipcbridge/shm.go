@@ -24,9 +24,19 @@ type Mapping interface {
 	// Bytes returns [off, off+n) of the mapping, or an error when that range
 	// is not inside it or not aligned to align bytes.
 	Bytes(off, n int64, align int64) ([]byte, error)
+	// Object identifies the memory object mapped (the file's device and
+	// inode): two names or two attachments of one file are one object.
+	Object() Object
+	// Verify reports whether the memory is still all there: the file was
+	// not truncated or had holes punched since it was mapped (an access to
+	// a missing page is a SIGBUS).
+	Verify() error
 	// Close unmaps the memory. Slices returned by Bytes must not be used after.
 	Close() error
 }
+
+// Object is the identity of a mapped file.
+type Object struct{ Dev, Ino uint64 }
 
 // Mapper attaches to memory a client names.
 type Mapper interface {
@@ -59,7 +69,12 @@ func CheckName(name string) error {
 }
 
 // Map opens, checks and maps the segment. It must be a regular file owned by
-// this process's user, not a symlink, and exactly size bytes long.
+// this process's user, not a symlink, exactly size bytes long and with all
+// its pages allocated (the client reserves them with posix_fallocate): a
+// page of a sparse file is allocated on first access, and where the
+// filesystem is full that access is a SIGBUS instead of an error.
+// The mapping keeps the file open, to check before each use that the
+// client did not shrink it since (Verify).
 func (m ShmMapper) Map(name string, size int64) (Mapping, error) {
 	if err := CheckName(name); err != nil {
 		return nil, err
@@ -76,7 +91,12 @@ func (m ShmMapper) Map(name string, size int64) (Mapping, error) {
 	if err != nil {
 		return nil, fmt.Errorf("open segment %q: %w", name, err)
 	}
-	defer syscall.Close(fd)
+	keep := false
+	defer func() {
+		if !keep {
+			_ = syscall.Close(fd)
+		}
+	}()
 	var st syscall.Stat_t
 	if err := syscall.Fstat(fd, &st); err != nil {
 		return nil, fmt.Errorf("stat segment %q: %w", name, err)
@@ -93,6 +113,9 @@ func (m ShmMapper) Map(name string, size int64) (Mapping, error) {
 	if st.Size != size {
 		return nil, fmt.Errorf("segment %q is %d bytes, client said %d", name, st.Size, size)
 	}
+	if err := allocated(name, &st); err != nil {
+		return nil, err
+	}
 	data, err := syscall.Mmap(fd, 0, int(size), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
 	if err != nil {
 		return nil, fmt.Errorf("mmap segment %q: %w", name, err)
@@ -103,16 +126,45 @@ func (m ShmMapper) Map(name string, size int64) (Mapping, error) {
 			return nil, fmt.Errorf("unlink segment %q: %w", name, err)
 		}
 	}
-	return &shmMapping{name: name, data: data}, nil
+	keep = true
+	return &shmMapping{name: name, data: data, fd: fd, obj: Object{Dev: uint64(st.Dev), Ino: st.Ino}}, nil
+}
+
+// allocated reports an error when fewer bytes of the file are allocated than
+// its size (st_blocks counts 512-byte units).
+func allocated(name string, st *syscall.Stat_t) error {
+	if have := st.Blocks * 512; have < st.Size {
+		return fmt.Errorf("segment %q has %d of its %d bytes allocated: the client must reserve every page "+
+			"(posix_fallocate), or an access to it faults when the filesystem is full", name, have, st.Size)
+	}
+	return nil
 }
 
 type shmMapping struct {
 	name string
 	data []byte
+	fd   int
+	obj  Object
 }
 
-func (s *shmMapping) Name() string { return s.name }
-func (s *shmMapping) Size() int64  { return int64(len(s.data)) }
+func (s *shmMapping) Name() string   { return s.name }
+func (s *shmMapping) Size() int64    { return int64(len(s.data)) }
+func (s *shmMapping) Object() Object { return s.obj }
+
+func (s *shmMapping) Verify() error {
+	if s.data == nil {
+		return fmt.Errorf("segment %q is closed", s.name)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Fstat(s.fd, &st); err != nil {
+		return fmt.Errorf("stat segment %q: %w", s.name, err)
+	}
+	if st.Size < int64(len(s.data)) {
+		return fmt.Errorf("segment %q was truncated to %d bytes after attach (%d mapped): its memory is gone",
+			s.name, st.Size, len(s.data))
+	}
+	return allocated(s.name, &st)
+}
 
 func (s *shmMapping) Bytes(off, n int64, align int64) ([]byte, error) {
 	return slice(s.data, s.name, off, n, align)
@@ -124,8 +176,12 @@ func (s *shmMapping) Close() error {
 	}
 	err := syscall.Munmap(s.data)
 	s.data = nil
+	cerr := syscall.Close(s.fd)
 	if err != nil {
 		return fmt.Errorf("munmap %q: %w", s.name, err)
+	}
+	if cerr != nil {
+		return fmt.Errorf("close %q: %w", s.name, cerr)
 	}
 	return nil
 }

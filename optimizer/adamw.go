@@ -26,6 +26,14 @@ type Scalars struct {
 	// fused kernel for the dtype (0: a build without vector units).
 	Fused bool
 	Lanes int
+	// LR, Beta1 and WeightDecay are the hyper-parameters themselves, as the
+	// client's torch passes them to its fused CUDA kernel (which derives its
+	// constants on the device from them, the step count, Beta2 and Eps);
+	// only the CUDA engine's fused kernels use them.
+	LR, Beta1, WeightDecay float64
+	// FusedDouble selects the fused CUDA arithmetic of torch 2.8 to 2.10,
+	// which evaluates part of the update in double (fused_cuda.go).
+	FusedDouble bool
 }
 
 // Hyper are AdamW's hyper-parameters, as torch.optim.AdamW takes them.

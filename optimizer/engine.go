@@ -6,15 +6,19 @@
 // bookkeeping here, as torch keeps _single_tensor_adam apart from its
 // Optimizer class: adamw.go (with kernel_amd64.s) is torch's single-tensor
 // arithmetic, which this engine runs, bit for bit that of torch.optim.AdamW
-// on CPU for float32 and bfloat16; foreach.go is torch's foreach arithmetic,
-// which the device engine (package optimizer/device) runs on a GPU.
+// on CPU for float32 and bfloat16; foreach.go is torch's foreach arithmetic
+// and fused_cuda.go its fused CUDA one, which the device engine (package
+// optimizer/device) runs on a GPU; fused.go is torch's fused CPU kernel.
 package optimizer
 
 import (
+	"errors"
 	"fmt"
 	"runtime"
 	"sync"
 	"unsafe"
+
+	"github.com/sonar-moe/sonar/internal/fault"
 )
 
 // DType is a tensor element type the engine supports.
@@ -71,6 +75,13 @@ type Tensor struct {
 
 	accum      []byte // gradient-accumulation buffer, allocated on first use
 	accumCount int
+
+	bufs     []buffer // the state buffers' memory (Free)
+	accumBuf buffer
+	// damage is set when a memory fault interrupted an update half way:
+	// the parameter and state are partly updated and the tensor refuses
+	// updates and exports until ImportState replaces its state.
+	damage error
 }
 
 // Offsets (mod 4 KiB) of the engine's buffers. Fresh large allocations are
@@ -105,12 +116,103 @@ func NewTensor(name string, d DType, numel int, h Hyper, param []byte) (*Tensor,
 	if len(param) != nb {
 		return nil, fmt.Errorf("tensor %q: param memory is %d bytes, want %d", name, len(param), nb)
 	}
-	t := &Tensor{Name: name, DType: d, Numel: numel, Hyper: h, Param: param,
-		ExpAvg: staggered(nb, offExpAvg), ExpAvgSq: staggered(nb, offExpAvgSq)}
+	t := &Tensor{Name: name, DType: d, Numel: numel, Hyper: h, Param: param}
+	offs := []int{offExpAvg, offExpAvgSq}
 	if h.Amsgrad {
-		t.MaxExpAvgSq = staggered(nb, offMaxSq)
+		offs = append(offs, offMaxSq)
+	}
+	for _, off := range offs {
+		b, err := allocStaggered(nb, off)
+		if err != nil {
+			t.Free()
+			return nil, fmt.Errorf("tensor %q: optimizer state: %w", name, err)
+		}
+		t.bufs = append(t.bufs, b)
+	}
+	t.ExpAvg, t.ExpAvgSq = t.bufs[0].b, t.bufs[1].b
+	if h.Amsgrad {
+		t.MaxExpAvgSq = t.bufs[2].b
 	}
 	return t, nil
+}
+
+// StateBytesFor is the memory NewTensor allocates for a tensor of numel
+// elements of d (exp_avg, exp_avg_sq and, with amsgrad, max_exp_avg_sq);
+// the accumulation buffer, allocated while gradients are accumulated, is
+// one more numel*d.Size().
+func StateBytesFor(d DType, numel int64, amsgrad bool) int64 {
+	n := int64(2)
+	if amsgrad {
+		n = 3
+	}
+	return n * numel * int64(d.Size())
+}
+
+// Free releases the tensor's state memory (mapped buffers go back to the
+// kernel at once); the tensor must not be used after.
+func (t *Tensor) Free() {
+	for i := range t.bufs {
+		t.bufs[i].free()
+	}
+	t.bufs = nil
+	t.accumBuf.free()
+	t.ExpAvg, t.ExpAvgSq, t.MaxExpAvgSq, t.accum, t.accumCount = nil, nil, nil, nil, 0
+}
+
+// Damage is nil for an intact tensor, else why its parameter and state may
+// be partly updated (a memory fault interrupted an update).
+func (t *Tensor) Damage() error { return t.damage }
+
+// FaultError is a memory fault that interrupted an update of a tensor.
+type FaultError struct {
+	Tensor string
+	// Op is what was running ("apply", "accumulate", "import").
+	Op string
+	// Partial says the parameter, state or accumulated gradient may be
+	// partly updated (the tensor is marked damaged); false: nothing changed.
+	Partial bool
+	Fault   *fault.Error
+}
+
+func (e *FaultError) Error() string {
+	what := "nothing of it changed"
+	if e.Op == "export" {
+		what = "its state is intact, the destination memory is incomplete"
+	}
+	if e.Partial {
+		what = "its parameter and optimizer state may be partly updated: the tensor refuses updates and exports until its state is imported again (load_state_dict)"
+		if e.Op == "accumulate" {
+			what = "its accumulated gradient is partly summed: the tensor refuses updates and exports until its state is imported again (load_state_dict)"
+		}
+	}
+	return fmt.Sprintf("tensor %q: %s interrupted by a %v; %s", e.Tensor, e.Op, e.Fault, what)
+}
+
+func (e *FaultError) Unwrap() error { return e.Fault }
+
+func (t *Tensor) usable() error {
+	if t.damage != nil {
+		return fmt.Errorf("tensor %q is damaged: %w", t.Name, t.damage)
+	}
+	if t.ExpAvg == nil {
+		return fmt.Errorf("tensor %q was freed", t.Name)
+	}
+	return nil
+}
+
+// faulted turns an error of parallel into a FaultError, marking the tensor
+// damaged when the update may be partial.
+func (t *Tensor) faulted(op string, partial bool, err error) error {
+	var fe *fault.Error
+	if !errors.As(err, &fe) {
+		return err
+	}
+	e := &FaultError{Tensor: t.Name, Op: op, Partial: partial, Fault: fe}
+	if partial {
+		t.damage = e
+		t.dropAccum() // a partial sum is worthless; without it the state can be imported again
+	}
+	return e
 }
 
 // Bytes is the size of the parameter (and of each state buffer) in bytes.
@@ -120,6 +222,15 @@ func (t *Tensor) Bytes() int { return t.Numel * t.DType.Size() }
 func (t *Tensor) StateBytes() int {
 	n := len(t.ExpAvg) + len(t.ExpAvgSq) + len(t.MaxExpAvgSq) + len(t.accum)
 	return n
+}
+
+// AccumulationBytes is the memory the next Accumulate allocates (0 when
+// its buffer exists).
+func (t *Tensor) AccumulationBytes() int64 {
+	if t.accumCount > 0 || t.accum != nil {
+		return 0
+	}
+	return int64(t.Bytes())
 }
 
 // Pending reports how many accumulated micro-batch gradients wait to be applied.
@@ -144,19 +255,30 @@ func NewEngine() *Engine {
 // Accumulate adds one micro-batch gradient into the tensor's accumulation
 // buffer (the first one is copied), as autograd accumulates into .grad.
 func (e *Engine) Accumulate(t *Tensor, grad []byte) error {
+	if err := t.usable(); err != nil {
+		return err
+	}
 	if len(grad) != t.Bytes() {
 		return fmt.Errorf("tensor %q: gradient is %d bytes, want %d", t.Name, len(grad), t.Bytes())
 	}
 	if t.accumCount == 0 {
 		if t.accum == nil {
-			t.accum = staggered(t.Bytes(), offAccum)
+			b, err := allocStaggered(t.Bytes(), offAccum)
+			if err != nil {
+				return fmt.Errorf("tensor %q: gradient accumulation buffer: %w", t.Name, err)
+			}
+			t.accumBuf, t.accum = b, b.b
 		}
-		e.parallel(t.Numel, func(lo, hi int) {
+		err := e.parallel(t.Numel, func(lo, hi int) {
 			sz := t.DType.Size()
 			copy(t.accum[lo*sz:hi*sz], grad[lo*sz:hi*sz])
 		})
+		if err != nil { // the first copy: nothing was accumulated before, nothing is lost
+			t.dropAccum()
+			return t.faulted("accumulate", false, err)
+		}
 	} else {
-		e.parallel(t.Numel, func(lo, hi int) {
+		err := e.parallel(t.Numel, func(lo, hi int) {
 			switch t.DType {
 			case Float32:
 				AddF32(f32s(t.accum)[lo:hi], f32s(grad)[lo:hi])
@@ -164,15 +286,26 @@ func (e *Engine) Accumulate(t *Tensor, grad []byte) error {
 				AddBF16(u16s(t.accum)[lo:hi], u16s(grad)[lo:hi])
 			}
 		})
+		if err != nil {
+			return t.faulted("accumulate", true, err)
+		}
 	}
 	t.accumCount++
 	return nil
+}
+
+func (t *Tensor) dropAccum() {
+	t.accumBuf.free()
+	t.accum, t.accumCount = nil, 0
 }
 
 // Apply performs one AdamW step. With grad == nil it applies the accumulated
 // gradient; otherwise grad is first added to any accumulated gradient. The
 // accumulation buffer is released afterwards.
 func (e *Engine) Apply(t *Tensor, grad []byte, s Scalars) error {
+	if err := t.usable(); err != nil {
+		return err
+	}
 	if grad != nil && len(grad) != t.Bytes() {
 		return fmt.Errorf("tensor %q: gradient is %d bytes, want %d", t.Name, len(grad), t.Bytes())
 	}
@@ -191,7 +324,7 @@ func (e *Engine) Apply(t *Tensor, grad []byte, s Scalars) error {
 	if grad == nil {
 		grad = t.accum
 	}
-	e.parallel(t.Numel, func(lo, hi int) {
+	err := e.parallel(t.Numel, func(lo, hi int) {
 		sz := t.DType.Size()
 		a, b := lo*sz, hi*sz
 		var vmax []byte
@@ -209,15 +342,19 @@ func (e *Engine) Apply(t *Tensor, grad []byte, s Scalars) error {
 			StepBF16(u16s(t.Param[a:b]), u16s(grad[a:b]), u16s(t.ExpAvg[a:b]), u16s(t.ExpAvgSq[a:b]), u16s(vmax), s)
 		}
 	})
+	if err != nil {
+		return t.faulted("apply", true, err)
+	}
 	t.Step++
-	t.accumCount = 0
-	t.accum = nil
+	t.dropAccum()
 	return nil
 }
 
 // parallel splits [0, n) into contiguous chunks, one per worker, aligned to
-// 64 elements, and waits for all.
-func (e *Engine) parallel(n int, fn func(lo, hi int)) {
+// 64 elements, and waits for all. Each chunk runs under fault.Catch (the
+// memory may be a client's shared memory); the first fault is returned,
+// after every chunk has finished.
+func (e *Engine) parallel(n int, fn func(lo, hi int)) error {
 	w := e.Workers
 	if w < 1 {
 		w = 1
@@ -230,12 +367,13 @@ func (e *Engine) parallel(n int, fn func(lo, hi int)) {
 		w = max
 	}
 	if w <= 1 {
-		fn(0, n)
-		return
+		return fault.Catch(func() { fn(0, n) })
 	}
 	chunk := (n + w - 1) / w
 	chunk = (chunk + 63) &^ 63
 	var wg sync.WaitGroup
+	errs := make([]error, 0, w)
+	var mu sync.Mutex
 	for lo := 0; lo < n; lo += chunk {
 		hi := lo + chunk
 		if hi > n {
@@ -244,10 +382,18 @@ func (e *Engine) parallel(n int, fn func(lo, hi int)) {
 		wg.Add(1)
 		go func(lo, hi int) {
 			defer wg.Done()
-			fn(lo, hi)
+			if err := fault.Catch(func() { fn(lo, hi) }); err != nil {
+				mu.Lock()
+				errs = append(errs, err)
+				mu.Unlock()
+			}
 		}(lo, hi)
 	}
 	wg.Wait()
+	if len(errs) > 0 {
+		return errs[0]
+	}
+	return nil
 }
 
 // f32s views b as float32s (b must be 4-byte aligned; all engine and shared
@@ -274,9 +420,14 @@ func F32s(b []byte) []float32 { return f32s(b) }
 func U16s(b []byte) []uint16 { return u16s(b) }
 
 // ImportState replaces the tensor's state (as exported by torch's AdamW
-// state_dict: step, exp_avg, exp_avg_sq and max_exp_avg_sq with amsgrad).
+// state_dict: step, exp_avg, exp_avg_sq and max_exp_avg_sq with amsgrad),
+// and clears a damage mark. The sources may be a client's shared memory: a
+// fault while copying leaves the tensor damaged.
 func (t *Tensor) ImportState(step int64, expAvg, expAvgSq, maxSq []byte) error {
 	nb := t.Bytes()
+	if t.ExpAvg == nil {
+		return fmt.Errorf("tensor %q was freed", t.Name)
+	}
 	if step < 0 {
 		return fmt.Errorf("tensor %q: negative step %d", t.Name, step)
 	}
@@ -286,11 +437,33 @@ func (t *Tensor) ImportState(step int64, expAvg, expAvgSq, maxSq []byte) error {
 	if t.Hyper.Amsgrad && len(maxSq) != nb {
 		return fmt.Errorf("tensor %q: max_exp_avg_sq is %d bytes, want %d", t.Name, len(maxSq), nb)
 	}
-	copy(t.ExpAvg, expAvg)
-	copy(t.ExpAvgSq, expAvgSq)
-	if t.Hyper.Amsgrad {
-		copy(t.MaxExpAvgSq, maxSq)
+	err := fault.Catch(func() {
+		copy(t.ExpAvg, expAvg)
+		copy(t.ExpAvgSq, expAvgSq)
+		if t.Hyper.Amsgrad {
+			copy(t.MaxExpAvgSq, maxSq)
+		}
+	})
+	if err != nil {
+		return t.faulted("import", true, err)
 	}
 	t.Step = step
+	t.damage = nil
 	return nil
+}
+
+// ExportState copies the tensor's state into the destinations (a client's
+// shared memory: a fault is returned and the tensor stays intact).
+func (t *Tensor) ExportState(expAvg, expAvgSq, maxSq []byte) error {
+	if err := t.usable(); err != nil {
+		return err
+	}
+	err := fault.Catch(func() {
+		copy(expAvg, t.ExpAvg)
+		copy(expAvgSq, t.ExpAvgSq)
+		if t.Hyper.Amsgrad {
+			copy(maxSq, t.MaxExpAvgSq)
+		}
+	})
+	return t.faulted("export", false, err)
 }

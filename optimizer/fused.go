@@ -83,10 +83,16 @@ func FusedStepF32(p, g, m, v, vmax []float32, s Scalars, off, numel int) {
 	k := fusedOf(s)
 	tail := fusedTail(numel, s.Lanes)
 	start := 0
-	if k.fma && k.small && !k.amsgrad && !k.maximize {
-		// The common case (beta1 > 0.5), vector-loop elements: a loop the compiler keeps tight.
-		start = max(0, min(len(p), tail-off))
-		fusedF32Vector(p[:start], g[:start], m[:start], v[:start], k)
+	if k.fma && !k.amsgrad {
+		// Vector-loop elements: assembly where the CPU has it (fusedF32Vec
+		// does a multiple of 8), then, in the common case (beta1 > 0.5, no
+		// maximize), a Go loop the compiler keeps tight.
+		vec := max(0, min(len(p), tail-off))
+		start = fusedF32Vec(p[:vec], g, m, v, k)
+		if k.small && !k.maximize {
+			fusedF32Vector(p[start:vec], g[start:vec], m[start:vec], v[start:vec], k)
+			start = vec
+		}
 	}
 	for i := start; i < len(p); i++ {
 		var vm float32
@@ -138,18 +144,36 @@ func fma32(a, b, c float32) float32 {
 func FusedStepBF16(p, g, m, v, vmax []uint16, s Scalars, off, numel int) {
 	k := fusedOf(s)
 	tail := fusedTail(numel, s.Lanes)
-	for i := range p {
+	start := 0
+	if k.fma && !k.amsgrad {
+		start = fusedBF16Vec(p[:max(0, min(len(p), tail-off))], g, m, v, k)
+	}
+	for i := start; i < len(p); i++ {
 		var vm float32
 		if k.amsgrad {
 			vm = BF16ToF32(vmax[i])
 		}
 		pp, mm, vv, vm := fusedElement(BF16ToF32(p[i]), BF16ToF32(g[i]), BF16ToF32(m[i]), BF16ToF32(v[i]), vm, k,
 			off+i >= tail)
-		p[i], m[i], v[i] = F32ToBF16(pp), F32ToBF16(mm), F32ToBF16(vv)
+		round := F32ToBF16
+		if k.fma && off+i < tail {
+			round = f32ToBF16Vec
+		}
+		p[i], m[i], v[i] = round(pp), round(mm), round(vv)
 		if k.amsgrad {
-			vmax[i] = F32ToBF16(vm)
+			vmax[i] = round(vm)
 		}
 	}
+}
+
+// f32ToBF16Vec is F32ToBF16 as the vectorized conversion of a torch build
+// with vector units does it: the same rounding, but every NaN becomes 0xFFFF
+// (the scalar conversion makes it 0x7FC0).
+func f32ToBF16Vec(f float32) uint16 {
+	if f != f {
+		return 0xFFFF
+	}
+	return F32ToBF16(f)
 }
 
 // fusedTail is the index of the first element the kernel's scalar tail

@@ -17,9 +17,10 @@ type pass1Consts struct {
 
 type pass2Consts struct{ bc2s, eps, negStep float32 }
 
-// The assembly reads bf16Consts at fixed offsets.
-var _ = [1]struct{}{}[unsafe.Offsetof(bf16Consts{}.pass1Consts)-128]
-var _ = [1]struct{}{}[unsafe.Offsetof(bf16Consts{}.bc2s)-152]
+// The assembly reads vecConsts at fixed offsets.
+var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.pass1Consts)-128]
+var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.bc2s)-152]
+var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.negStep)-160]
 
 //go:noescape
 func pass1AVX2(pp, gg, mm, vv, out *float32, n int, k *pass1Consts)
@@ -80,15 +81,16 @@ func sqrtVec(dst, src []float32) int {
 	return n
 }
 
-// bf16Consts is read by stepBF16AVX2 at fixed offsets: keep the layout.
-type bf16Consts struct {
+// vecConsts is read by stepBF16AVX2, fusedF32AVX2 and fusedBF16AVX2 at fixed
+// offsets: keep the layout.
+type vecConsts struct {
 	one, r7fff, hiMask, nan [8]uint32 // 0, 32, 64, 96
 	pass1Consts                       // 128: decay, c, b2, omb2, sign (144), baseMask (148)
 	bc2s, eps, negStep      float32   // 152, 156, 160
 }
 
 //go:noescape
-func stepBF16AVX2(pp, gg, mm, vv *uint16, n int, k *bf16Consts)
+func stepBF16AVX2(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 
 // stepBF16Vec runs the head of a bfloat16 step (a multiple of 8 elements)
 // in assembly and returns how many elements it did.
@@ -97,10 +99,62 @@ func stepBF16Vec(p, g, m, v []uint16, s Scalars, k f32, epsBF float32) int {
 	if !useAVX2 || n == 0 || s.Amsgrad {
 		return 0
 	}
-	c := bf16Consts{pass1Consts: newPass1Consts(s, k), bc2s: k.bc2s, eps: epsBF, negStep: k.negStep}
+	c := vecConsts{pass1Consts: newPass1Consts(s, k), bc2s: k.bc2s, eps: epsBF, negStep: k.negStep}
 	for i := range c.one {
 		c.one[i], c.r7fff[i], c.hiMask[i], c.nan[i] = 1, 0x7FFF, 0xFFFF0000, 0x7FC00000
 	}
 	stepBF16AVX2(&p[0], &g[0], &m[0], &v[0], n, &c)
+	return n
+}
+
+//go:noescape
+func fusedF32AVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
+
+//go:noescape
+func fusedBF16AVX2(pp, gg, mm, vv *uint16, n int, k *vecConsts)
+
+// newFusedConsts packs a fused step's constants for the assembly: the lerp
+// coefficient and base as newPass1Consts does them (w with base m when
+// |w| < 0.5, else w-1 with base g), the decay factor exactly 1 without decay.
+func newFusedConsts(k fusedScalars) vecConsts {
+	c := vecConsts{pass1Consts: pass1Consts{decay: 1, c: k.w, b2: k.b2, omb2: k.c}, bc2s: k.bc2s, eps: k.eps,
+		negStep: k.negStep}
+	if k.applyDecay {
+		c.decay = k.decay
+	}
+	if k.maximize {
+		c.sign = 0x80000000
+	}
+	if !k.small {
+		c.c, c.baseMask = k.wm1, math.MaxUint32
+	}
+	// Vector-loop NaNs become 0xFFFF, as torch's vectorized bfloat16 conversion makes them.
+	for i := range c.one {
+		c.one[i], c.r7fff[i], c.hiMask[i], c.nan[i] = 1, 0x7FFF, 0xFFFF0000, 0xFFFF0000
+	}
+	return c
+}
+
+// fusedF32Vec runs the vector-loop elements of a fused float32 step (an FMA
+// build, no amsgrad) in assembly, a multiple of 8 from the start, and
+// returns how many it did.
+func fusedF32Vec(p, g, m, v []float32, k fusedScalars) int {
+	n := len(p) &^ 7
+	if !useAVX2 || n == 0 || !k.fma || k.amsgrad {
+		return 0
+	}
+	c := newFusedConsts(k)
+	fusedF32AVX2(&p[0], &g[:n][0], &m[:n][0], &v[:n][0], n, &c)
+	return n
+}
+
+// fusedBF16Vec is fusedF32Vec for bfloat16 bit patterns.
+func fusedBF16Vec(p, g, m, v []uint16, k fusedScalars) int {
+	n := len(p) &^ 7
+	if !useAVX2 || n == 0 || !k.fma || k.amsgrad {
+		return 0
+	}
+	c := newFusedConsts(k)
+	fusedBF16AVX2(&p[0], &g[:n][0], &m[:n][0], &v[:n][0], n, &c)
 	return n
 }

@@ -179,3 +179,100 @@ loopb:
 doneb:
 	VZEROUPPER
 	RET
+
+// The fused AdamW step (torch.optim.AdamW(fused=True) on CPU, the vector loop
+// of an FMA build; see fused.go): one pass, every quantity in float32, each
+// buffer rounded once when stored. k points at a vecConsts; the lanes are
+// exactly fusedElement's non-tail branch with fma set.
+//
+// FUSED8 computes 8 lanes: Y0 = g, Y1 = p (in: loaded, out: updated, unrounded),
+// Y2 = m (in), Y5 = v (in); out: Y4 = new m, Y5 = new v, Y6 = denominator.
+#define FUSED8 \
+	VXORPS Y12, Y0, Y0; \
+	VMULPS Y8, Y1, Y1; \
+	VSUBPS Y2, Y0, Y3; \
+	VANDPS Y13, Y0, Y4; \
+	VANDNPS Y2, Y13, Y6; \
+	VORPS Y6, Y4, Y4; \
+	VFMADD231PS Y3, Y9, Y4; \
+	VMULPS Y10, Y5, Y5; \
+	VMULPS Y11, Y0, Y6; \
+	VFMADD231PS Y0, Y6, Y5; \
+	VSQRTPS Y5, Y6; \
+	VDIVPS Y14, Y6, Y6; \
+	VADDPS Y15, Y6, Y6; \
+	VBROADCASTSS 160(AX), Y7; \
+	VMULPS Y4, Y7, Y7; \
+	VDIVPS Y6, Y7, Y7; \
+	VADDPS Y7, Y1, Y1
+
+// FUSEDCONSTS broadcasts the step's constants (AX points at vecConsts).
+#define FUSEDCONSTS \
+	VBROADCASTSS 128(AX), Y8; \
+	VBROADCASTSS 132(AX), Y9; \
+	VBROADCASTSS 136(AX), Y10; \
+	VBROADCASTSS 140(AX), Y11; \
+	VBROADCASTSS 144(AX), Y12; \
+	VBROADCASTSS 148(AX), Y13; \
+	VBROADCASTSS 152(AX), Y14; \
+	VBROADCASTSS 156(AX), Y15
+
+// func fusedF32AVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
+// n must be a multiple of 8.
+TEXT ·fusedF32AVX2(SB), NOSPLIT, $0-48
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ n+32(FP), CX
+	MOVQ k+40(FP), AX
+	FUSEDCONSTS
+	XORQ BX, BX
+loopf:
+	CMPQ BX, CX
+	JGE donef
+	VMOVUPS (SI)(BX*4), Y0
+	VMOVUPS (DI)(BX*4), Y1
+	VMOVUPS (R8)(BX*4), Y2
+	VMOVUPS (R9)(BX*4), Y5
+	FUSED8
+	VMOVUPS Y4, (R8)(BX*4)
+	VMOVUPS Y5, (R9)(BX*4)
+	VMOVUPS Y1, (DI)(BX*4)
+	ADDQ $8, BX
+	JMP loopf
+donef:
+	VZEROUPPER
+	RET
+
+// func fusedBF16AVX2(pp, gg, mm, vv *uint16, n int, k *vecConsts)
+// n must be a multiple of 8. Computed in float32 from the widened inputs;
+// p, m and v rounded to bfloat16 once each, when stored.
+TEXT ·fusedBF16AVX2(SB), NOSPLIT, $0-48
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ n+32(FP), CX
+	MOVQ k+40(FP), AX
+	FUSEDCONSTS
+	XORQ BX, BX
+loopfb:
+	CMPQ BX, CX
+	JGE donefb
+	LOADBF((SI)(BX*2), Y0)
+	LOADBF((DI)(BX*2), Y1)
+	LOADBF((R8)(BX*2), Y2)
+	LOADBF((R9)(BX*2), Y5)
+	FUSED8
+	RNDBF(Y4, Y2, Y3)
+	STOREBF(Y4, Y2, X2, (R8)(BX*2))
+	RNDBF(Y5, Y2, Y3)
+	STOREBF(Y5, Y2, X2, (R9)(BX*2))
+	RNDBF(Y1, Y2, Y3)
+	STOREBF(Y1, Y2, X2, (DI)(BX*2))
+	ADDQ $8, BX
+	JMP loopfb
+donefb:
+	VZEROUPPER
+	RET

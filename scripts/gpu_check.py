@@ -11,13 +11,14 @@ docs/gpu-results.md and docs/gpu-results.json (and copies both to $OUT when that
    checks that need no second process (the kernels, the standard baseline) still run.
    sonard-start: sonard's own start with the GPU (driver, NVRTC compile): its CUDA log lines.
 1. kernel: the CUDA AdamW kernels (through `sonar-kernelcheck files`) against
-   torch.optim.AdamW on CUDA (its default foreach path), float32 and bfloat16, five option
-   sets, odd sizes (1 ... 1,048,581 elements), 3 steps, bit for bit; the Go reference of the
-   foreach arithmetic is compared too, so a mismatch says whether the assumed rounding or the
-   kernel is wrong.
+   torch.optim.AdamW on CUDA, foreach (its default) and fused=True, float32 and bfloat16, six
+   option sets (parameter groups of one optimizer), odd sizes (1 ... 1,048,581 elements), 3
+   steps, bit for bit, counted per option set; the Go reference of each arithmetic is compared
+   too, so a mismatch says whether the assumed rounding or the kernel is wrong.
 2. sonard: a small OLMoE (transformers, on CUDA) trained by sonar_moe.SonarAdamW with a
    private sonard (started by the client, as a user gets it), float32 and bfloat16, with and
-   without max_grad_norm, bit for bit against torch.optim.AdamW over all parameters: (a) a
+   without max_grad_norm, and with fused=True (float32, and bfloat16 with clipping), bit for
+   bit against torch.optim.AdamW (with the same flags) over all parameters: (a) a
    shadow AdamW fed the very gradients of the Sonar run, after every step; (b) an independent
    torch run (meaningful when two torch runs agree); (c) state_dict() (sonard's export) vs
    the shadow's state; (d) load_state_dict() of torch's state into a fresh SonarAdamW (sonard's
@@ -60,6 +61,7 @@ import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import pickle  # noqa: E402
+import re  # noqa: E402
 import platform  # noqa: E402
 import queue  # noqa: E402
 import shutil  # noqa: E402
@@ -368,14 +370,29 @@ def check_sonard_start(ctx: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------------- 1. kernel
-KERNEL_SIZES = [1, 7, 4097, 65536 + 3, (1 << 20) + 5]
+# Odd sizes (tails of every kind, chunk boundaries of 65,536); the first option set also gets a
+# tensor of 1,048,581 elements. Each option set is one parameter group of one torch.optim.AdamW.
+KERNEL_SIZES = [1, 7, 4097, 65536 + 3, 300007]
+KERNEL_BIG = (1 << 20) + 5
 KERNEL_VARIANTS = {
     "default": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2),
     "no-decay": dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0),
     "amsgrad": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, amsgrad=True),
     "maximize": dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-8, weight_decay=1e-2, maximize=True),
-    "lerp-weight>=0.5": dict(lr=1e-3, betas=(0.3, 0.999), eps=1e-8, weight_decay=1e-2),
+    "beta1=0.3": dict(lr=1e-3, betas=(0.3, 0.999), eps=1e-8, weight_decay=1e-2),
+    "amsgrad+maximize": dict(lr=3e-2, betas=(0.5, 0.9), eps=1e-6, weight_decay=0.1, amsgrad=True, maximize=True),
 }
+# torch's AdamW implementations on CUDA that sonard reproduces: the default (foreach,
+# _multi_tensor_adam) and fused=True (_fused_adamw_: float from torch 2.11 on, partly double in
+# 2.8-2.10). The fused kind this torch does not have is compared with the Go reference only.
+KERNEL_IMPLS = {"foreach": dict(foreach=True), "fused": dict(fused=True), "fused-double": dict(fused=True)}
+
+
+def torch_fused_kind() -> str | None:
+    """"fused" (torch >= 2.11), "fused-double" (2.8-2.10) or None: this torch's fused CUDA AdamW."""
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    v = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+    return "fused" if v >= (2, 11) else "fused-double" if v >= (2, 8) else None
 
 
 def scalars(group: dict[str, Any], step: float) -> dict[str, Any]:
@@ -391,77 +408,142 @@ def scalars(group: dict[str, Any], step: float) -> dict[str, Any]:
             "eps": float(group["eps"]), "amsgrad": bool(group["amsgrad"]), "maximize": bool(group["maximize"])}
 
 
+def fused_double_scalars(group: dict[str, Any], step: int) -> dict[str, Any]:
+    """fused_scalars for torch 2.8-2.10's kernel: the bias corrections in double, from CUDA's double
+    pow (1 - pow of float64 tensors on the GPU)."""
+    sc = fused_scalars(group, step)
+    dev_step = torch.tensor(float(step), dtype=torch.float64, device=G.dev)
+    bc = [float((1 - torch.pow(torch.tensor(float(b), dtype=torch.float64, device=G.dev), dev_step)).item())
+          for b in group["betas"]]
+    sc.update(fused_double=True, bc1=bc[0], bc2=bc[1])
+    return sc
+
+
+def fused_scalars(group: dict[str, Any], step: int) -> dict[str, Any]:
+    """The fused step's inputs (as sonar_moe.torch_fused_cuda_scalars sends them), and for the Go
+    reference the bias corrections as torch's CUDA powf computes them (1 - pow of float32 tensors
+    on the GPU: the same libdevice powf as the fused kernel's)."""
+    sc = scalars(group, step)
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr, wd = float(group["lr"]), float(group["weight_decay"])
+    dev_step = torch.tensor(float(step), dtype=torch.float32, device=G.dev)
+    bc = [float((1 - torch.pow(torch.tensor(b, dtype=torch.float32, device=G.dev), dev_step)).item())
+          for b in (beta1, beta2)]
+    sc.update(decay=1 - lr * wd, beta1_w=1 - beta1, fused=True, lr=lr, beta1=beta1, weight_decay=wd, step=step,
+              bc1=bc[0], bc2=bc[1])
+    return sc
+
+
 def check_kernel(ctx: argparse.Namespace, steps: int = 3) -> None:
     kc = ctx.kernelcheck
     if not (kc and os.access(kc, os.X_OK)):
         record("kernel", "ERROR", f"{kc or 'sonar-kernelcheck'} not found: `scripts/gpu-check prepare` builds it "
                "(scripts/build-go -o build/gpu --static sonar-kernelcheck)")
         return
-    for vname, opts in KERNEL_VARIANTS.items():  # both dtypes of one option set first
+    for impl in KERNEL_IMPLS:
         for dtype in (torch.float32, torch.bfloat16):
-            name = f"kernel {dtname(dtype)} {vname}"
+            name = f"kernel {impl} {dtname(dtype)}"
             if left() < 8:
                 record(name, "SKIPPED", "out of this check's time")
                 continue
             try:
                 with tempfile.TemporaryDirectory() as d:
-                    _kernel_case(kc, Path(d), dtype, opts, steps, name)
+                    _kernel_case(kc, Path(d), dtype, impl, steps, name)
             except Exception as e:  # noqa: BLE001 - report and go on
                 record(name, "ERROR", err_text(e))
 
 
-def _kernel_case(kc: str, d: Path, dtype: torch.dtype, opts: dict[str, Any], steps: int, name: str) -> None:
+def _kernel_case(kc: str, d: Path, dtype: torch.dtype, impl: str, steps: int, name: str) -> None:
+    """One sonar-kernelcheck run: every option set of KERNEL_VARIANTS as a parameter group of one
+    torch.optim.AdamW (foreach or fused), `steps` steps, compared per option set and state part."""
     import numpy as np
 
-    g = torch.Generator(device="cuda").manual_seed(1234)
-    params = [torch.nn.Parameter((torch.randn(n, device="cuda", generator=g) * 0.05).to(dtype)) for n in KERNEL_SIZES]
-    grads = [[(torch.randn(n, device="cuda", generator=g) * 10 ** (-3 + 2 * s)).to(dtype) for n in KERNEL_SIZES]
+    g = torch.Generator(device=G.dev).manual_seed(1234)
+    groups: list[tuple[str, dict[str, Any], list[torch.nn.Parameter]]] = []
+    for vi, (vname, opts) in enumerate(KERNEL_VARIANTS.items()):
+        sizes = KERNEL_SIZES + ([KERNEL_BIG] if vi == 0 else [])
+        groups.append((vname, opts, [torch.nn.Parameter((torch.randn(n, device=G.dev, generator=g) * 0.05).to(dtype))
+                                     for n in sizes]))
+    params = [p for _, _, ps in groups for p in ps]
+    grads = [[(torch.randn(p.numel(), device=G.dev, generator=g) * 10 ** (-3 + 2 * s)).to(dtype) for p in params]
              for s in range(steps)]
-    amsgrad = bool(opts.get("amsgrad", False))
+    amsgrad_of = [bool(opts.get("amsgrad", False)) for _, opts, ps in groups for _ in ps]
     for i, p in enumerate(params):
         bits(p).cpu().numpy().tofile(d / f"t{i}_p.bin")
         zero = torch.zeros_like(p).cpu()
-        for part in ("m", "v") + (("vmax",) if amsgrad else ()):
+        for part in ("m", "v") + (("vmax",) if amsgrad_of[i] else ()):
             bits(zero).numpy().tofile(d / f"t{i}_{part}.bin")
         for s in range(steps):
             bits(grads[s][i]).cpu().numpy().tofile(d / f"t{i}_g{s}.bin")
-    opt = torch.optim.AdamW(params, **opts)  # CUDA default: foreach (_multi_tensor_adam)
-    group = opt.param_groups[0]
+    opt = torch.optim.AdamW([dict(params=ps, **opts) for _, opts, ps in groups], **KERNEL_IMPLS[impl])
+    step_scalars = {"foreach": scalars, "fused": fused_scalars, "fused-double": fused_double_scalars}[impl]
+    # torch is the reference only for the implementations it has.
+    vs_torch = impl == "foreach" or impl == torch_fused_kind()
     spec = {"dtype": dtname(dtype), "steps": steps,
-            "tensors": [{"numel": p.numel(), "amsgrad": amsgrad} for p in params],
-            "scalars": [[scalars(group, s + 1) for _ in params] for s in range(steps)]}
+            "tensors": [{"numel": p.numel(), "amsgrad": amsgrad_of[i]} for i, p in enumerate(params)],
+            "scalars": [[step_scalars(group, s + 1) for group in opt.param_groups for _ in group["params"]]
+                        for s in range(steps)]}
     (d / "spec.json").write_text(json.dumps(spec))
     for s in range(steps):
         for p, gr in zip(params, grads[s]):
             p.grad = gr.clone()
-        opt.step()
+        if vs_torch:
+            opt.step()
     out = subprocess.run([kc, "files", str(d)], capture_output=True, text=True, timeout=max(10.0, min(60.0, left())))
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip()[-600:])
     rep = json.loads(out.stdout)
     idt = np.int32 if dtype == torch.float32 else np.int16
-    bad_gpu = bad_ref = bad_gr = total = 0
-    first = ""
-    for i, p in enumerate(params):
-        st = opt.state[p]
-        torch_parts = {"p": p.detach(), "m": st["exp_avg"], "v": st["exp_avg_sq"]}
-        if amsgrad:
-            torch_parts["vmax"] = st["max_exp_avg_sq"]
-        for part, tt in torch_parts.items():
-            want = bits(tt).cpu()
-            gpu = torch.from_numpy(np.fromfile(d / f"t{i}_{part}.gpu.bin", dtype=idt))
-            ref = torch.from_numpy(np.fromfile(d / f"t{i}_{part}.ref.bin", dtype=idt))
-            bg, br, bgr = int((gpu != want).sum()), int((ref != want).sum()), int((gpu != ref).sum())
-            bad_gpu, bad_ref, bad_gr, total = bad_gpu + bg, bad_ref + br, bad_gr + bgr, total + tt.numel()
-            if bg and not first:
-                j = int((gpu != want).nonzero()[0])
-                first = (f"; first: tensor {i} {part}[{j}] kernel {int(gpu[j]) & 0xFFFFFFFF:#x} torch "
-                         f"{int(want[j]) & 0xFFFFFFFF:#x} reference {int(ref[j]) & 0xFFFFFFFF:#x}")
+    cases: dict[str, dict[str, Any]] = {}
+    firsts: list[str] = []
+    i = 0
+    for vname, _, ps in groups:
+        c = cases.setdefault(vname, {"values": 0, "kernel_vs_torch": 0, "reference_vs_torch": 0,
+                                     "kernel_vs_reference": 0, "by_part": {}})
+        for p in ps:
+            parts = ["p", "m", "v"] + (["vmax"] if amsgrad_of[i] else [])
+            if vs_torch:
+                st = opt.state[p]
+                torch_parts = {"p": p.detach(), "m": st["exp_avg"], "v": st["exp_avg_sq"]}
+                if amsgrad_of[i]:
+                    torch_parts["vmax"] = st["max_exp_avg_sq"]
+            for part in parts:
+                gpu = torch.from_numpy(np.fromfile(d / f"t{i}_{part}.gpu.bin", dtype=idt))
+                ref = torch.from_numpy(np.fromfile(d / f"t{i}_{part}.ref.bin", dtype=idt))
+                # Without torch's implementation the reference stands in for it.
+                want = bits(torch_parts[part]).cpu() if vs_torch else ref
+                bgr = int((gpu != ref).sum())
+                bg, br = (int((gpu != want).sum()), int((ref != want).sum())) if vs_torch else (bgr, 0)
+                c["values"] += gpu.numel()
+                c["kernel_vs_torch"] += bg
+                c["reference_vs_torch"] += br
+                c["kernel_vs_reference"] += bgr
+                c["by_part"][part] = c["by_part"].get(part, 0) + bg
+                if bg and len(firsts) < 3:
+                    j = int((gpu != want).nonzero()[0])
+                    theirs = f"{int(want[j]) & 0xFFFFFFFF:#x}" if vs_torch else "-"
+                    firsts.append(f"{vname} tensor {i} ({p.numel()} el.) {part}[{j}] kernel "
+                                  f"{int(gpu[j]) & 0xFFFFFFFF:#x} torch {theirs} reference "
+                                  f"{int(ref[j]) & 0xFFFFFFFF:#x}")
+            i += 1
+    bad = sum(c["kernel_vs_torch"] for c in cases.values())
     ms = rep.get("kernel_ms") or []
-    detail = (f"{len(params)} tensors of {min(KERNEL_SIZES)}..{max(KERNEL_SIZES)} elements ({total} values incl. state), "
-              f"{steps} steps: kernel vs torch {bad_gpu} differ, Go reference vs torch {bad_ref}, kernel vs reference "
-              f"{bad_gr}; kernel {', '.join(f'{m:.3f}' for m in ms)} ms per step" + first)
-    record(name, "PASS" if bad_gpu == 0 else "FAIL", detail)
+    if vs_torch:
+        per = "; ".join(f"{v}: {c['kernel_vs_torch']}/{c['reference_vs_torch']}/{c['kernel_vs_reference']} of "
+                        f"{c['values']}" for v, c in cases.items())
+        what = (f"torch AdamW({impl}) on CUDA; mismatching values (kernel vs torch / Go reference vs torch / kernel "
+                f"vs reference) per option set: {per}")
+    else:
+        for c in cases.values():
+            c["kernel_vs_torch"] = c["reference_vs_torch"] = None
+            c["by_part_vs_reference"] = c.pop("by_part")
+        per = "; ".join(f"{v}: {c['kernel_vs_reference']} of {c['values']}" for v, c in cases.items())
+        what = (f"not this torch's ({torch.__version__}) AdamW: kernel vs Go reference only; mismatching values per "
+                f"option set: {per}")
+    detail = (f"{len(params)} tensors of {min(KERNEL_SIZES)}..{KERNEL_BIG} elements, {steps} steps, {what}; kernel "
+              f"{', '.join(f'{m:.3f}' for m in ms)} ms per step" + (f"; first: {' | '.join(firsts)}" if firsts else ""))
+    record(name, "PASS" if bad == 0 else "FAIL", detail, impl=impl, dtype=dtname(dtype), steps=steps,
+           vs_torch=vs_torch, cases=cases)
 
 
 # --------------------------------------------------------------------------------- models
@@ -617,10 +699,16 @@ def check_sonard(ctx: argparse.Namespace) -> None:
     except Exception as e:  # noqa: BLE001
         record("sonard", "ERROR", f"sonar_moe cannot be imported ({err_text(e)}): the wheel from scripts/gpu-check prepare")
         return
-    variants = [(torch.float32, None), (torch.float32, 0.5), (torch.bfloat16, None), (torch.bfloat16, 0.5)]
+    # (dtype, max_grad_norm, fused): torch's CUDA default (foreach) and fused=True.
+    variants = [(torch.float32, None, False), (torch.float32, 0.5, False), (torch.bfloat16, None, False),
+                (torch.bfloat16, 0.5, False), (torch.float32, None, True), (torch.bfloat16, 0.5, True)]
+
+    def vname(dtype: torch.dtype, clip: float | None, fused: bool) -> str:
+        return f"sonard {dtname(dtype)} {'clip' if clip else 'no clip'}{' fused' if fused else ''}"
+
     if G.ipc.get("usable") is False:
-        for dtype, clip in variants:
-            ipc_unavailable(f"sonard {dtname(dtype)} {'clip' if clip else 'no clip'}")
+        for v in variants:
+            ipc_unavailable(vname(*v))
         # One attempt, for the record: what the real client and server say here (in a thread:
         # an IPC call that hangs must not take the rest of the run with it).
         said: list[str] = []
@@ -641,13 +729,13 @@ def check_sonard(ctx: argparse.Namespace) -> None:
         return
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        for dtype, clip in variants:
-            name = f"sonard {dtname(dtype)} {'clip' if clip else 'no clip'}"
+        for dtype, clip, fused in variants:
+            name = vname(dtype, clip, fused)
             if left() < 10:
                 record(name, "SKIPPED", "out of this check's time")
                 continue
             try:
-                _sonard_variant(sonar_moe, dtype, clip, ctx.sonard_steps, name)
+                _sonard_variant(sonar_moe, dtype, clip, ctx.sonard_steps, name, fused)
             except Exception as e:  # noqa: BLE001
                 record(name, "ERROR", err_where(e))
             gc.collect()
@@ -670,8 +758,11 @@ def _reference_run(dtype: torch.dtype, clip: float | None, steps: int, kw: dict[
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _sonard_variant(sonar_moe: Any, dtype: torch.dtype, clip: float | None, steps: int, name: str) -> None:
-    kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+def _sonard_variant(sonar_moe: Any, dtype: torch.dtype, clip: float | None, steps: int, name: str,
+                    fused: bool = False) -> None:
+    kw: dict[str, Any] = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+    if fused:  # SonarAdamW and every torch.optim.AdamW of the comparison take the same flag
+        kw["fused"] = True
     impl = pick_experts_impl(SMALL, dtype, f"small-{dtname(dtype)}")
     is_expert = sonar_moe.is_expert_param
     # (b) two independent torch runs: they must agree for the end-to-end comparison to mean anything.
@@ -1226,8 +1317,8 @@ def main() -> int:
     print(json.dumps(G.env, indent=1, default=str), flush=True)
     # key, function, at most (s), at least (s) to be worth starting
     plan: list[tuple[str, Callable[[argparse.Namespace], None], float, float]] = [
-        ("ipc", check_ipc, 90, 20), ("sonard-start", check_sonard_start, 45, 5), ("kernel", check_kernel, 100, 15),
-        ("sonard", check_sonard, 120, 20), ("full", check_full, 240, 90), ("bench", check_bench, 40, 10)]
+        ("ipc", check_ipc, 90, 20), ("sonard-start", check_sonard_start, 45, 5), ("kernel", check_kernel, 120, 15),
+        ("sonard", check_sonard, 150, 20), ("full", check_full, 240, 90), ("bench", check_bench, 40, 10)]
     if any(k in selected for k in ("sonard", "full")) and "ipc" not in selected:
         selected.insert(0, "ipc")  # the others depend on it
     plan = [p for p in plan if p[0] in selected]

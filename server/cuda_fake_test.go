@@ -3,6 +3,7 @@ package server
 import (
 	"bytes"
 	"encoding/binary"
+	"math"
 	"math/rand/v2"
 	"strings"
 	"testing"
@@ -144,7 +145,7 @@ func TestCUDAPathOnStandInDriver(t *testing.T) {
 	// client's parameter and gradient and the server's state.
 	var dims [7]uint32
 	var stream uintptr
-	param := make([]byte, 64)
+	param := make([]byte, 88)
 	w.f.Launch(&dims, &stream, &param[0], int32(len(param)))
 	le := binary.LittleEndian
 	if p, g, m, v := le.Uint64(param[0:]), le.Uint64(param[8:]), le.Uint64(param[16:]), le.Uint64(param[24:]); p != uint64(w.params)+1024 ||
@@ -154,6 +155,69 @@ func TestCUDAPathOnStandInDriver(t *testing.T) {
 	if n := le.Uint64(param[40:]); n != 101 {
 		t.Errorf("descriptor numel %d", n)
 	}
+	if got := strings.TrimSpace(w.f.Kernels()); got != "sonar_adamw_f32 sonar_adamw_bf16" {
+		t.Errorf("foreach step launched %q, want the foreach kernels", got)
+	}
+
+	// A fused step (AdamW(fused=True)) launches the fused kernels with the
+	// hyper-parameters and the step count; a request may mix both kinds.
+	fused := func(s ipc.ScalarsMsg) ipc.ScalarsMsg {
+		s.Fused, s.LR, s.Beta1, s.WeightDecay = true, 1e-3, 0.9, 0.01
+		s.Beta1W, s.Decay = 1-s.Beta1, 1-s.LR*s.WeightDecay
+		return s
+	}
+	items2 := []ipc.StepItem{
+		{Tensor: reg.IDs[0], Grad: ipc.MemRef{Seg: gSeg, Offset: 0, Bytes: 1024}, Apply: true, Step: 2, Scalars: scAms},
+		{Tensor: reg.IDs[1], Grad: ipc.MemRef{Seg: gSeg, Offset: 2048, Bytes: 202}, Apply: true, Step: 2, Scalars: fused(sc)},
+	}
+	w.f.ClearLog()
+	w.must(c, ipc.OpStep, ipc.Step{Items: items2, WaitEvent: true})
+	if got := strings.TrimSpace(w.f.Kernels()); got != "sonar_adamw_f32 sonar_fused_adamw_bf16" {
+		t.Errorf("foreach f32 + fused bf16 step launched %q", got)
+	}
+	w.f.Launch(&dims, &stream, &param[0], int32(len(param)))
+	f32at := func(off int) float32 { return math.Float32frombits(le.Uint32(param[off:])) }
+	if p := le.Uint64(param[0:]); p != uint64(w.params)+1024 || f32at(56) != float32(1e-3) || f32at(60) != 0.9 ||
+		f32at(64) != 0.999 || f32at(68) != 0.01 || f32at(72) != float32(1e-8) || f32at(76) != 2 || le.Uint32(param[84:])&1 == 0 {
+		t.Errorf("fused descriptor: param %#x lr %v beta1 %v beta2 %v wd %v eps %v step %v flags %#x", p,
+			f32at(56), f32at(60), f32at(64), f32at(68), f32at(72), f32at(76), le.Uint32(param[84:]))
+	}
+	items[0].Step, items[1].Step = 3, 3
+	items[0].Scalars = fused(scAms)
+	w.f.ClearLog()
+	w.must(c, ipc.OpStep, ipc.Step{Items: items, WaitEvent: true})
+	if got := strings.TrimSpace(w.f.Kernels()); got != "sonar_fused_adamw_f32 sonar_adamw_bf16" {
+		t.Errorf("fused f32 + foreach bf16 step launched %q", got)
+	}
+	// torch 2.8-2.10's fused arithmetic (fused_double): its own kernels, the doubles in the descriptor.
+	items[0].Step, items[1].Step = 4, 4
+	items[1].Scalars = fused(sc)
+	items[1].Scalars.FusedDouble = true
+	w.f.ClearLog()
+	w.must(c, ipc.OpStep, ipc.Step{Items: items, WaitEvent: true})
+	if got := strings.TrimSpace(w.f.Kernels()); got != "sonar_fused_adamw_f32 sonar_fused64_adamw_bf16" {
+		t.Errorf("fused f32 + fused double bf16 step launched %q", got)
+	}
+	p104 := make([]byte, 104)
+	w.f.Launch(&dims, &stream, &p104[0], int32(len(p104)))
+	f64at := func(off int) float64 { return math.Float64frombits(le.Uint64(p104[off:])) }
+	if f64at(56) != 1e-3 || f64at(64) != 0.9 || f64at(72) != 0.999 || f64at(80) != 0.01 || f64at(88) != 1e-8 ||
+		math.Float32frombits(le.Uint32(p104[96:])) != 4 || le.Uint32(p104[100:])&1 == 0 {
+		t.Errorf("fused double descriptor: %v %v %v %v %v step %v flags %#x", f64at(56), f64at(64), f64at(72), f64at(80),
+			f64at(88), math.Float32frombits(le.Uint32(p104[96:])), le.Uint32(p104[100:]))
+	}
+	items[1].Scalars = sc
+	bad := items[0]
+	bad.Step = 5
+	bad.Scalars.LR = 0 // a client that sent only the CPU kernel's fused scalars
+	launches0 := w.f.State(cudatest.Launches)
+	if _, err := w.call(c, ipc.OpStep, ipc.Step{Items: []ipc.StepItem{bad}}); err == nil || !strings.Contains(err.Error(), "needs the step's lr") {
+		t.Errorf("fused step without lr: %v", err)
+	}
+	if w.f.State(cudatest.Launches) != launches0 {
+		t.Error("a refused fused step launched a kernel")
+	}
+	items[0].Scalars = scAms
 
 	// Refusals: nothing is queued, no step advances.
 	shm := w.newSegment("sonar-cpu", 4096)
@@ -161,7 +225,7 @@ func TestCUDAPathOnStandInDriver(t *testing.T) {
 	cpuReg := w.must(c, ipc.OpRegister, ipc.Register{Tensors: []ipc.TensorSpec{{Name: "cpu", Shape: []int64{8}, DType: "float32",
 		Param: ipc.MemRef{Seg: shm.id, Bytes: 32}, Hyper: hyper}}}).(ipc.RegisterReply)
 	launches := w.f.State(cudatest.Launches)
-	mod := func(f func(*ipc.StepItem)) ipc.StepItem { it := items[0]; it.Step = 2; f(&it); return it }
+	mod := func(f func(*ipc.StepItem)) ipc.StepItem { it := items[0]; it.Step = 5; f(&it); return it }
 	for _, tc := range []struct {
 		name string
 		step ipc.Step
@@ -175,7 +239,7 @@ func TestCUDAPathOnStandInDriver(t *testing.T) {
 			"overlaps the parameter"},
 		{"gradient outside the allocation", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Grad.Offset = cudaAlloc - 512 })}},
 			"outside its"},
-		{"wrong step", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Step = 5 })}}, "client step 5 but server is at step 1"},
+		{"wrong step", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Step = 7 })}}, "client step 7 but server is at step 4"},
 		{"amsgrad differs", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Scalars.Amsgrad = false })}}, "amsgrad/maximize differ"},
 		{"nothing accumulated", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Grad = ipc.MemRef{} })}}, "nothing accumulated"},
 	} {

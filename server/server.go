@@ -95,6 +95,12 @@ type Server struct {
 	// IdleTimeout releases sessions without a watchable client process
 	// after this long without a request (0: never).
 	IdleTimeout time.Duration
+	// MaxStateBytes bounds the optimizer state (and gradient-accumulation
+	// buffers) the server holds in host memory for all sessions together,
+	// MaxSessionStateBytes for one session; 0: no bound. A register or an
+	// accumulating step that would pass either is refused and changes
+	// nothing. CUDA tensors' state lives in device memory and is not counted.
+	MaxStateBytes, MaxSessionStateBytes int64
 
 	requests, errors, stepItems, bytesUpdated int64
 	byOp                                      map[string]int64
@@ -287,9 +293,23 @@ func (s *Server) event(ss *session, e ipc.CUDAEvent) (any, error) {
 	return ipc.EventReply{Event: true}, nil
 }
 
+// verifier checks that each segment a request uses still has all its memory
+// (Segment.Verify: an fstat for shared memory), once per request however many
+// references name it.
+type verifier map[*segment]error
+
+func (v verifier) check(seg *segment) error {
+	err, done := v[seg]
+	if !done {
+		err = seg.seg.Verify()
+		v[seg] = err
+	}
+	return err
+}
+
 // resolve checks a reference of the session: its segment, the size the
-// tensor needs and the range.
-func (ss *session) resolve(ref ipc.MemRef, want, align int64) (*segment, backend.Ref, error) {
+// tensor needs, the range, and that the segment's memory is all there.
+func (ss *session) resolve(ref ipc.MemRef, want, align int64, v verifier) (*segment, backend.Ref, error) {
 	seg := ss.segments[ref.Seg]
 	if seg == nil {
 		return nil, backend.Ref{}, fmt.Errorf("unknown segment %d", ref.Seg)
@@ -298,12 +318,15 @@ func (ss *session) resolve(ref ipc.MemRef, want, align int64) (*segment, backend
 		return nil, backend.Ref{}, fmt.Errorf("reference is %d bytes, tensor needs %d", ref.Bytes, want)
 	}
 	r, err := backend.Resolve(seg.seg, ref.Offset, ref.Bytes, align)
+	if err == nil {
+		err = v.check(seg)
+	}
 	return seg, r, err
 }
 
 // resolveFor is resolve for memory that must belong to t's backend.
-func (ss *session) resolveFor(t *tensor, ref ipc.MemRef) (backend.Ref, error) {
-	seg, r, err := ss.resolve(ref, t.bytes(), int64(t.dtype.Size()))
+func (ss *session) resolveFor(t *tensor, ref ipc.MemRef, v verifier) (backend.Ref, error) {
+	seg, r, err := ss.resolve(ref, t.bytes(), int64(t.dtype.Size()), v)
 	if err != nil {
 		return r, err
 	}
@@ -319,6 +342,7 @@ func (ss *session) resolveFor(t *tensor, ref ipc.MemRef) (backend.Ref, error) {
 func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 	// Validate all first; register all or none.
 	made := make([]*tensor, 0, len(r.Tensors))
+	v := verifier{}
 	names := make(map[string]bool, len(r.Tensors))
 	for _, t := range ss.tensors {
 		names[t.name] = true
@@ -343,7 +367,7 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 			return nil, fmt.Errorf("tensor %q: %w", spec.Name, err)
 		}
 		t := &tensor{name: spec.Name, dtype: d, numel: spec.Numel(), shape: spec.Shape, hyper: h}
-		seg, param, err := ss.resolve(spec.Param, t.bytes(), int64(d.Size()))
+		seg, param, err := ss.resolve(spec.Param, t.bytes(), int64(d.Size()), v)
 		if err != nil {
 			return nil, fmt.Errorf("tensor %q param: %w", spec.Name, err)
 		}
@@ -356,6 +380,15 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 		if t.backend != made[0].backend {
 			return nil, fmt.Errorf("tensor %q is %s memory, tensor %q is %s memory: one register request holds one kind",
 				t.name, t.backend, made[0].name, made[0].backend)
+		}
+	}
+	if len(made) > 0 && made[0].backend == "cpu" {
+		var need int64
+		for _, t := range made {
+			need += optimizer.StateBytesFor(t.dtype, t.numel, t.hyper.Amsgrad)
+		}
+		if err := s.checkBudget(ss, need, fmt.Sprintf("the optimizer state of %d tensors", len(made))); err != nil {
+			return nil, fmt.Errorf("%w; nothing was registered", err)
 		}
 	}
 	if len(made) > 0 {
@@ -389,7 +422,8 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 func scalarsOf(sc ipc.ScalarsMsg) optimizer.Scalars {
 	return optimizer.Scalars{Decay: sc.Decay, ApplyDecay: sc.ApplyDecay, Beta1W: sc.Beta1W, Beta2: sc.Beta2,
 		OneMinusB2: sc.OneMinusB2, NegStepSize: sc.NegStepSize, BC2Sqrt: sc.BC2Sqrt, Eps: sc.Eps,
-		Amsgrad: sc.Amsgrad, Maximize: sc.Maximize, Fused: sc.Fused, Lanes: sc.Lanes}
+		Amsgrad: sc.Amsgrad, Maximize: sc.Maximize, Fused: sc.Fused, Lanes: sc.Lanes,
+		LR: sc.LR, Beta1: sc.Beta1, WeightDecay: sc.WeightDecay, FusedDouble: sc.FusedDouble}
 }
 
 func (s *Server) step(ss *session, st ipc.Step) (any, error) {
@@ -397,6 +431,8 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 	items := make([]backend.Item, 0, len(st.Items))
 	var rep ipc.StepReply
 	var first *tensor
+	var accum int64
+	v := verifier{}
 	for i, it := range st.Items {
 		t := ss.tensors[it.Tensor]
 		if t == nil {
@@ -413,9 +449,18 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 				return nil, fmt.Errorf("item %d (%s): tensor appears twice in one request", i, t.name)
 			}
 		}
+		if err := t.state.Damage(); err != nil {
+			return nil, fmt.Errorf("item %d (%s): refused, the tensor is damaged: %w", i, t.name, err)
+		}
+		if err := v.check(t.seg); err != nil {
+			return nil, fmt.Errorf("item %d (%s) param: %w", i, t.name, err)
+		}
+		if !it.Apply && t.state.Pending() == 0 && t.backend == "cpu" {
+			accum += t.bytes() // the accumulation buffer the first micro-batch allocates
+		}
 		item := backend.Item{Tensor: t.state, Apply: it.Apply, Scalars: scalarsOf(it.Scalars)}
 		if it.Grad.Seg != 0 {
-			g, err := ss.resolveFor(t, it.Grad)
+			g, err := ss.resolveFor(t, it.Grad, v)
 			if err != nil {
 				return nil, fmt.Errorf("item %d (%s) grad: %w", i, t.name, err)
 			}
@@ -440,6 +485,9 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 	if first == nil {
 		return nil, fmt.Errorf("%w: step without items", ipc.ErrProtocol)
 	}
+	if err := s.checkBudget(ss, accum, "gradient accumulation buffers"); err != nil {
+		return nil, err
+	}
 	bs, err := s.backendSession(ss, first.backend)
 	if err != nil {
 		return nil, err
@@ -452,6 +500,55 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 	s.bytesUpdated += rep.Bytes
 	s.recordLatency(rep.Micros)
 	return rep, nil
+}
+
+// hostStateBytes is the host memory the server holds for the session's
+// tensors (optimizer state and accumulation buffers), and for all sessions.
+func (s *Server) hostStateBytes(ss *session) (mine, all int64) {
+	for _, o := range s.sessions {
+		for _, t := range o.tensors {
+			if t.backend == "cpu" {
+				n := t.state.StateBytes()
+				all += n
+				if o == ss {
+					mine += n
+				}
+			}
+		}
+	}
+	return mine, all
+}
+
+// checkBudget refuses need more bytes of host state for the session when it
+// would pass MaxSessionStateBytes or MaxStateBytes.
+func (s *Server) checkBudget(ss *session, need int64, what string) error {
+	if need <= 0 || (s.MaxStateBytes <= 0 && s.MaxSessionStateBytes <= 0) {
+		return nil
+	}
+	mine, all := s.hostStateBytes(ss)
+	if lim := s.MaxSessionStateBytes; lim > 0 && need > lim-mine {
+		return fmt.Errorf("over the memory budget: %s need %s, this session holds %s of its %s (--max-session-state-bytes)",
+			what, FormatBytes(need), FormatBytes(mine), FormatBytes(lim))
+	}
+	if lim := s.MaxStateBytes; lim > 0 && need > lim-all {
+		return fmt.Errorf("over the memory budget: %s need %s, the server holds %s of its %s for all sessions (--max-state-bytes)",
+			what, FormatBytes(need), FormatBytes(all), FormatBytes(lim))
+	}
+	return nil
+}
+
+// FormatBytes writes n in binary units ("1.5 GiB").
+func FormatBytes(n int64) string {
+	const unit = 1024
+	if n < unit {
+		return fmt.Sprintf("%d B", n)
+	}
+	f, i := float64(n), 0
+	for f >= unit && i < 6 {
+		f /= unit
+		i++
+	}
+	return fmt.Sprintf("%.1f %ciB", f, "KMGTPE"[i-1])
 }
 
 func (s *Server) recordLatency(us int64) {
@@ -477,13 +574,17 @@ func (s *Server) transfer(ss *session, x ipc.StateXfer, out bool) (any, error) {
 	if !out && x.Step < 0 {
 		return nil, fmt.Errorf("tensor %q: negative step %d", t.name, x.Step)
 	}
+	if err := t.state.Damage(); err != nil && out {
+		return nil, fmt.Errorf("export refused, the tensor is damaged: %w", err)
+	}
 	refs := []ipc.MemRef{x.ExpAvg, x.ExpAvgSq}
 	if t.hyper.Amsgrad {
 		refs = append(refs, x.MaxExpAvgSq)
 	}
 	mem := make([]backend.Ref, len(refs))
+	v := verifier{}
 	for i, r := range refs {
-		m, err := ss.resolveFor(t, r)
+		m, err := ss.resolveFor(t, r, v)
 		if err != nil {
 			return nil, fmt.Errorf("tensor %s state part %d: %w", t.name, i, err)
 		}

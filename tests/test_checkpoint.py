@@ -86,3 +86,43 @@ def test_failed_save_keeps_the_old_checkpoint(tmp_path: Path) -> None:
         save_checkpoint(path, {"v": Unpicklable()})
     assert load_checkpoint(path) == {"v": 1}
     assert sorted(os.listdir(tmp_path)) == ["ck.pt"]
+
+
+KILLED_SAVE = """
+import os, signal, sys
+sys.path.insert(0, {pyclient!r})
+from sonar_moe import save_checkpoint
+real_fsync = os.fsync
+def fsync(fd):  # the temporary file is written; die before it is renamed
+    os.kill(os.getpid(), signal.{sig})
+    real_fsync(fd)
+os.fsync = fsync
+save_checkpoint({path!r}, {{"v": 2}})
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_killed_save_leaves_no_temporary_behind(tmp_path: Path, sig: str) -> None:
+    """Issue 16 (c): a save killed while writing. SIGTERM (no handler of the program's own):
+    the temporary file is removed, then the process dies of the signal as it would have.
+    SIGKILL cannot be caught: its temporary is removed by the next save of that checkpoint.
+    The old checkpoint is intact either way."""
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "ck.pt"
+    save_checkpoint(path, {"v": 1})
+    script = KILLED_SAVE.format(pyclient=str(Path(sonar_moe.__file__).parents[1]), sig=sig, path=str(path))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -getattr(signal, sig), (r.returncode, r.stdout, r.stderr[-2000:])
+    assert load_checkpoint(path) == {"v": 1}
+    left = sorted(os.listdir(tmp_path))
+    if sig == "SIGTERM":
+        assert left == ["ck.pt"]
+        return
+    assert len(left) == 2 and left[0].startswith(".ck.pt.sonar-tmp-"), left
+    save_checkpoint(path, {"v": 3})  # the next save removes the dead process's temporary
+    assert sorted(os.listdir(tmp_path)) == ["ck.pt"]
+    assert load_checkpoint(path) == {"v": 3}

@@ -23,8 +23,8 @@ def test_version_flag(sonard_binary: str) -> None:
 
 
 def test_bad_flag_exits_2(sonard_binary: str) -> None:
-    assert subprocess.run([sonard_binary, "--no-such-flag"], capture_output=True).returncode == 2
-    assert subprocess.run([sonard_binary, "--log-format", "xml"], capture_output=True).returncode == 2
+    assert subprocess.run([sonard_binary, "--no-such-flag"], capture_output=True).returncode == 64
+    assert subprocess.run([sonard_binary, "--log-format", "xml"], capture_output=True).returncode == 64
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

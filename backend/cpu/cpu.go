@@ -63,13 +63,15 @@ func (b *Backend) Open(c backend.Client) (backend.Session, error) {
 
 type segment struct {
 	m    ipcbridge.Mapping
-	base uint64
+	addr uintptr // where it is mapped in this process (to name a fault's segment)
 }
 
-func (s *segment) Name() string { return s.m.Name() }
-func (s *segment) Size() int64  { return s.m.Size() }
-func (s *segment) Base() uint64 { return s.base }
-func (s *segment) Close() error { return s.m.Close() }
+func (s *segment) Name() string  { return s.m.Name() }
+func (s *segment) Size() int64   { return s.m.Size() }
+func (s *segment) Object() any   { return s.m.Object() }
+func (s *segment) Base() uint64  { return 0 } // a segment maps its file from offset 0
+func (s *segment) Verify() error { return s.m.Verify() }
+func (s *segment) Close() error  { return s.m.Close() }
 
 func (s *segment) Check(off, n, align int64) error {
 	_, err := s.m.Bytes(off, n, align)
@@ -90,11 +92,32 @@ type tensor struct{ *optimizer.Tensor }
 func (t tensor) Step() int64       { return t.Tensor.Step }
 func (t tensor) Pending() int      { return t.Tensor.Pending() }
 func (t tensor) StateBytes() int64 { return int64(t.Tensor.StateBytes()) }
+func (t tensor) Damage() error     { return t.Tensor.Damage() }
 
 type session struct {
 	b        *Backend
 	engine   *optimizer.Engine
 	segments []*segment
+	tensors  []*optimizer.Tensor
+}
+
+// explain adds to a memory fault which segment the address lies in.
+func (s *session) explain(err error) error {
+	var fe *optimizer.FaultError
+	if !errors.As(err, &fe) {
+		return err
+	}
+	for _, seg := range s.segments {
+		if seg.m == nil || fe.Fault.Addr < seg.addr || fe.Fault.Addr-seg.addr >= uintptr(seg.Size()) {
+			continue
+		}
+		why := "its file is intact now"
+		if verr := seg.m.Verify(); verr != nil {
+			why = verr.Error()
+		}
+		return fmt.Errorf("%w (the address is byte %d of shared-memory segment %s: %s)", err, fe.Fault.Addr-seg.addr, seg.Name(), why)
+	}
+	return err
 }
 
 func (s *session) Attach(handle []byte, size int64) (backend.Segment, error) {
@@ -107,7 +130,7 @@ func (s *session) Attach(handle []byte, size int64) (backend.Segment, error) {
 		_ = m.Close()
 		return nil, err
 	}
-	seg := &segment{m: m, base: uint64(uintptr(unsafe.Pointer(&b[0])))}
+	seg := &segment{m: m, addr: uintptr(unsafe.Pointer(&b[0]))}
 	s.segments = append(s.segments, seg)
 	return seg, nil
 }
@@ -125,9 +148,15 @@ func (s *session) Create(specs []backend.Spec) ([]backend.Tensor, error) {
 		}
 		t, err := optimizer.NewTensor(sp.Name, sp.DType, int(sp.Numel), sp.Hyper, mem)
 		if err != nil {
+			for _, made := range out { // all or none
+				made.(tensor).Free()
+			}
 			return nil, err
 		}
 		out = append(out, tensor{t})
+	}
+	for _, t := range out {
+		s.tensors = append(s.tensors, t.(tensor).Tensor)
 	}
 	return out, nil
 }
@@ -163,15 +192,18 @@ func (s *session) Step(items []backend.Item, waitEvent bool) error {
 		}
 		ws = append(ws, work{t, grad, it})
 	}
-	for _, w := range ws {
+	for i, w := range ws {
 		var err error
 		if w.it.Apply {
 			err = s.engine.Apply(w.t, w.grad, w.it.Scalars)
 		} else {
 			err = s.engine.Accumulate(w.t, w.grad)
 		}
-		if err != nil { // the server validated every item: only an engine bug gets here
-			return fmt.Errorf("tensor %s: %w", w.t.Name, err)
+		if err != nil {
+			// The server validated every item: a memory fault (the client
+			// shrank a segment during the request) or allocation failure.
+			return fmt.Errorf("item %d of %d: %w; items before it were done, items after it were not started",
+				i, len(ws), s.explain(err))
 		}
 	}
 	return nil
@@ -205,12 +237,7 @@ func (s *session) Export(bt backend.Tensor, dst []backend.Ref) error {
 	if err != nil {
 		return err
 	}
-	copy(mem[0], t.ExpAvg)
-	copy(mem[1], t.ExpAvgSq)
-	if t.Hyper.Amsgrad {
-		copy(mem[2], t.MaxExpAvgSq)
-	}
-	return nil
+	return s.explain(t.ExportState(mem[0], mem[1], mem[2]))
 }
 
 func (s *session) Import(bt backend.Tensor, step int64, src []backend.Ref) error {
@@ -222,10 +249,14 @@ func (s *session) Import(bt backend.Tensor, step int64, src []backend.Ref) error
 	if err != nil {
 		return err
 	}
-	return t.ImportState(step, mem[0], mem[1], mem[2])
+	return s.explain(t.ImportState(step, mem[0], mem[1], mem[2]))
 }
 
 func (s *session) Close() error {
+	for _, t := range s.tensors {
+		t.Free()
+	}
+	s.tensors = nil
 	var errs []error
 	for _, seg := range s.segments {
 		errs = append(errs, seg.Close())

@@ -95,7 +95,15 @@ type segment struct {
 func (s *segment) Name() string { return s.m.Name() }
 func (s *segment) Size() int64  { return s.m.Size() }
 func (s *segment) Base() uint64 { return uint64(s.base) }
-func (s *segment) Close() error { return s.m.Close() }
+
+// Object implements backend.Segment: device addresses are one space (an
+// allocation opened twice is cached and maps to one address).
+func (s *segment) Object() any { return nil }
+
+// Verify implements backend.Segment (a client cannot shrink a CUDA allocation
+// the server holds open).
+func (s *segment) Verify() error { return nil }
+func (s *segment) Close() error  { return s.m.Close() }
 
 func (s *segment) Check(off, n, align int64) error {
 	_, err := s.m.Ptr(off, n, align)
@@ -115,6 +123,7 @@ type tensor struct{ *device.Tensor }
 func (t tensor) Step() int64       { return t.Tensor.Step }
 func (t tensor) Pending() int      { return t.Tensor.Pending() }
 func (t tensor) StateBytes() int64 { return t.Tensor.StateBytes() }
+func (t tensor) Damage() error     { return nil }
 
 func own(t backend.Tensor) (*device.Tensor, error) {
 	gt, ok := t.(tensor)

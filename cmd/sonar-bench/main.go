@@ -4,7 +4,7 @@
 // next to the machine's copy bandwidth measured in the same run. It prints
 // one JSON document; bench/run.py turns it into docs/benchmarks.md.
 //
-//	sonar-bench -sizes 1M,16M,64M -dtypes float32,bfloat16 -reps 7 -torch-lib .../libtorch_cpu.so
+//	sonar-bench -sizes 1M,16M,64M -dtypes float32,bfloat16 -reps 7 -fused -torch-lib .../libtorch_cpu.so
 //
 // Timings are reported, never asserted: medians over -reps repeats after
 // one untimed warm-up (which faults the pages in and fills the state).
@@ -31,9 +31,11 @@ import (
 
 // Result is one kernel measurement.
 type Result struct {
+	Impl       string    `json:"impl"` // "single" (torch's single-tensor arithmetic) or "fused"
 	DType      string    `json:"dtype"`
 	Numel      int       `json:"numel"`
-	Sqrt       string    `json:"sqrt"` // "ieee" or "mkl"
+	Sqrt       string    `json:"sqrt"`            // "ieee" or "mkl"
+	Lanes      int       `json:"lanes,omitempty"` // fused: the vector width whose tail the kernel reproduces
 	Workers    int       `json:"workers"`
 	BytesPerEl int       `json:"bytes_per_element"`
 	MedianS    float64   `json:"median_s"`
@@ -60,6 +62,7 @@ type Report struct {
 	Reps       int      `json:"reps"`
 	TorchLib   string   `json:"torch_lib,omitempty"`
 	Copy       []Copy   `json:"copy"`
+	Stream     []Stream `json:"stream,omitempty"`
 	Kernels    []Result `json:"kernels"`
 }
 
@@ -69,7 +72,9 @@ func main() {
 	reps := flag.Int("reps", 7, "timed repeats per case (median reported)")
 	workers := flag.Int("workers", runtime.NumCPU(), "engine workers (goroutines per tensor)")
 	copyMB := flag.Int("copy-mb", 256, "size of the copy-bandwidth buffer in MiB (0: no copy measurement)")
+	streamM := flag.Int("stream-m", 0, "also measure AdamW's streaming pattern over four arrays of this many Mi float32 elements (0: not)")
 	torchLib := flag.String("torch-lib", "", "libtorch_cpu.so whose MKL vmsSqrt to measure as well (float32)")
+	fused := flag.Bool("fused", false, "also measure the fused arithmetic (torch.optim.AdamW(fused=True))")
 	flag.Parse()
 
 	ns, err := parseSizes(*sizes)
@@ -89,6 +94,9 @@ func main() {
 	if *copyMB > 0 {
 		rep.Copy = append(rep.Copy, copyBandwidth(*copyMB<<20, *workers, *reps))
 	}
+	if *streamM > 0 {
+		rep.Stream = append(rep.Stream, streamBandwidth(*streamM<<20, *workers, *reps))
+	}
 	for _, ds := range strings.Split(*dtypes, ",") {
 		if len(ns) == 0 {
 			break
@@ -99,9 +107,12 @@ func main() {
 			os.Exit(2)
 		}
 		for _, n := range ns {
-			rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *reps, nil))
+			rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *reps, nil, false))
 			if d == optimizer.Float32 && sq != nil {
-				rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *reps, sq))
+				rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *reps, sq, false))
+			}
+			if *fused {
+				rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *reps, nil, true))
 			}
 			runtime.GC()
 			debug.FreeOSMemory()
@@ -110,6 +121,9 @@ func main() {
 	// The copy again at the end: the machine's load may drift during the run.
 	if *copyMB > 0 && len(ns) > 0 {
 		rep.Copy = append(rep.Copy, copyBandwidth(*copyMB<<20, *workers, *reps))
+	}
+	if *streamM > 0 && len(ns) > 0 {
+		rep.Stream = append(rep.Stream, streamBandwidth(*streamM<<20, *workers, *reps))
 	}
 	enc := json.NewEncoder(os.Stdout)
 	enc.SetIndent("", "  ")
@@ -197,7 +211,17 @@ func copyBandwidth(nb, workers, reps int) Copy {
 	return c
 }
 
-func kernel(d optimizer.DType, n, workers, reps int, sq *vml.Sqrt) Result {
+// fusedLanes is the vector width of torch's fused CPU kernel on AVX2 and
+// AVX-512 builds (see the client's fused_lanes): only the tensor's last
+// numel % lanes elements take the scalar tail.
+func fusedLanes(d optimizer.DType) int {
+	if d == optimizer.BFloat16 {
+		return 16
+	}
+	return 8
+}
+
+func kernel(d optimizer.DType, n, workers, reps int, sq *vml.Sqrt, fused bool) Result {
 	r := rand.New(rand.NewPCG(1, uint64(n)))
 	sz := d.Size()
 	param := staggered(n*sz, 0)
@@ -231,6 +255,9 @@ func kernel(d optimizer.DType, n, workers, reps int, sq *vml.Sqrt) Result {
 	}
 	step := func() float64 {
 		s := optimizer.ScalarsFor(h, t.Step+1)
+		if fused {
+			s.Fused, s.Lanes = true, fusedLanes(d)
+		}
 		start := time.Now()
 		if err := eng.Apply(t, grad, s); err != nil {
 			panic(err)
@@ -238,7 +265,10 @@ func kernel(d optimizer.DType, n, workers, reps int, sq *vml.Sqrt) Result {
 		return time.Since(start).Seconds()
 	}
 	step() // warm-up: faults the state in, step 1
-	res := Result{DType: d.String(), Numel: n, Sqrt: name, Workers: workers, BytesPerEl: 7 * sz}
+	res := Result{Impl: "single", DType: d.String(), Numel: n, Sqrt: name, Workers: workers, BytesPerEl: 7 * sz}
+	if fused {
+		res.Impl, res.Lanes = "fused", fusedLanes(d)
+	}
 	for range reps {
 		res.TimesS = append(res.TimesS, step())
 	}

@@ -27,7 +27,7 @@ import (
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: sonar-kernelcheck info | files DIR | bench [-dtype D -numel N -iters K]")
+		fmt.Fprintln(os.Stderr, "usage: sonar-kernelcheck info | files DIR | bench [-dtype D -numel N -iters K -fused]")
 		os.Exit(2)
 	}
 	var err error
@@ -139,19 +139,64 @@ type ScalarsJSON struct {
 	Eps         float64 `json:"eps"`
 	Amsgrad     bool    `json:"amsgrad"`
 	Maximize    bool    `json:"maximize"`
+	// Fused runs torch's fused CUDA arithmetic (the sonar_fused_adamw
+	// kernels) from LR, Beta1, WeightDecay, Beta2, Eps and Step (the step
+	// count after the update; 0: the step's index + 1). BC1 and BC2, when
+	// not 0, are the bias corrections 1 - powf(beta, step) as torch's CUDA
+	// powf computes them, for the Go reference (which otherwise uses a
+	// correctly rounded powf); the kernel computes its own.
+	Fused       bool    `json:"fused,omitempty"`
+	LR          float64 `json:"lr,omitempty"`
+	Beta1       float64 `json:"beta1,omitempty"`
+	WeightDecay float64 `json:"weight_decay,omitempty"`
+	Step        int64   `json:"step,omitempty"`
+	BC1         float64 `json:"bc1,omitempty"`
+	BC2         float64 `json:"bc2,omitempty"`
+	// FusedDouble (with Fused): torch 2.8-2.10's fused arithmetic (the
+	// sonar_fused64 kernels); BC1 and BC2 are then the double bias
+	// corrections.
+	FusedDouble bool `json:"fused_double,omitempty"`
 }
 
 func (s ScalarsJSON) scalars() optimizer.Scalars {
 	return optimizer.Scalars{Decay: s.Decay, ApplyDecay: s.ApplyDecay, Beta1W: s.Beta1W, Beta2: s.Beta2,
 		OneMinusB2: s.OneMinusB2, NegStepSize: s.NegStepSize, BC2Sqrt: s.BC2Sqrt, Eps: s.Eps,
-		Amsgrad: s.Amsgrad, Maximize: s.Maximize}
+		Amsgrad: s.Amsgrad, Maximize: s.Maximize, Fused: s.Fused, LR: s.LR, Beta1: s.Beta1, WeightDecay: s.WeightDecay,
+		FusedDouble: s.FusedDouble}
+}
+
+// reference applies the Go reference of the arithmetic sc selects to host buffers.
+func (s ScalarsJSON) reference(dt optimizer.DType, step int64, p, g, m, v, vmax []byte) error {
+	sc := s.scalars()
+	if !s.Fused {
+		return optimizer.ForeachStep(dt, p, g, m, v, vmax, sc)
+	}
+	if s.FusedDouble {
+		k := optimizer.FusedCUDA64Of(sc, step)
+		if s.BC1 != 0 {
+			k.BC1 = s.BC1
+		}
+		if s.BC2 != 0 {
+			k.BC2 = s.BC2
+		}
+		return optimizer.FusedCUDA64Step(dt, p, g, m, v, vmax, k)
+	}
+	k := optimizer.FusedCUDAOf(sc, step)
+	if s.BC1 != 0 {
+		k.BC1 = float32(s.BC1)
+	}
+	if s.BC2 != 0 {
+		k.BC2 = float32(s.BC2)
+	}
+	return optimizer.FusedCUDAStep(dt, p, g, m, v, vmax, k)
 }
 
 // Spec is DIR/spec.json for "files": Steps steps of AdamW on the tensors;
 // Scalars[s][i] are step s's scalars of tensor i. Inputs are DIR/t<i>_p.bin,
 // _m.bin, _v.bin, _vmax.bin (amsgrad) and _g<s>.bin (raw little-endian
 // values of the dtype); outputs DIR/t<i>_<p|m|v|vmax>.gpu.bin (kernel) and
-// .ref.bin (optimizer.ForeachStep).
+// .ref.bin (optimizer.ForeachStep, or optimizer.FusedCUDAStep for fused
+// scalars).
 type Spec struct {
 	DType   string          `json:"dtype"`
 	Steps   int             `json:"steps"`
@@ -285,14 +330,39 @@ func files(dir string) error {
 			if err := g.dev.CopyHtoD(t.grad, gb); err != nil {
 				return err
 			}
-			sc := sp.Scalars[step][i].scalars()
+			sj := sp.Scalars[step][i]
+			count := sj.Step
+			if count == 0 {
+				count = int64(step + 1)
+			}
 			items[i] = device.Launch{Param: t.dev["p"], Grad: t.grad, ExpAvg: t.dev["m"], ExpAvgSq: t.dev["v"],
-				MaxExpAvgSq: t.dev["vmax"], Numel: sp.Tensors[i].Numel, Scalars: sc}
-			if err := optimizer.ForeachStep(dt, t.host["p"], gb, t.host["m"], t.host["v"], t.host["vmax"], sc); err != nil {
+				MaxExpAvgSq: t.dev["vmax"], Numel: sp.Tensors[i].Numel, Scalars: sj.scalars(), Step: count}
+			if err := sj.reference(dt, count, t.host["p"], gb, t.host["m"], t.host["v"], t.host["vmax"]); err != nil {
 				return err
 			}
 		}
-		ms, err := g.timed(start, end, 1, func() error { return g.eng.Kernels.AdamW(s, dt, items) })
+		// One launch list per arithmetic (foreach, fused, fused double).
+		var lists [3][]device.Launch
+		for _, it := range items {
+			k := 0
+			switch {
+			case it.Scalars.Fused && it.Scalars.FusedDouble:
+				k = 2
+			case it.Scalars.Fused:
+				k = 1
+			}
+			lists[k] = append(lists[k], it)
+		}
+		ms, err := g.timed(start, end, 1, func() error {
+			for _, l := range lists {
+				if len(l) > 0 {
+					if err := g.eng.Kernels.AdamW(s, dt, l); err != nil {
+						return err
+					}
+				}
+			}
+			return nil
+		})
 		if err != nil {
 			return err
 		}
@@ -321,6 +391,8 @@ func files(dir string) error {
 func bench(args []string) error {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	dtName := fs.String("dtype", "bfloat16", "float32 or bfloat16")
+	fused := fs.Bool("fused", false, "time the fused kernel (AdamW(fused=True)) instead of the foreach one")
+	fusedDouble := fs.Bool("fused-double", false, "with -fused: torch 2.8-2.10's fused kernel")
 	numel := fs.Int64("numel", 1<<28, "elements in all")
 	tensors := fs.Int("tensors", 2, "tensors the elements are split into")
 	iters := fs.Int("iters", 20, "timed launches")
@@ -339,7 +411,11 @@ func bench(args []string) error {
 	s := g.eng.Stream
 	per := *numel / int64(*tensors)
 	nb := per * int64(dt.Size())
-	sc := optimizer.ScalarsFor(optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}, 1)
+	h := optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}
+	sc := optimizer.ScalarsFor(h, 1)
+	if *fused {
+		sc.Fused, sc.LR, sc.Beta1, sc.WeightDecay, sc.FusedDouble = true, h.LR, h.Beta1, h.WeightDecay, *fusedDouble
+	}
 	var items []device.Launch
 	var bufs []cuda.DevicePtr
 	defer func() {
@@ -358,7 +434,7 @@ func bench(args []string) error {
 				return err
 			}
 		}
-		items = append(items, device.Launch{Param: p[0], Grad: p[1], ExpAvg: p[2], ExpAvgSq: p[3], Numel: per, Scalars: sc})
+		items = append(items, device.Launch{Param: p[0], Grad: p[1], ExpAvg: p[2], ExpAvgSq: p[3], Numel: per, Scalars: sc, Step: 1})
 	}
 	start, _ := g.dev.NewEvent(cuda.EventTiming)
 	end, _ := g.dev.NewEvent(cuda.EventTiming)
@@ -372,6 +448,6 @@ func bench(args []string) error {
 	}
 	perLaunch := float64(ms) / float64(*iters)
 	moved := float64(per*int64(*tensors)) * float64(7*dt.Size()) // read p g m v, write p m v
-	return printJSON(map[string]any{"dtype": dt.String(), "numel": per * int64(*tensors), "tensors": *tensors,
+	return printJSON(map[string]any{"dtype": dt.String(), "fused": *fused, "numel": per * int64(*tensors), "tensors": *tensors,
 		"ms_per_step": perLaunch, "gbytes_per_s": moved / perLaunch / 1e6, "host_ms": time.Since(t0).Seconds() * 1e3 / float64(*iters)})
 }

@@ -1,14 +1,18 @@
 package main
 
 import (
+	"bytes"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/sonar-moe/sonar/cuda"
+	"github.com/sonar-moe/sonar/optimizer"
 )
 
 func writeSpec(t *testing.T, sp any) string {
@@ -92,5 +96,62 @@ func TestWithoutGPU(t *testing.T) {
 		if err := run(); !errors.Is(err, cuda.ErrNoDriver) {
 			t.Errorf("%s: err = %v, want ErrNoDriver", name, err)
 		}
+	}
+}
+
+// TestReferenceFollowsFused checks that fused scalars select the fused CUDA
+// reference (with the given bias corrections) and others the foreach one.
+func TestReferenceFollowsFused(t *testing.T) {
+	const n = 64
+	mk := func() (p, g, m, v []byte) {
+		p, g, m, v = make([]byte, 4*n), make([]byte, 4*n), make([]byte, 4*n), make([]byte, 4*n)
+		for i := 0; i < n; i++ {
+			binary.LittleEndian.PutUint32(p[4*i:], math.Float32bits(float32(i)*0.01-0.3))
+			binary.LittleEndian.PutUint32(g[4*i:], math.Float32bits(float32(i%7)*1e-3-2e-3))
+		}
+		return
+	}
+	h := optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}
+	sc := optimizer.ScalarsFor(h, 2)
+	sj := ScalarsJSON{Decay: sc.Decay, ApplyDecay: true, Beta1W: sc.Beta1W, Beta2: sc.Beta2, OneMinusB2: sc.OneMinusB2,
+		NegStepSize: sc.NegStepSize, BC2Sqrt: sc.BC2Sqrt, Eps: sc.Eps}
+	p1, g, m1, v1 := mk()
+	if err := sj.reference(optimizer.Float32, 2, p1, g, m1, v1, nil); err != nil {
+		t.Fatal(err)
+	}
+	p2, _, m2, v2 := mk()
+	if err := optimizer.ForeachStep(optimizer.Float32, p2, g, m2, v2, nil, sc); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(p1, p2) || !bytes.Equal(m1, m2) || !bytes.Equal(v1, v2) {
+		t.Error("foreach scalars: reference is not optimizer.ForeachStep")
+	}
+	sj.Fused, sj.LR, sj.Beta1, sj.WeightDecay, sj.BC1, sj.BC2 = true, h.LR, h.Beta1, h.WeightDecay, 0.19, 0.002
+	p1, g, m1, v1 = mk()
+	if err := sj.reference(optimizer.Float32, 2, p1, g, m1, v1, nil); err != nil {
+		t.Fatal(err)
+	}
+	k := optimizer.FusedCUDAOf(sj.scalars(), 2)
+	k.BC1, k.BC2 = 0.19, 0.002
+	p2, _, m2, v2 = mk()
+	if err := optimizer.FusedCUDAStep(optimizer.Float32, p2, g, m2, v2, nil, k); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(p1, p2) || !bytes.Equal(m1, m2) || !bytes.Equal(v1, v2) {
+		t.Error("fused scalars: reference is not optimizer.FusedCUDAStep with the given bias corrections")
+	}
+	sj.FusedDouble = true
+	p1, g, m1, v1 = mk()
+	if err := sj.reference(optimizer.Float32, 2, p1, g, m1, v1, nil); err != nil {
+		t.Fatal(err)
+	}
+	k64 := optimizer.FusedCUDA64Of(sj.scalars(), 2)
+	k64.BC1, k64.BC2 = 0.19, 0.002
+	p2, _, m2, v2 = mk()
+	if err := optimizer.FusedCUDA64Step(optimizer.Float32, p2, g, m2, v2, nil, k64); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(p1, p2) || !bytes.Equal(m1, m2) || !bytes.Equal(v1, v2) {
+		t.Error("fused double scalars: reference is not optimizer.FusedCUDA64Step with the given bias corrections")
 	}
 }

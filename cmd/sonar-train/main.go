@@ -13,6 +13,14 @@
 //	sonar-train --compare=false       # per-layer updates only
 //	sonar-train --keep-all-grads      # the baseline only
 //	sonar-train --data notes.txt --steps 500 --layers 6 --experts 16
+//
+// With --hf it fine-tunes a Hugging Face OLMoE or GraniteMoe checkpoint instead (package
+// train/hfmoe) on token ids, and --out saves the result as a directory that
+// transformers' from_pretrained loads:
+//
+//	sonar-train --hf ./olmoe-tiny --tokens ids.safetensors --out ./olmoe-tuned --steps 100
+//
+// (With --hf, --compare is off and --lr is 1e-4 unless given.)
 package main
 
 import (
@@ -30,6 +38,11 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
+
+// hfDefaultLR is the peak learning rate of --hf fine-tuning when --lr is
+// not given: pretrained weights want a much smaller step than the byte
+// model trained from scratch.
+const hfDefaultLR = 1e-4
 
 // Exit codes.
 const (
@@ -68,6 +81,10 @@ type config struct {
 	logLevel     string
 	maxProcs     int
 	heldFraction float64
+	hf           string // fine-tune this Hugging Face OLMoE or GraniteMoe checkpoint instead
+	tokens       string // token ids to fine-tune it on
+	out          string // where to save the fine-tuned checkpoint
+	outBF16      bool
 }
 
 func parseFlags(args []string, stderr io.Writer) (*config, error) {
@@ -87,20 +104,24 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.IntVar(&c.seq, "seq-len", 64, "bytes per sequence")
 	fs.IntVar(&c.batch, "batch", 16, "sequences per step")
 	fs.IntVar(&c.steps, "steps", 200, "training steps (per run)")
-	fs.Float64Var(&c.lr, "lr", 3e-3, "peak learning rate (linear warmup, cosine decay)")
+	fs.Float64Var(&c.lr, "lr", 3e-3, "peak learning rate (linear warmup, cosine decay); with --hf the default is 1e-4")
 	fs.IntVar(&c.warmup, "warmup", 20, "warmup steps")
 	fs.Float64Var(&c.minLRFrac, "min-lr-frac", 0.1, "final learning rate as a fraction of --lr")
 	fs.Float64Var(&c.weightDecay, "weight-decay", 1e-2, "AdamW weight decay")
 	fs.Float64Var(&c.maxGradNorm, "max-grad-norm", 1.0, "clip the dense gradients to this global norm (0: off); experts are not clipped")
 	fs.Uint64Var(&c.seed, "seed", 1, "seed of the weights, the file order and the batches")
 	fs.BoolVar(&c.keepAll, "keep-all-grads", false, "run only standard training: every expert gradient kept until backward ends (the baseline)")
-	fs.BoolVar(&c.compare, "compare", true, "run per-layer updates, then standard training with the same seed, and print both (false: per-layer updates only)")
+	fs.BoolVar(&c.compare, "compare", true, "run per-layer updates, then standard training with the same seed, and print both (false: per-layer updates only); with --hf the default is false")
 	fs.IntVar(&c.evalBatches, "eval-batches", 8, "held-out batches for the final held-out loss")
 	fs.IntVar(&c.logEvery, "log-every", 0, "print the loss every this many steps (0: 10 lines per run)")
 	fs.StringVar(&c.progress, "progress", "auto", "progress line on stderr: auto (when a terminal), on, off")
 	fs.StringVar(&c.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.IntVar(&c.maxProcs, "procs", 0, "GOMAXPROCS (0: all cores)")
 	fs.Float64Var(&c.heldFraction, "held-out", 0.05, "fraction of the text held out for evaluation")
+	fs.StringVar(&c.hf, "hf", "", "fine-tune this Hugging Face OLMoE or GraniteMoe checkpoint (a save_pretrained directory) instead of the byte-level model; needs --tokens")
+	fs.StringVar(&c.tokens, "tokens", "", "with --hf: token ids to train on (.safetensors with input_ids, or a text file of ids; see scripts/tokenize_hf.py)")
+	fs.StringVar(&c.out, "out", "", "with --hf: save the fine-tuned checkpoint (of the per-layer run) to this directory")
+	fs.BoolVar(&c.outBF16, "out-bf16", false, "with --out: store the weights as bfloat16 (default float32)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -108,10 +129,20 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		return nil, fmt.Errorf("unexpected arguments: %v", fs.Args())
 	}
 	c.data = data
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if c.hf != "" {
+		// Fine-tuning: one run unless --compare asks for the baseline too,
+		// and a fine-tuning learning rate unless --lr says otherwise.
+		if !set["compare"] {
+			c.compare = false
+		}
+		if !set["lr"] {
+			c.lr = hfDefaultLR
+		}
+	}
 	if c.keepAll {
-		explicit := false
-		fs.Visit(func(f *flag.Flag) { explicit = explicit || f.Name == "compare" })
-		if explicit && c.compare {
+		if set["compare"] && c.compare {
 			return nil, errors.New("--keep-all-grads runs only the baseline; --compare runs both: choose one")
 		}
 		c.compare = false
@@ -128,6 +159,14 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	}
 	if err := c.model.Validate(); err != nil {
 		return nil, err
+	}
+	switch {
+	case c.hf != "" && c.tokens == "":
+		return nil, errors.New("--hf needs --tokens (token ids of the checkpoint's tokenizer)")
+	case c.hf == "" && (c.tokens != "" || c.out != "" || c.outBF16):
+		return nil, errors.New("--tokens, --out and --out-bf16 go with --hf")
+	case c.hf != "" && len(c.data) > 0:
+		return nil, errors.New("--hf trains on --tokens, not --data")
 	}
 	return c, nil
 }
@@ -150,7 +189,11 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if c.maxProcs > 0 {
 		runtime.GOMAXPROCS(c.maxProcs)
 	}
-	if err := train1(c, log, stdout, stderr); err != nil {
+	train := train1
+	if c.hf != "" {
+		train = trainHF
+	}
+	if err := train(c, log, stdout, stderr); err != nil {
 		log.Error("training failed", zap.Error(err))
 		return exitError
 	}

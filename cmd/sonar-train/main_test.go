@@ -23,6 +23,9 @@ func TestFlagErrors(t *testing.T) {
 		{"stray argument", []string{"extra"}, "unexpected"},
 		{"unknown flag", []string{"--nope"}, "nope"},
 		{"bad log level", []string{"--log-level", "loud"}, "--log-level"},
+		{"hf without tokens", []string{"--hf", "x"}, "--tokens"},
+		{"tokens without hf", []string{"--tokens", "x"}, "go with --hf"},
+		{"hf with data", []string{"--hf", "x", "--tokens", "y", "--data", "z"}, "not --data"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -162,6 +162,12 @@ func report(out io.Writer, c *config, corp *corpus.Corpus, rs []*result) {
 	fmt.Fprintf(out, "data: %s, %d files, %s train / %s held out; %d steps of %d x %d bytes\n",
 		corp.Source, corp.Files, size(int64(len(corp.Train))), size(int64(len(corp.Held))), c.steps, c.batch, c.seq)
 	fmt.Fprintln(out)
+	printTable(out, rs)
+}
+
+// printTable prints the runs' figures as a table and, for two runs, whether
+// they ended with the same parameter bits.
+func printTable(out io.Writer, rs []*result) {
 	fmt.Fprintln(out, "| mode | loss first -> last | held-out loss | tokens/s | median step ms | CPU s | peak expert-grad bytes |")
 	fmt.Fprintln(out, "|---|---|---|---|---|---|---|")
 	for _, r := range rs {

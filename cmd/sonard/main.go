@@ -34,11 +34,13 @@ import (
 	"go.uber.org/zap/zapcore"
 )
 
-// Exit codes.
+// Exit codes. 2 is the Go runtime's own status for a crash (a fatal error
+// or an unrecovered panic), so bad flags take sysexits' EX_USAGE.
 const (
 	exitOK    = 0
 	exitError = 1
-	exitUsage = 2
+	exitCrash = 2 // set by the Go runtime, never returned here
+	exitUsage = 64
 )
 
 const usageHeader = `sonard: the Sonar-MoE server. It owns the AdamW state of Mixture-of-Experts expert tensors
@@ -52,8 +54,20 @@ Flags (each also settable by the environment variable named in its help):
 `
 
 const usageFooter = `
-Exit codes: 0 clean shutdown (SIGINT, SIGTERM or a client's shutdown message) or --help/--version;
-1 runtime failure (cannot bind, CUDA asked for and not usable, serve error); 2 bad flags or arguments.
+Memory budget: --max-state-bytes bounds the optimizer state (exp_avg, exp_avg_sq, max_exp_avg_sq
+and gradient-accumulation buffers) sonard holds in host memory for all clients together,
+--max-session-state-bytes for one client. A register (or a step that starts accumulating) that
+would pass either is refused with an error and changes nothing. The default of --max-state-bytes
+is 75% of the memory available when sonard starts: the smaller of MemAvailable (/proc/meminfo) and
+the room under its cgroup's memory.max. CUDA tensors' state is in device memory and not counted.
+
+Exit codes:
+  0   clean shutdown (SIGINT, SIGTERM or a client's shutdown message), --help, --version
+  1   runtime failure (cannot bind, CUDA asked for and not usable, serve error)
+  2   crash: a Go runtime fatal error or unrecovered panic (a bug of sonard; the log ends with
+      the Go trace). A client's memory faults are errors of its request, never a crash.
+  64  bad flags or arguments (sysexits EX_USAGE)
+  killed by a signal (a shell shows 128+N; SIGKILL is often the kernel's OOM killer)
 `
 
 func main() { os.Exit(run()) }
@@ -73,6 +87,8 @@ func run() int {
 	cudaDevice := fs.Int("cuda-device", envInt("SONAR_CUDA_DEVICE", 0), "CUDA device for clients' GPU expert tensors, used when a CUDA driver and device exist (without one sonard logs \"CUDA off\" and serves CPU tensors); -1: off (env SONAR_CUDA_DEVICE)")
 	cudaMaxIdle := fs.Int("cuda-max-idle", envInt("SONAR_CUDA_MAX_IDLE", 8), "client CUDA allocations kept open while unused, for reuse (env SONAR_CUDA_MAX_IDLE)")
 	trustedLibs := fs.String("trusted-sqrt-lib", os.Getenv("SONAR_TRUSTED_SQRT_LIBS"), "comma-separated libraries (absolute paths, e.g. a torch's libtorch_cpu.so) whose float32 sqrt any client may ask for, also over tcp://; clients of an ipc:// sonard may name any (env SONAR_TRUSTED_SQRT_LIBS)")
+	maxState := fs.String("max-state-bytes", envOr("SONAR_MAX_STATE_BYTES", ""), "host memory for optimizer state of all clients together, e.g. 64GiB; 0: no bound (default: 75% of the memory available at start, see below) (env SONAR_MAX_STATE_BYTES)")
+	maxSession := fs.String("max-session-state-bytes", envOr("SONAR_MAX_SESSION_STATE_BYTES", ""), "host memory for optimizer state of one client; 0: no bound (default: --max-state-bytes) (env SONAR_MAX_SESSION_STATE_BYTES)")
 	version := fs.Bool("version", false, "print the version and exit")
 	fs.SetOutput(os.Stdout)
 	fs.Usage = func() {
@@ -110,6 +126,11 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "sonard: --listen tcp:// needs --curve-secret-file and --curve-clients-file (see --gen-curve-keys)")
 		return exitUsage
 	}
+	budget, sessionBudget, err := stateBudgets(*maxState, *maxSession)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "sonard:", err)
+		return exitUsage
+	}
 	log, err := newLogger(*logLevel, *logFormat)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "sonard:", err)
@@ -137,6 +158,7 @@ func run() int {
 	srv.Unavailable("cuda", "no CUDA driver or device, or started with --cuda-device -1: use CPU expert tensors")
 	srv.Workers = *workers
 	srv.IdleTimeout = *idle
+	srv.MaxStateBytes, srv.MaxSessionStateBytes = budget, sessionBudget
 	srv.LoadSqrt = loadSqrt
 	srv.LocalClients = strings.HasPrefix(*listen, "ipc://")
 	srv.TrustedSqrtLibs = map[string]bool{}
@@ -178,7 +200,8 @@ func run() int {
 		log.Info("metrics", zap.String("url", "http://"+ln.Addr().String()+"/metrics"))
 	}
 	log.Info("sonard listening", zap.String("addr", *listen), zap.String("version", sonar.Version),
-		zap.Int("protocol", ipc.Version), zap.Int("workers", *workers), zap.Int("pid", os.Getpid()))
+		zap.Int("protocol", ipc.Version), zap.Int("workers", *workers), zap.Int("pid", os.Getpid()),
+		zap.String("max_state_bytes", budgetString(budget)), zap.String("max_session_state_bytes", budgetString(sessionBudget)))
 	announceCUDA() // after "sonard listening", which stays the first line
 	serveErr := tr.Serve(ctx, srv)
 	if err := tr.Close(); err != nil {
@@ -190,6 +213,35 @@ func run() int {
 	}
 	log.Info("sonard stopped")
 	return exitOK
+}
+
+// stateBudgets reads --max-state-bytes and --max-session-state-bytes ("":
+// their defaults).
+func stateBudgets(total, session string) (int64, int64, error) {
+	t := defaultStateBudget()
+	if total != "" {
+		n, err := parseBytes(total)
+		if err != nil {
+			return 0, 0, fmt.Errorf("--max-state-bytes %w", err)
+		}
+		t = n
+	}
+	s := t
+	if session != "" {
+		n, err := parseBytes(session)
+		if err != nil {
+			return 0, 0, fmt.Errorf("--max-session-state-bytes %w", err)
+		}
+		s = n
+	}
+	return t, s, nil
+}
+
+func budgetString(n int64) string {
+	if n <= 0 {
+		return "no bound"
+	}
+	return server.FormatBytes(n)
 }
 
 // loadSqrt loads the float32 square root of a client's torch (package vml).

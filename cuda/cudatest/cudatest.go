@@ -49,7 +49,10 @@ void fake_launch(unsigned* dims, void** stream, unsigned char* param, int n) { m
 void fake_handles(H* mem, H* ev) { *mem = last_mem_handle; *ev = last_event_handle; }
 const char* fake_image(void) { return loaded_image; }
 const char* fake_log(void) { return oplog; }
-void fake_clear_log(void) { oplen = 0; oplog[0] = 0; }
+static char fnames[64][64]; static int nfn;
+static char klog[65536]; static int klen;
+const char* fake_kernels(void) { return klog; }
+void fake_clear_log(void) { oplen = 0; oplog[0] = 0; klen = 0; klog[0] = 0; }
 int cuGetErrorString(int c, const char** s) { if (c == 2) { *s = "out of memory"; return 0; } if (c == 999) { *s = "unknown error"; return 0; } return 1; }
 int cuGetErrorName(int c, const char** s) { *s = "X"; return 0; }
 int cuInit(unsigned f) { return chk("cuInit"); }
@@ -90,13 +93,19 @@ int cuIpcOpenMemHandle_v2(u64* p, H h, unsigned flags) {
 int cuIpcCloseMemHandle(u64 p) { ipc_closed++; return 0; }
 int cuModuleLoadData(void** m, const void* img) { strncpy(loaded_image, (const char*)img, 63); *m = (void*)0x30; return chk("cuModuleLoadData"); }
 int cuModuleUnload(void* m) { return 0; }
-int cuModuleGetFunction(void** f, void* m, const char* name) { if (strncmp(name, "sonar_", 6)) return 500; *f = (void*)(0xF000 + strlen(name)); return 0; }
+int cuModuleGetFunction(void** f, void* m, const char* name) {
+  if (strncmp(name, "sonar_", 6) || nfn == 64) return 500;
+  for (int i = 0; i < nfn; i++) if (!strcmp(fnames[i], name)) { *f = (void*)(0xF000UL + i); return 0; }
+  strncpy(fnames[nfn], name, 63); *f = (void*)(0xF000UL + nfn++); return 0; }
 int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shmem,
                    void* stream, void** params, void** extra) {
   unsigned d[7] = {gx, gy, gz, bx, by, bz, shmem}; memcpy(launch_dims, d, sizeof d); launch_stream = stream;
   if (extra) return 1;
   int e = chk("cuLaunchKernel"); if (e) return e;
-  logop("launch"); launches++; memcpy(launch_param, params[0], 3888); return 0;
+  logop("launch"); launches++; memcpy(launch_param, params[0], 3888);
+  unsigned long i = (unsigned long)f - 0xF000UL; const char* n = i < (unsigned long)nfn ? fnames[i] : "?"; int l = strlen(n);
+  if (klen + l + 1 < (int)sizeof klog) { memcpy(klog + klen, n, l); klen += l; klog[klen++] = ' '; klog[klen] = 0; }
+  return 0;
 }
 `
 
@@ -121,6 +130,9 @@ type Fake struct {
 	// "launch", "record", "sync"), space-separated; ClearLog empties it.
 	Log      func() string
 	ClearLog func()
+	// Kernels names the kernels launched since ClearLog, in order,
+	// space-separated.
+	Kernels func() string
 }
 
 // Counters of Fake.State.
@@ -181,6 +193,7 @@ func build() (*Fake, error) {
 	purego.RegisterLibFunc(&f.Image, h, "fake_image")
 	purego.RegisterLibFunc(&f.Log, h, "fake_log")
 	purego.RegisterLibFunc(&f.ClearLog, h, "fake_clear_log")
+	purego.RegisterLibFunc(&f.Kernels, h, "fake_kernels")
 	return f, nil
 }
 

@@ -26,10 +26,18 @@
 // p + m/d), the scalars are the Python floats rounded to float32, and R is
 // the identity for float32 and round-to-nearest-even to bfloat16. Every
 // operation is written with an explicit IEEE intrinsic (the _rn forms are
-// never contracted) and the module is compiled with --fmad=false, so what is
-// fused and what is rounded is exactly what this file says. docs/gpu.md
+// never contracted, whatever --fmad says), so what is fused and what is
+// rounded is exactly what this file says. The module is compiled with
+// nvcc's default --fmad=true, as torch is, for the one thing it changes:
+// libdevice's pow, which the fused kernels call. docs/gpu.md
 // lists which of these facts were read from torch's sources and which are
 // only confirmed by the GPU check.
+//
+// The sonar_fused_adamw_* kernels are torch.optim.AdamW(fused=True) on CUDA
+// instead (sonar_fused_element below): every quantity in float, one
+// rounding per stored value, the bias corrections computed on the device
+// with CUDA's powf as torch's kernel does (torch >= 2.11); sonar_fused64_*
+// are the same kernel of torch 2.8 to 2.10, which computes partly in double.
 
 // BEGIN LAYOUT (kept in sync with optimizer/device/kernels.go; a test compiles this block
 // with the host C compiler and compares offsetof/sizeof)
@@ -63,6 +71,64 @@ typedef struct {
   unsigned int reserved;
   unsigned long long total_chunks;   // chunks of all n tensors
 } SonarBatch;
+
+// The fused kernels' descriptor: the same pointers, sizes and flags as
+// SonarTensor, but the hyper-parameters as torch's fused CUDA kernel
+// receives them (each cast from the Python float to float once, as
+// static_cast<opmath_t>) and the step count, from which the kernel derives
+// its per-step constants itself, as torch's does.
+typedef struct {
+  unsigned long long param;
+  unsigned long long grad;
+  unsigned long long exp_avg;
+  unsigned long long exp_avg_sq;
+  unsigned long long max_exp_avg_sq;
+  long long numel;
+  unsigned long long first_chunk;
+  float lr;
+  float beta1;
+  float beta2;
+  float weight_decay;
+  float eps;
+  float step;                        // the step count after this update (torch's float state_step)
+  float reserved;
+  unsigned int flags;                // SONAR_FLAG_*; DECAY when (float)weight_decay != 0
+} SonarFusedTensor;
+
+typedef struct {
+  SonarFusedTensor t[SONAR_MAX_TENSORS];
+  unsigned int n;
+  unsigned int reserved;
+  unsigned long long total_chunks;
+} SonarFusedBatch;
+
+// The descriptor of the fused kernels of torch 2.8 to 2.10 (sonar_fused64_*),
+// whose arithmetic uses the hyper-parameters as doubles: they travel as the
+// Python floats themselves. Larger, so fewer fit in one launch.
+#define SONAR_MAX_FUSED64 39
+typedef struct {
+  unsigned long long param;
+  unsigned long long grad;
+  unsigned long long exp_avg;
+  unsigned long long exp_avg_sq;
+  unsigned long long max_exp_avg_sq;
+  long long numel;
+  unsigned long long first_chunk;
+  double lr;
+  double beta1;
+  double beta2;
+  double weight_decay;
+  double eps;
+  float step;                        // the step count after this update
+  unsigned int flags;                // SONAR_FLAG_*; DECAY when weight_decay != 0
+} SonarFused64Tensor;
+
+typedef struct {
+  SonarFused64Tensor t[SONAR_MAX_FUSED64];
+  unsigned int n;
+  unsigned int reserved;
+  unsigned long long total_chunks;
+} SonarFused64Batch;
 // END LAYOUT
 
 // BEGIN MATH (also compiled for the host by a test, with fmaf/sqrtf)
@@ -75,6 +141,13 @@ typedef struct {
 #define S_FMA(a, b, c) __fmaf_rn((a), (b), (c))
 #define S_SQRT(a) __fsqrt_rn(a)
 #define S_ABS(a) fabsf(a)
+#define D_ADD(a, b) __dadd_rn((a), (b))
+#define D_SUB(a, b) __dsub_rn((a), (b))
+#define D_MUL(a, b) __dmul_rn((a), (b))
+#define D_DIV(a, b) __ddiv_rn((a), (b))
+#define D_FMA(a, b, c) __fma_rn((a), (b), (c))
+#define D_SQRT(a) __dsqrt_rn(a)
+#define D2F(a) __double2float_rn(a)
 SONAR_HD unsigned int sonar_f2u(float f) { return __float_as_uint(f); }
 SONAR_HD float sonar_u2f(unsigned int u) { return __uint_as_float(u); }
 #else
@@ -86,6 +159,13 @@ SONAR_HD float sonar_u2f(unsigned int u) { return __uint_as_float(u); }
 #define S_FMA(a, b, c) fmaf((a), (b), (c))
 #define S_SQRT(a) sqrtf(a)
 #define S_ABS(a) fabsf(a)
+#define D_ADD(a, b) ((double)((a) + (b)))
+#define D_SUB(a, b) ((double)((a) - (b)))
+#define D_MUL(a, b) ((double)((a) * (b)))
+#define D_DIV(a, b) ((double)((a) / (b)))
+#define D_FMA(a, b, c) fma((a), (b), (c))
+#define D_SQRT(a) sqrt(a)
+#define D2F(a) ((float)(a))
 SONAR_HD unsigned int sonar_f2u(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
 SONAR_HD float sonar_u2f(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
 #endif
@@ -158,6 +238,101 @@ template <class S>
 SONAR_HD float sonar_add_element(float acc, float g) {
   return S::get(S::put(S_ADD(acc, g)));
 }
+
+// torch's fused CUDA AdamW (AdamW(fused=True): fused_adam_utils.cuh,
+// FusedAdamMathFunctor and adam_math, ADAMW mode, torch 2.11), everything
+// in float ("opmath"). Its per-tensor constants, from the hyper-parameters
+// cast to float and the two bias corrections bc1 = 1 - powf(beta1, step),
+// bc2 = 1 - powf(beta2, step) (computed on the device: sonar_fused_batch):
+typedef struct {
+  float lrwd;       // lr * weight_decay, rounded (the decay's product)
+  float beta1, beta2, eps;
+  float step_size;  // lr / bc1
+  float bc2_sqrt;   // sqrtf(bc2)
+} SonarFusedConsts;
+
+SONAR_HD SonarFusedConsts sonar_fused_consts(const SonarFusedTensor& t, float bc1, float bc2) {
+  SonarFusedConsts c;
+  c.lrwd = S_MUL(t.lr, t.weight_decay);
+  c.beta1 = t.beta1;
+  c.beta2 = t.beta2;
+  c.eps = t.eps;
+  c.step_size = S_DIV(t.lr, bc1);
+  c.bc2_sqrt = S_SQRT(bc2);
+  return c;
+}
+
+// One element of torch's fused step, in float; the caller rounds each
+// stored value to the storage type once (bfloat16: one rounding per buffer,
+// the float values feed the rest of the step). What nvcc contracts in torch's
+// source is written here as the FMA it became (docs/gpu.md):
+//   param -= lr * weight_decay * param              p = fma(-lrwd, p, p)
+//   exp_avg = fma(beta1, exp_avg, fma(-beta1, g, g))          (explicit in torch)
+//   exp_avg_sq = fma(beta2, v, fma(-beta2, g*g, g*g))         (explicit in torch)
+//   max_exp_avg_sq = std::max(max_exp_avg_sq, exp_avg_sq)    (vmax < v ? v : vmax)
+//   denom = (sqrt(x) / bias_correction2_sqrt) + eps           three roundings
+//   param -= step_size * exp_avg / denom                      three roundings
+SONAR_HD void sonar_fused_element(float& p, float g, float& m, float& v, float& vmax, const SonarFusedConsts& c,
+                                  unsigned int flags) {
+  if (flags & SONAR_FLAG_MAXIMIZE) g = -g;
+  if (flags & SONAR_FLAG_DECAY) p = S_FMA(-c.lrwd, p, p);
+  m = S_FMA(c.beta1, m, S_FMA(-c.beta1, g, g));
+  const float gg = S_MUL(g, g);
+  v = S_FMA(c.beta2, v, S_FMA(-c.beta2, gg, gg));
+  float x = v;
+  if (flags & SONAR_FLAG_AMSGRAD) {  // std::max(vmax, v): a NaN in vmax stays, a NaN in v does not enter
+    vmax = (vmax < v) ? v : vmax;
+    x = vmax;
+  }
+  const float den = S_ADD(S_DIV(S_SQRT(x), c.bc2_sqrt), c.eps);
+  p = S_SUB(p, S_DIV(S_MUL(c.step_size, m), den));
+}
+
+// torch 2.8 to 2.10's fused CUDA AdamW: the same kernel in its earlier form,
+// which takes lr, beta1, beta2, weight_decay and eps as double and evaluates
+// the decay and both moving averages in double (each rounded to float where
+// assigned), the bias corrections in double (1 - pow(beta, (double)step)),
+// cast to float as the functor passes them on; read from the compiled
+// kernels (docs/gpu.md). bc1 and bc2 are those doubles.
+typedef struct {
+  double lrwd;            // lr * weight_decay
+  double beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
+  float step_size;        // (float)(lr / (double)(float)bc1)
+  float bc2_sqrt;         // (float)sqrt(bc2)
+} SonarFused64Consts;
+
+SONAR_HD SonarFused64Consts sonar_fused64_consts(const SonarFused64Tensor& t, double bc1, double bc2) {
+  SonarFused64Consts c;
+  c.lrwd = D_MUL(t.lr, t.weight_decay);
+  c.beta1 = t.beta1;
+  c.one_minus_beta1 = D_SUB(1.0, t.beta1);
+  c.beta2 = t.beta2;
+  c.one_minus_beta2 = D_SUB(1.0, t.beta2);
+  c.eps = t.eps;
+  c.step_size = D2F(D_DIV(t.lr, (double)D2F(bc1)));
+  c.bc2_sqrt = D2F(D_SQRT(bc2));
+  return c;
+}
+
+// One element in that arithmetic (float values in and out; the caller
+// rounds each stored value to the storage type once). nvcc fused the first
+// product of each `beta*x + (1-beta)*...` with the sum and the decay's
+// `param - (lr*wd)*param`, in double.
+SONAR_HD void sonar_fused64_element(float& p, float g, float& m, float& v, float& vmax, const SonarFused64Consts& c,
+                                    unsigned int flags) {
+  if (flags & SONAR_FLAG_MAXIMIZE) g = -g;
+  const double gd = (double)g;
+  if (flags & SONAR_FLAG_DECAY) p = D2F(D_FMA(-c.lrwd, (double)p, (double)p));
+  m = D2F(D_FMA((double)m, c.beta1, D_MUL(gd, c.one_minus_beta1)));
+  v = D2F(D_FMA((double)v, c.beta2, D_MUL(gd, D_MUL(gd, c.one_minus_beta2))));
+  float x = v;
+  if (flags & SONAR_FLAG_AMSGRAD) {  // std::max(vmax, v), in float
+    vmax = (vmax < v) ? v : vmax;
+    x = vmax;
+  }
+  const float den = D2F(D_ADD((double)S_DIV(S_SQRT(x), c.bc2_sqrt), c.eps));
+  p = S_SUB(p, S_DIV(S_MUL(c.step_size, m), den));
+}
 // END MATH
 
 #if defined(__CUDACC__)
@@ -166,14 +341,19 @@ SONAR_HD float sonar_add_element(float acc, float g) {
 // The batch is read with a computed index: __grid_constant__ keeps it in the
 // parameter space instead of copying 4 KB to each thread's local memory.
 #define SONAR_BATCH const __grid_constant__ SonarBatch
+#define SONAR_FUSED_BATCH const __grid_constant__ SonarFusedBatch
+#define SONAR_FUSED64_BATCH const __grid_constant__ SonarFused64Batch
 #else
 #define SONAR_BATCH const SonarBatch
+#define SONAR_FUSED_BATCH const SonarFusedBatch
+#define SONAR_FUSED64_BATCH const SonarFused64Batch
 #endif
 
 #define SONAR_THREADS 256
 
 // The tensor that chunk c belongs to: the last with first_chunk <= c.
-__device__ __forceinline__ unsigned int sonar_find(const SonarBatch& b, unsigned long long c) {
+template <class B>
+__device__ __forceinline__ unsigned int sonar_find(const B& b, unsigned long long c) {
   unsigned int i = 0;
   while (i + 1 < b.n && b.t[i + 1].first_chunk <= c) i++;
   return i;
@@ -210,6 +390,71 @@ __device__ __forceinline__ void sonar_adamw_batch(const SonarBatch& b) {
   }
 }
 
+// CUDA's powf (libdevice), as torch's at::native::pow_(float, float) calls
+// it. Kept out of line so that the PTX test can tell its instructions (an
+// approximate reciprocal seeds its logarithm) from the kernels' own.
+extern "C" __device__ __noinline__ float sonar_powf(float base, float exp) { return powf(base, exp); }
+
+template <class S>
+__device__ __forceinline__ void sonar_fused_batch(const SonarFusedBatch& b) {
+  typedef typename S::T T;
+  for (unsigned long long c = blockIdx.x; c < b.total_chunks; c += gridDim.x) {
+    const SonarFusedTensor& t = b.t[sonar_find(b, c)];
+    // Per tensor, as FusedAdamMathFunctor computes them per block:
+    // bias_correction = 1 - pow_(beta, step), all in float.
+    const float bc1 = __fsub_rn(1.0f, sonar_powf(t.beta1, t.step));
+    const float bc2 = __fsub_rn(1.0f, sonar_powf(t.beta2, t.step));
+    const SonarFusedConsts k = sonar_fused_consts(t, bc1, bc2);
+    T* P = (T*)t.param;
+    const T* G = (const T*)t.grad;
+    T* M = (T*)t.exp_avg;
+    T* V = (T*)t.exp_avg_sq;
+    T* VM = (t.flags & SONAR_FLAG_AMSGRAD) ? (T*)t.max_exp_avg_sq : (T*)0;
+    const long long lo = (long long)(c - t.first_chunk) * SONAR_CHUNK;
+    const long long hi = min(lo + (long long)SONAR_CHUNK, t.numel);
+    for (long long j = lo + threadIdx.x; j < hi; j += SONAR_THREADS) {
+      float p = S::get(P[j]), m = S::get(M[j]), v = S::get(V[j]);
+      float vmax = VM ? S::get(VM[j]) : 0.0f;
+      sonar_fused_element(p, S::get(G[j]), m, v, vmax, k, t.flags);
+      P[j] = S::put(p);
+      M[j] = S::put(m);
+      V[j] = S::put(v);
+      if (VM) VM[j] = S::put(vmax);
+    }
+  }
+}
+
+// CUDA's double pow (libdevice), as pow_(double, float) in torch 2.8 to 2.10.
+extern "C" __device__ __noinline__ double sonar_pow64(double base, double exp) { return pow(base, exp); }
+
+template <class S>
+__device__ __forceinline__ void sonar_fused64_batch(const SonarFused64Batch& b) {
+  typedef typename S::T T;
+  for (unsigned long long c = blockIdx.x; c < b.total_chunks; c += gridDim.x) {
+    const SonarFused64Tensor& t = b.t[sonar_find(b, c)];
+    const double step = (double)t.step;
+    const double bc1 = __dsub_rn(1.0, sonar_pow64(t.beta1, step));
+    const double bc2 = __dsub_rn(1.0, sonar_pow64(t.beta2, step));
+    const SonarFused64Consts k = sonar_fused64_consts(t, bc1, bc2);
+    T* P = (T*)t.param;
+    const T* G = (const T*)t.grad;
+    T* M = (T*)t.exp_avg;
+    T* V = (T*)t.exp_avg_sq;
+    T* VM = (t.flags & SONAR_FLAG_AMSGRAD) ? (T*)t.max_exp_avg_sq : (T*)0;
+    const long long lo = (long long)(c - t.first_chunk) * SONAR_CHUNK;
+    const long long hi = min(lo + (long long)SONAR_CHUNK, t.numel);
+    for (long long j = lo + threadIdx.x; j < hi; j += SONAR_THREADS) {
+      float p = S::get(P[j]), m = S::get(M[j]), v = S::get(V[j]);
+      float vmax = VM ? S::get(VM[j]) : 0.0f;
+      sonar_fused64_element(p, S::get(G[j]), m, v, vmax, k, t.flags);
+      P[j] = S::put(p);
+      M[j] = S::put(m);
+      V[j] = S::put(v);
+      if (VM) VM[j] = S::put(vmax);
+    }
+  }
+}
+
 template <class S>
 __device__ __forceinline__ void sonar_add_batch(const SonarBatch& b) {
   typedef typename S::T T;
@@ -230,6 +475,18 @@ extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_adamw_f32(SONA
 }
 extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_adamw_bf16(SONAR_BATCH b) {
   sonar_adamw_batch<SonarBF16>(b);
+}
+extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_fused_adamw_f32(SONAR_FUSED_BATCH b) {
+  sonar_fused_batch<SonarF32>(b);
+}
+extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_fused_adamw_bf16(SONAR_FUSED_BATCH b) {
+  sonar_fused_batch<SonarBF16>(b);
+}
+extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_fused64_adamw_f32(SONAR_FUSED64_BATCH b) {
+  sonar_fused64_batch<SonarF32>(b);
+}
+extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_fused64_adamw_bf16(SONAR_FUSED64_BATCH b) {
+  sonar_fused64_batch<SonarBF16>(b);
 }
 extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_add_f32(SONAR_BATCH b) {
   sonar_add_batch<SonarF32>(b);

@@ -1,7 +1,8 @@
 // Package device is the engine's CUDA side, the peer of package optimizer's
-// CPU engine: it owns the CUDA C source of the AdamW kernels (adamw.cu, the
+// CPU engine: it owns the CUDA C source of the AdamW kernels (adamw.cu: the
 // arithmetic of torch's foreach AdamW, which optimizer.ForeachStep spells in
-// Go), compiles it with NVRTC through package cuda, packs batches of tensors
+// Go, and of its fused CUDA AdamW, optimizer.FusedCUDAStep; a step's
+// Scalars.Fused picks one), compiles it with NVRTC through package cuda, packs batches of tensors
 // into launch descriptors, and keeps every tensor's optimizer state
 // (exp_avg, exp_avg_sq, max_exp_avg_sq, the accumulation buffer and the step
 // count) in device memory. Parameters and gradients are device addresses the

@@ -3,6 +3,7 @@ package device
 import (
 	"errors"
 	"fmt"
+	"math"
 
 	"github.com/sonar-moe/sonar/cuda"
 	"github.com/sonar-moe/sonar/optimizer"
@@ -161,8 +162,9 @@ func (e *Engine) Step(wait *cuda.Event, items []Item) error {
 		if it.Apply && it.Scalars.Amsgrad != it.T.Hyper.Amsgrad {
 			return fmt.Errorf("tensor %s: amsgrad=%v in step but registered with amsgrad=%v", it.T.Name, it.Scalars.Amsgrad, it.T.Hyper.Amsgrad)
 		}
-		if it.Apply && it.Scalars.Fused {
-			return fmt.Errorf("tensor %s: fused AdamW arithmetic is not implemented on CUDA (the kernels are torch's foreach)", it.T.Name)
+		if it.Apply && it.Scalars.Fused && !fusedInputsGiven(it.Scalars) {
+			return fmt.Errorf("tensor %s: fused AdamW on CUDA needs the step's lr, beta1 and weight_decay, "+
+				"consistent with its decay and beta1_w scalars", it.T.Name)
 		}
 		for _, o := range items[:i] {
 			if o.T == it.T {
@@ -209,7 +211,12 @@ func (e *Engine) queue(wait *cuda.Event, items []Item) error {
 		}
 	}
 	adds := map[optimizer.DType][]AddItem{}
-	apply := map[optimizer.DType][]Launch{}
+	// One launch list per dtype and arithmetic (foreach, fused, fused double).
+	type kind struct {
+		dt optimizer.DType
+		k  int
+	}
+	apply := map[kind][]Launch{}
 	for _, it := range items {
 		t := it.T
 		src := it.Grad
@@ -227,8 +234,9 @@ func (e *Engine) queue(wait *cuda.Event, items []Item) error {
 			src = t.accum
 		}
 		if it.Apply {
-			apply[t.DType] = append(apply[t.DType], Launch{Param: t.Param, Grad: src, ExpAvg: t.m, ExpAvgSq: t.v,
-				MaxExpAvgSq: t.vmax, Numel: t.Numel, Scalars: it.Scalars})
+			k := kind{t.DType, batchKind(it.Scalars)}
+			apply[k] = append(apply[k], Launch{Param: t.Param, Grad: src, ExpAvg: t.m, ExpAvgSq: t.v,
+				MaxExpAvgSq: t.vmax, Numel: t.Numel, Scalars: it.Scalars, Step: t.Step + 1})
 		}
 	}
 	for _, dt := range []optimizer.DType{optimizer.Float32, optimizer.BFloat16} {
@@ -239,9 +247,11 @@ func (e *Engine) queue(wait *cuda.Event, items []Item) error {
 		}
 	}
 	for _, dt := range []optimizer.DType{optimizer.Float32, optimizer.BFloat16} {
-		if len(apply[dt]) > 0 {
-			if err := e.Kernels.AdamW(e.Stream, dt, apply[dt]); err != nil {
-				return err
+		for k := 0; k < 3; k++ {
+			if l := apply[kind{dt, k}]; len(l) > 0 {
+				if err := e.Kernels.AdamW(e.Stream, dt, l); err != nil {
+					return err
+				}
 			}
 		}
 	}
@@ -297,4 +307,18 @@ func (e *Engine) finish() error {
 		return err
 	}
 	return e.done.Sync()
+}
+
+func finite(x float64) bool { return !math.IsNaN(x) && !math.IsInf(x, 0) }
+
+// fusedInputsGiven says whether a fused step carries the hyper-parameters
+// the fused kernels take (lr, beta1, weight_decay), finite and consistent
+// with the float64 scalars the client computed from the same values
+// (beta1_w = 1 - beta1, decay = 1 - lr*weight_decay): a client that sent
+// only the CPU kernel's scalars is refused instead of stepping with zeros.
+func fusedInputsGiven(sc optimizer.Scalars) bool {
+	if !finite(sc.LR) || !finite(sc.Beta1) || !finite(sc.WeightDecay) {
+		return false
+	}
+	return sc.Beta1W == 1-sc.Beta1 && sc.Decay == 1-float64(sc.LR*sc.WeightDecay)
 }

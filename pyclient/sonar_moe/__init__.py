@@ -22,11 +22,12 @@ or None).
 from ._binary import find_sonard
 from ._connection import PROTOCOL_VERSION, Connection, SonarError, SonarRefused, SonarServerDied
 from ._detect import group_key, is_expert_param
+from ._shm import ShmFullError
 from ._launch import start_private_server
 from ._sqrt import torch_sqrt_library
 from ._version import __version__
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .optimizer import SonarAdamW, torch_fused_scalars, torch_scalars
+from .optimizer import SonarAdamW, torch_fused_cuda_scalars, torch_fused_scalars, torch_scalars
 
 __all__ = [
     "__version__",
@@ -41,9 +42,11 @@ __all__ = [
     "SonarAdamW",
     "SonarError",
     "SonarServerDied",
+    "ShmFullError",
     "find_sonard",
     "group_key",
     "is_expert_param",
+    "torch_fused_cuda_scalars",
     "torch_fused_scalars",
     "torch_scalars",
 ]

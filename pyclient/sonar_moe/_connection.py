@@ -6,7 +6,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -30,7 +32,45 @@ class SonarError(RuntimeError):
 
 
 class SonarServerDied(SonarError):
-    """The private sonard process exited."""
+    """The private sonard process exited. The message's first line says why (its exit status
+    and the cause its log names); ``log_tail`` holds the end of its log."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+# sonard's exit statuses (sonard --help).
+EXIT_RUNTIME_FAILURE = 1
+EXIT_CRASH = 2
+EXIT_BAD_FLAGS = 64
+
+# Lines of a Go runtime crash that name its cause, in the order they are reported.
+_CRASH_LINES = re.compile(
+    r"^(fatal error: .*|panic: .*|unexpected fault address .*|\[signal [A-Z]+: [^\]]*\]|SIG[A-Z]+: .*)$", re.M)
+
+
+def death_cause(returncode: int, log: str) -> str:
+    """One line saying why sonard exited, from its exit status and its log."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = " (the kernel's OOM killer sends SIGKILL when memory runs out)" if name == "SIGKILL" else ""
+        return f"sonard exited: killed by {name}{hint}"
+    if returncode == EXIT_CRASH:
+        found = _CRASH_LINES.findall(log)
+        cause = "; ".join(dict.fromkeys(line.strip() for line in found[:4])) or "no cause in its log"
+        return f"sonard exited: crashed (status 2, a Go runtime error, a bug of sonard): {cause}"
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "ERROR" in ln or ln.startswith("sonard:")]
+    last = (errors or lines or ["its log is empty"])[-1]
+    if returncode == EXIT_RUNTIME_FAILURE:
+        return f"sonard exited: runtime failure (status 1): {last}"
+    if returncode == EXIT_BAD_FLAGS:
+        return f"sonard exited: bad flags (status 64): {last}"
+    return f"sonard exited with status {returncode}: {last}"
 
 
 class SonarRefused(SonarError):
@@ -166,17 +206,23 @@ class Connection:
         return self.process is None or self.process.poll() is None
 
     def check_alive(self) -> None:
-        """Raise SonarServerDied, with the end of its log, if the private server has exited."""
+        """Raise SonarServerDied, naming the cause in one line, if the private server has exited."""
         if not self.server_alive:
             assert self.process is not None
-            raise SonarServerDied(f"sonard exited with code {self.process.returncode}{self._log_tail()}")
+            text = self._read_log()
+            tail = text[-2000:].strip()
+            if tail:
+                log.debug("sonard's log ends:\n%s", tail)
+            raise SonarServerDied(death_cause(self.process.returncode, text), tail)
 
-    def _log_tail(self) -> str:
+    def _read_log(self) -> str:
+        """The end of the private server's log (a crash's goroutine dump can be long: 4 MiB)."""
         if not self.log_path or not os.path.exists(self.log_path):
             return ""
         with open(self.log_path, "rb") as f:
-            tail = f.read()[-2000:].decode(errors="replace").strip()
-        return f"; its log ends:\n{tail}" if tail else ""
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - (4 << 20)))
+            return f.read().decode(errors="replace")
 
     def _dispatch(self, raw: bytes) -> None:
         try:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 import mmap
 import os
 import secrets
 
 import torch
+
+from ._connection import SonarError
 
 SHM_DIR = "/dev/shm"
 PAGE = 4096
@@ -19,17 +22,61 @@ SLOT_STAGGER = 512
 
 _counter = itertools.count()
 
+# What each segment holds, for the message when it does not fit.
+_PURPOSE = {"params": "the expert parameters", "ring": "the gradient ring",
+            "xfer": "the state transfer of state_dict()/load_state_dict()"}
+
+
+class ShmFullError(SonarError, MemoryError):
+    """/dev/shm has no room for a segment the client needs (its pages are reserved up front)."""
+
+
+def _mib(n: int) -> str:
+    """n bytes in binary units ("4.0 KiB", "1.1 MiB")."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def shm_free() -> int:
+    """Bytes an unprivileged process may still allocate in SHM_DIR."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def _no_room(size: int, tag: str, free: int) -> ShmFullError:
+    st = os.statvfs(SHM_DIR)
+    return ShmFullError(
+        f"sonar: {SHM_DIR} has no room for {_PURPOSE.get(tag, tag)} ({_mib(size)}): {_mib(free)} free of "
+        f"{_mib(st.f_blocks * st.f_frsize)}, {_mib(max(size - free, 0))} missing. Free shared memory or enlarge "
+        f"{SHM_DIR} (docker run --shm-size, or mount -o remount,size=... {SHM_DIR})")
+
 
 class Segment:
-    """A POSIX shared-memory segment created by this process (mode 0600)."""
+    """A POSIX shared-memory segment created by this process (mode 0600).
+
+    Every page is reserved when the segment is made (posix_fallocate): a page of a sparse
+    segment would be allocated on first touch, and when /dev/shm is full that touch is a
+    SIGBUS, in this process or in the server, instead of an error. Room is checked first, and
+    a segment that does not fit raises ShmFullError saying how much is missing."""
 
     def __init__(self, size: int, tag: str) -> None:
         self.size = int(size)
         self.name = f"sonar-{os.getpid()}-{secrets.token_hex(4)}-{next(_counter)}-{tag}"
         self.path = os.path.join(SHM_DIR, self.name)
+        free = shm_free()
+        if self.size > free:
+            raise _no_room(self.size, tag, free)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, self.size)
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+                    raise
+                os.ftruncate(fd, 0)  # give back what was reserved before measuring
+                raise _no_room(self.size, tag, shm_free()) from None
             self.mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.unlink(self.path)

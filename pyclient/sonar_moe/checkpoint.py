@@ -5,15 +5,25 @@
 in the same directory with a SHA-256 of the payload, fsyncs, renames it over ``path`` and
 fsyncs the directory: a crash leaves either the old or the new checkpoint, never a torn
 one. ``load_checkpoint(path)`` verifies the checksum before unpickling anything.
+
+The temporary file (``.<name>.sonar-tmp-<pid>-<random>``) is removed when the save fails or
+is interrupted (an exception, Ctrl-C, or SIGTERM while the process has no handler of its own:
+the signal is delivered again once the file is gone). A process killed outright (SIGKILL,
+power loss) cannot clean up: the next save of the same checkpoint removes temporaries whose
+process no longer exists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
+import secrets
+import signal
 import struct
-import tempfile
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +36,67 @@ class CheckpointError(ValueError):
     """A checkpoint file is truncated, corrupted, or not a Sonar checkpoint."""
 
 
+def _tmp_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.sonar-tmp-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[str]:
+    """Remove the temporary files of earlier saves of ``path`` whose process no longer exists
+    (a save killed outright); return their names."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = _tmp_prefix(path)
+    removed = []
+    for name in os.listdir(directory):
+        if not name.startswith(prefix):
+            continue
+        pid_s = name[len(prefix):].split("-", 1)[0]
+        if not pid_s.isdigit() or int(pid_s) == os.getpid() or _pid_alive(int(pid_s)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+    return removed
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while a checkpoint was being written."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_exception() -> Iterator[None]:
+    """Turn SIGTERM into an exception while the body runs, so that its cleanup runs; the
+    signal is then delivered again with the default action. Only where the process left
+    SIGTERM at its default (a handler of the program's own stays in charge) and only on the
+    main thread (where Python runs signal handlers)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # die as the signal asked, the temporary file removed
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def save_checkpoint(path: str | os.PathLike[str], obj: Any) -> None:
     """Atomically write ``obj`` (anything ``torch.save`` takes) to ``path``."""
     buf = io.BytesIO()
@@ -34,20 +105,21 @@ def save_checkpoint(path: str | os.PathLike[str], obj: Any) -> None:
     header = _HEADER.pack(MAGIC, len(payload), hashlib.sha256(payload).digest())
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".sonar-ckpt-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+    remove_stale_temporaries(path)
+    tmp = os.path.join(directory, f"{_tmp_prefix(path)}{os.getpid()}-{secrets.token_hex(4)}")
+    with _sigterm_as_exception():
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(header)
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
     dfd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dfd)

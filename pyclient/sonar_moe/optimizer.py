@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import statistics
 import subprocess
 import time
@@ -130,6 +131,42 @@ def torch_fused_scalars(group: Mapping[str, Any], step: float, dtype: torch.dtyp
         "fused": True,
         "lanes": lanes,
     }
+
+
+# torch's fused CUDA AdamW computes in float from torch 2.11 on; 2.8 to 2.10 evaluate the decay
+# and the moving averages in double (read from their compiled kernels, docs/gpu.md "Fused");
+# older releases are not reproduced.
+FUSED_CUDA_FLOAT_TORCH = (2, 11)
+FUSED_CUDA_DOUBLE_TORCH = (2, 8)
+
+
+def fused_cuda_arithmetic(version: str | None = None) -> str | None:
+    """Which fused CUDA AdamW this torch has: "float" (torch >= 2.11, sonard's sonar_fused
+    kernels), "double" (2.8 to 2.10, the sonar_fused64 kernels), or None (older: not reproduced).
+    A pre-release counts as its release."""
+    m = re.match(r"(\d+)\.(\d+)", version or torch.__version__)
+    if m is None:
+        return None
+    v = (int(m.group(1)), int(m.group(2)))
+    if v >= FUSED_CUDA_FLOAT_TORCH:
+        return "float"
+    return "double" if v >= FUSED_CUDA_DOUBLE_TORCH else None
+
+
+def torch_fused_cuda_scalars(group: Mapping[str, Any], step: float) -> dict[str, Any]:
+    """One step's constants for torch's fused CUDA AdamW (``fused=True`` on a GPU). That kernel takes
+    lr, the betas, weight_decay and eps as C doubles, casts each to float on the device and derives
+    everything else there from the float step count (``1 - powf(beta, step)``); sonard's fused kernel
+    does the same from ``lr``, ``beta1``, ``weight_decay``, ``beta2`` and ``eps`` sent here. The other
+    scalars are the usual float64 ones (the server checks ``beta1_w`` and ``decay`` against them).
+    With torch 2.8 to 2.10 ``fused_double`` asks for that kernel's partly double arithmetic."""
+    sc = torch_scalars(group, step)
+    lr, beta1 = _value(group["lr"]), _value(group["betas"][0])
+    wd = float(group["weight_decay"])
+    sc.update(decay=1 - lr * wd, beta1_w=1 - beta1, fused=True, lanes=0, lr=lr, beta1=beta1, weight_decay=wd)
+    if fused_cuda_arithmetic() == "double":  # torch 2.8-2.10: that kernel's arithmetic
+        sc["fused_double"] = True
+    return sc
 
 
 def open_backend(named: list[tuple[str, nn.Parameter]], server: str | None, options: BackendOptions,
@@ -327,11 +364,15 @@ class SonarAdamW(torch.optim.AdamW):
             if owner is not None and owner is not self:
                 owner._surrender()
         for name, p in new:
-            if self._group_of(p)["fused"]:
-                if p.device.type != "cpu":
-                    raise NotImplementedError(f"fused=True for the CUDA expert tensor {name}: sonard's CUDA kernels are "
-                                              "torch's foreach arithmetic; use fused=False (foreach, torch's CUDA default)")
+            if not self._group_of(p)["fused"]:
+                continue
+            if p.device.type == "cpu":
                 fused_lanes(p.dtype)  # refuses CPU builds whose fused kernel is not reproduced
+            elif fused_cuda_arithmetic() is None:
+                raise NotImplementedError(
+                    f"fused=True for the CUDA expert tensor {name} with torch {torch.__version__}: sonard reproduces "
+                    "the fused CUDA AdamW of torch >= 2.8 only; use a newer torch, or fused=False (foreach, torch's "
+                    "CUDA default)")
         if isinstance(self._backend, NoExperts):
             self._backend = open_backend(new, self._server, self._options, self._hyper_of, self)
         else:
@@ -392,6 +433,8 @@ class SonarAdamW(torch.optim.AdamW):
         step = step_t.item()
         g = self._group_of(p)
         if g["fused"]:
+            if p.device.type == "cuda":
+                return int(step), torch_fused_cuda_scalars(g, step)
             return int(step), torch_fused_scalars(g, step, p.dtype)
         if g["foreach"] and p.device.type == "cpu":
             return int(step), torch_foreach_cpu_scalars(g, step, p.dtype)

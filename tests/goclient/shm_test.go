@@ -8,6 +8,8 @@ import (
 	"os"
 	"path/filepath"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // Segment is a POSIX shared-memory segment this process created and mapped.
@@ -44,7 +46,9 @@ func CreateSegment(dir, name string, size int) (*Segment, error) {
 		os.Remove(path)
 		return nil, fmt.Errorf("goclient: segment %s: %w", name, err)
 	}
-	if err := f.Truncate(int64(size)); err != nil {
+	// Reserve every page: sonard refuses sparse segments (a first touch of a
+	// page could fault when the filesystem is full).
+	if err := unix.Fallocate(int(f.Fd()), 0, 0, int64(size)); err != nil {
 		os.Remove(path)
 		return nil, fmt.Errorf("goclient: segment %s: %w", name, err)
 	}

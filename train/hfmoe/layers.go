@@ -1,0 +1,224 @@
+package hfmoe
+
+import "math"
+
+// rmsNormForward computes, per row t of x [T, h], y[t] = (x[t] * r[t]) * g
+// with r[t] = 1/sqrt(mean(x[t]^2) + eps), as OlmoeRMSNorm, and keeps r.
+func rmsNormForward[F Float](y, r, x, g []F, h int, eps float64) {
+	for t := range r {
+		xt, yt := x[t*h:(t+1)*h], y[t*h:(t+1)*h]
+		var ss float64
+		for _, v := range xt {
+			ss += float64(v) * float64(v)
+		}
+		rt := F(1 / math.Sqrt(ss/float64(h)+eps))
+		r[t] = rt
+		for j, v := range xt {
+			yt[j] = v * rt * g[j]
+		}
+	}
+}
+
+// rmsNormBackward adds the gradients of rmsNormForward to dx and dg:
+// with u = dy*g, dx += r*u - x * r^3 * sum(u*x)/h and dg += dy*x*r.
+func rmsNormBackward[F Float](dx, dg, dy, x, g, r []F, h int) {
+	for t, rt := range r {
+		xt, dyt, dxt := x[t*h:(t+1)*h], dy[t*h:(t+1)*h], dx[t*h:(t+1)*h]
+		var dot float64
+		for j, v := range xt {
+			u := dyt[j] * g[j]
+			dot += float64(u) * float64(v)
+			dg[j] += dyt[j] * v * rt
+		}
+		r64 := float64(rt)
+		c := F(dot / float64(h) * r64 * r64 * r64)
+		for j, v := range xt {
+			dxt[j] += rt*dyt[j]*g[j] - c*v
+		}
+	}
+}
+
+// ropeTables returns cos and sin [seq, d] of the default rotary embedding,
+// computed in float32 as OlmoeRotaryEmbedding does: inv_freq[i] =
+// 1/theta^(2i/d), angle = pos * inv_freq, the d/2 angles repeated twice.
+func ropeTables[F Float](seq, d int, theta float64) (cos, sin []F) {
+	cos, sin = make([]F, seq*d), make([]F, seq*d)
+	half := d / 2
+	for i := range half {
+		ex := float32(2*i) / float32(d)
+		inv := 1 / float32(math.Pow(theta, float64(ex)))
+		for s := range seq {
+			a := float32(s) * inv
+			c, sn := F(float32(math.Cos(float64(a)))), F(float32(math.Sin(float64(a))))
+			cos[s*d+i], cos[s*d+half+i] = c, c
+			sin[s*d+i], sin[s*d+half+i] = sn, sn
+		}
+	}
+	return cos, sin
+}
+
+// ropeForward rotates, in place, every head of width d of x [T, w] (T =
+// batch*seq, position t % seq): x*cos + rotate_half(x)*sin, rotate_half(x)
+// = [-x2, x1].
+func ropeForward[F Float](x, cos, sin []F, seq, w, d int) {
+	half := d / 2
+	for t := range len(x) / w {
+		s := t % seq
+		c, sn := cos[s*d:(s+1)*d], sin[s*d:(s+1)*d]
+		for h0 := 0; h0 < w; h0 += d {
+			v := x[t*w+h0 : t*w+h0+d]
+			for i := range half {
+				a, b := v[i], v[half+i]
+				v[i] = a*c[i] - b*sn[i]
+				v[half+i] = b*c[half+i] + a*sn[half+i]
+			}
+		}
+	}
+}
+
+// ropeBackward takes the gradient of ropeForward back, in place (the
+// rotation's transpose).
+func ropeBackward[F Float](dx, cos, sin []F, seq, w, d int) {
+	half := d / 2
+	for t := range len(dx) / w {
+		s := t % seq
+		c, sn := cos[s*d:(s+1)*d], sin[s*d:(s+1)*d]
+		for h0 := 0; h0 < w; h0 += d {
+			v := dx[t*w+h0 : t*w+h0+d]
+			for i := range half {
+				a, b := v[i], v[half+i]
+				v[i] = a*c[i] + b*sn[half+i]
+				v[half+i] = b*c[half+i] - a*sn[i]
+			}
+		}
+	}
+}
+
+// attnShape is the shape of causal self-attention over batch sequences.
+type attnShape struct {
+	batch, seq, heads, kvHeads, d int
+	scale                         float64
+}
+
+// attentionForward computes, for every sequence and head, o = softmax(q k^T
+// * scale + causal mask) v, keeping the probabilities in p [B, heads, S, S].
+// q and o are [T, heads*d], k and v [T, kvHeads*d]; head h reads key/value
+// head h / (heads/kvHeads).
+func attentionForward[F Float](o, p, q, k, v []F, a attnShape) {
+	s, d := a.seq, a.d
+	hw, kw := a.heads*d, a.kvHeads*d
+	group := a.heads / a.kvHeads
+	parallelFor(a.batch*a.heads, func(i int) {
+		b, h := i/a.heads, i%a.heads
+		g := h / group
+		pb := p[i*s*s : (i+1)*s*s]
+		qb := q[b*s*hw+h*d:]
+		kb := k[b*s*kw+g*d:]
+		vb := v[b*s*kw+g*d:]
+		gemm(false, true, s, s, d, qb, hw, kb, kw, 0, pb, s)
+		for r := range s {
+			row := pb[r*s : (r+1)*s]
+			mx := math.Inf(-1)
+			for j := 0; j <= r; j++ {
+				row[j] *= F(a.scale)
+				mx = max(mx, float64(row[j]))
+			}
+			var sum float64
+			for j := 0; j <= r; j++ {
+				e := math.Exp(float64(row[j]) - mx)
+				row[j] = F(e)
+				sum += e
+			}
+			inv := 1 / sum
+			for j := 0; j <= r; j++ {
+				row[j] = F(float64(row[j]) * inv)
+			}
+			clear(row[r+1:])
+		}
+		gemm(false, false, s, d, s, pb, s, vb, kw, 0, o[b*s*hw+h*d:], hw)
+	})
+}
+
+// attentionBackward takes do [T, heads*d] back through attentionForward:
+// dq is overwritten, dk and dv (zeroed by the caller) accumulate over the
+// heads of each group. dp is scratch of p's size.
+func attentionBackward[F Float](dq, dk, dv, dp, do, p, q, k, v []F, a attnShape) {
+	s, d := a.seq, a.d
+	hw, kw := a.heads*d, a.kvHeads*d
+	group := a.heads / a.kvHeads
+	// One task per (sequence, key/value head): the heads of a group add into
+	// the same dk and dv, one after the other.
+	parallelFor(a.batch*a.kvHeads, func(i int) {
+		b, g := i/a.kvHeads, i%a.kvHeads
+		kb, vb := k[b*s*kw+g*d:], v[b*s*kw+g*d:]
+		dkb, dvb := dk[b*s*kw+g*d:], dv[b*s*kw+g*d:]
+		for h := g * group; h < (g+1)*group; h++ {
+			j := b*a.heads + h
+			pb, dpb := p[j*s*s:(j+1)*s*s], dp[j*s*s:(j+1)*s*s]
+			dob, qb, dqb := do[b*s*hw+h*d:], q[b*s*hw+h*d:], dq[b*s*hw+h*d:]
+			gemm(true, false, s, d, s, pb, s, dob, hw, 1, dvb, kw) // dv += p^T do
+			gemm(false, true, s, s, d, dob, hw, vb, kw, 0, dpb, s) // dp = do v^T
+			for r := range s {
+				pr, dr := pb[r*s:(r+1)*s], dpb[r*s:(r+1)*s]
+				var dot float64
+				for c := 0; c <= r; c++ {
+					dot += float64(pr[c]) * float64(dr[c])
+				}
+				for c := 0; c <= r; c++ {
+					dr[c] = F(float64(pr[c]) * (float64(dr[c]) - dot) * a.scale)
+				}
+				clear(dr[r+1:])
+			}
+			gemm(false, false, s, d, s, dpb, s, kb, kw, 0, dqb, hw) // dq = ds k
+			gemm(true, false, s, d, s, dpb, s, qb, hw, 1, dkb, kw)  // dk += ds^T q
+		}
+	})
+}
+
+func sigmoid[F Float](x F) F { return F(1 / (1 + math.Exp(-float64(x)))) }
+
+// crossEntropy returns the mean cross-entropy of logits [T, v] against
+// targets (negative: ignored, as labels of -100 in transformers), the number
+// of counted rows, and keeps each row's log-sum-exp in lse.
+func crossEntropy[F Float](logits []F, lse []float64, targets []int32, v int) (float64, int) {
+	var sum float64
+	n := 0
+	for t, y := range targets {
+		row := logits[t*v : (t+1)*v]
+		mx := math.Inf(-1)
+		for _, x := range row {
+			mx = max(mx, float64(x))
+		}
+		var s float64
+		for _, x := range row {
+			s += math.Exp(float64(x) - mx)
+		}
+		lse[t] = mx + math.Log(s)
+		if y >= 0 {
+			sum += lse[t] - float64(row[y])
+			n++
+		}
+	}
+	if n == 0 {
+		return 0, 0
+	}
+	return sum / float64(n), n
+}
+
+// crossEntropyBackward turns logits into the gradient of the mean
+// cross-entropy times scale (in place): (softmax - onehot) * scale / n on
+// counted rows, zero on ignored ones.
+func crossEntropyBackward[F Float](logits []F, lse []float64, targets []int32, v, n int, scale float64) {
+	f := scale / float64(max(n, 1))
+	for t, y := range targets {
+		row := logits[t*v : (t+1)*v]
+		if y < 0 {
+			clear(row)
+			continue
+		}
+		for j, x := range row {
+			row[j] = F(math.Exp(float64(x)-lse[t]) * f)
+		}
+		row[y] -= F(f)
+	}
+}
