@@ -1,0 +1,69 @@
+package ipc
+
+// conns ties ZeroMQ routing ids (clients) to the connections they arrived
+// on. The ROUTER socket's monitor reports each accepted and each closed
+// connection by file descriptor, and every message carries the descriptor it
+// was read from (libzmq's "__fd" metadata, behind ZMQ_SRCFD). Descriptor
+// numbers are reused, but the monitor's events are produced before the
+// descriptor can be reused or a message of the new connection can be read,
+// so draining the monitor before each message keeps the table exact.
+type conns struct {
+	byFD   map[int]*peer
+	byName map[string]*peer
+}
+
+// peer is one accepted connection; client is its routing id once a message
+// came from it (one ROUTER connection carries one routing id).
+type peer struct {
+	fd     int
+	client string
+}
+
+func newConns() *conns {
+	return &conns{byFD: map[int]*peer{}, byName: map[string]*peer{}}
+}
+
+// accepted records a new connection on fd; a connection still recorded on
+// fd (its close was not reported) is returned as gone.
+func (c *conns) accepted(fd int) (gone string) {
+	gone = c.closed(fd)
+	c.byFD[fd] = &peer{fd: fd}
+	return gone
+}
+
+// closed forgets the connection on fd and returns its client ("" when no
+// message came from it).
+func (c *conns) closed(fd int) string {
+	p := c.byFD[fd]
+	if p == nil {
+		return ""
+	}
+	delete(c.byFD, fd)
+	if p.client != "" && c.byName[p.client] == p {
+		delete(c.byName, p.client)
+	}
+	return p.client
+}
+
+// message says whether a message of client read from fd comes from an open
+// connection. It does not when the connection on fd was closed (a message
+// left in the socket's queue by a client that is gone) or belongs to another
+// client (the descriptor was reused).
+func (c *conns) message(fd int, client string) bool {
+	p := c.byFD[fd]
+	switch {
+	case p == nil:
+		return false
+	case p.client == "":
+		p.client = client
+		c.byName[client] = p
+		return true
+	}
+	return p.client == client
+}
+
+// connected reports whether client has an open connection.
+func (c *conns) connected(client string) bool { return c.byName[client] != nil }
+
+// len is the number of open connections.
+func (c *conns) len() int { return len(c.byFD) }
