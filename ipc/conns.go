@@ -46,20 +46,21 @@ func (c *conns) closed(fd int) string {
 }
 
 // message says whether a message of client read from fd comes from an open
-// connection. It does not when the connection on fd was closed (a message
-// left in the socket's queue by a client that is gone) or belongs to another
-// client (the descriptor was reused).
-func (c *conns) message(fd int, client string) bool {
+// connection (ok), and whether it is the first one. It does not when the
+// connection on fd was closed (a message left in the socket's queue by a
+// client that is gone) or belongs to another client (the descriptor was
+// reused).
+func (c *conns) message(fd int, client string) (ok, first bool) {
 	p := c.byFD[fd]
 	switch {
 	case p == nil:
-		return false
+		return false, false
 	case p.client == "":
 		p.client = client
 		c.byName[client] = p
-		return true
+		return true, true
 	}
-	return p.client == client
+	return p.client == client, false
 }
 
 // connected reports whether client has an open connection.

@@ -62,6 +62,8 @@ type watchHandler struct {
 	gone []string
 }
 
+func (h *watchHandler) Connected(string) {}
+
 func (h *watchHandler) Disconnected(client string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()

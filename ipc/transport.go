@@ -30,10 +30,12 @@ type Ticker interface {
 }
 
 // Watcher is implemented by handlers that tie a client's state to its
-// connection: Disconnected is called, on the transport's goroutine, when the
-// connection a client's requests came on is closed (the process exited or
-// closed its socket, or it missed the heartbeats).
+// connection. On the transport's goroutine, Connected is called before the
+// first request of a client on a connection the transport watches, and
+// Disconnected when that connection closed (the process exited or closed its
+// socket, or it missed the heartbeats).
 type Watcher interface {
+	Connected(client string)
 	Disconnected(client string)
 }
 
@@ -271,10 +273,16 @@ func (t *Transport) receive(h Handler, frames [][]byte, fdText string) {
 		return
 	}
 	client := fmt.Sprintf("%x", frames[0])
-	if fd, err := strconv.Atoi(fdText); err == nil && !t.conns.message(fd, client) {
-		t.stale++
-		t.log.Debug("dropping a request of a closed connection", zap.String("client", client))
-		return
+	if fd, err := strconv.Atoi(fdText); err == nil {
+		ok, first := t.conns.message(fd, client)
+		if !ok {
+			t.stale++
+			t.log.Debug("dropping a request of a closed connection", zap.String("client", client))
+			return
+		}
+		if w, watcher := h.(Watcher); watcher && first {
+			w.Connected(client)
+		}
 	}
 	if ob := t.out[client]; ob != nil {
 		ob.park(t, client, frames)

@@ -73,6 +73,10 @@ func run() int {
 	cudaDevice := fs.Int("cuda-device", envInt("SONAR_CUDA_DEVICE", 0), "CUDA device for clients' GPU expert tensors, used when a CUDA driver and device exist (without one sonard logs \"CUDA off\" and serves CPU tensors); -1: off (env SONAR_CUDA_DEVICE)")
 	cudaMaxIdle := fs.Int("cuda-max-idle", envInt("SONAR_CUDA_MAX_IDLE", 8), "client CUDA allocations kept open while unused, for reuse (env SONAR_CUDA_MAX_IDLE)")
 	trustedLibs := fs.String("trusted-sqrt-lib", os.Getenv("SONAR_TRUSTED_SQRT_LIBS"), "comma-separated libraries (absolute paths, e.g. a torch's libtorch_cpu.so) whose float32 sqrt any client may ask for, also over tcp://; clients of an ipc:// sonard may name any (env SONAR_TRUSTED_SQRT_LIBS)")
+	parentPID := fs.Int("parent-pid", 0, "private server of process PID (SonarAdamW's own): exit within a second of it, however it ends; 0: a standalone server")
+	adminToken := fs.String("admin-token-file", os.Getenv("SONAR_ADMIN_TOKEN_FILE"), "file (mode 0600) of the secret a shutdown request must carry; without it shutdown is refused (stop sonard with SIGTERM) (env SONAR_ADMIN_TOKEN_FILE)")
+	grace := fs.Duration("reconnect-grace", envDuration("SONAR_RECONNECT_GRACE", server.DefaultReconnectGrace), "keep a session this long after its connection closed, for its client to reconnect (env SONAR_RECONNECT_GRACE)")
+	heartbeat := fs.Duration("heartbeat-timeout", envDuration("SONAR_HEARTBEAT_TIMEOUT", 10*time.Second), "close a connection that answers no heartbeat (sent every second) for this long; its session is then released (env SONAR_HEARTBEAT_TIMEOUT)")
 	version := fs.Bool("version", false, "print the version and exit")
 	fs.SetOutput(os.Stdout)
 	fs.Usage = func() {
@@ -106,8 +110,8 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "sonard:", err)
 		return exitUsage
 	}
-	if strings.HasPrefix(*listen, "tcp://") && curve == nil {
-		fmt.Fprintln(os.Stderr, "sonard: --listen tcp:// needs --curve-secret-file and --curve-clients-file (see --gen-curve-keys)")
+	if err := ipc.CheckEndpoint(*listen, curve != nil); err != nil {
+		fmt.Fprintf(os.Stderr, "sonard: --listen: %v (tcp:// needs --curve-secret-file and --curve-clients-file, see --gen-curve-keys)\n", err)
 		return exitUsage
 	}
 	log, err := newLogger(*logLevel, *logFormat)
@@ -137,6 +141,13 @@ func run() int {
 	srv.Unavailable("cuda", "no CUDA driver or device, or started with --cuda-device -1: use CPU expert tensors")
 	srv.Workers = *workers
 	srv.IdleTimeout = *idle
+	srv.ReconnectGrace = *grace
+	if *adminToken != "" {
+		if srv.AdminToken, err = readToken(*adminToken); err != nil {
+			fmt.Fprintln(os.Stderr, "sonard:", err)
+			return exitUsage
+		}
+	}
 	srv.LoadSqrt = loadSqrt
 	srv.LocalClients = strings.HasPrefix(*listen, "ipc://")
 	srv.TrustedSqrtLibs = map[string]bool{}
@@ -150,16 +161,25 @@ func run() int {
 		}
 	}
 	defer srv.Close() // sessions first (they hold mappings and device state), then the backends
-	tr, err := ipc.Listen(*listen, log, curve)
+	tr, err := ipc.Listen(*listen, log, curve, ipc.Options{HeartbeatTimeout: *heartbeat})
 	if err != nil {
 		log.Error("listen failed", zap.Error(err))
 		return exitError
 	}
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer cancel()
+	var parentGone <-chan struct{}
+	if *parentPID != 0 {
+		if parentGone, err = watchParent(*parentPID, log); err != nil {
+			log.Error("parent", zap.Error(err))
+			return exitError
+		}
+	}
 	go func() {
 		select {
 		case <-srv.Done():
+			cancel()
+		case <-parentGone:
 			cancel()
 		case <-ctx.Done():
 		}
