@@ -35,7 +35,9 @@ class Link:
 
     def __init__(self, sock: zmq.Socket[Any]) -> None:
         self._sock = sock
-        self._mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # Up once the ZMTP handshake (with CURVE, the authentication) succeeded: a connection a
+        # server refuses is never up, and its closing is not a loss.
+        self._mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self.up = False
         self.down_since: float | None = None  # when the connection last went down (None: up)
         self.lost_in_flight = 0  # requests in flight when it went down
@@ -48,7 +50,7 @@ class Link:
         """Take the monitor's events that arrived."""
         while self._mon.poll(0):
             ev = recv_monitor_message(self._mon, zmq.NOBLOCK)["event"]
-            if ev == zmq.EVENT_CONNECTED:
+            if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.up, self.down_since = True, None
             elif ev == zmq.EVENT_DISCONNECTED and self.up:
                 self.up, self.down_since = False, time.monotonic()
