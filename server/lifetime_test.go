@@ -88,3 +88,37 @@ func TestReleasedClientLeavesNoMetrics(t *testing.T) {
 		t.Error("a client without a session got a series")
 	}
 }
+
+// Register costs time linear in the tensors it adds, not in those the
+// session already holds: the request loop is shared by every client.
+func TestRegisterIsLinear(t *testing.T) {
+	w := newWorld(t)
+	const batch, batches, window = 4, 20000, 1000 // 80,000 tensors in small requests
+	ref := ipc.MemRef{Seg: w.params.id, Offset: 0, Bytes: 4}
+	hyper := hyperMsg(w.ts[0].hyper)
+	var first, last time.Duration // the first and last `window` requests
+	for b := 0; b < batches; b++ {
+		specs := make([]ipc.TensorSpec, batch)
+		for i := range specs {
+			specs[i] = ipc.TensorSpec{Name: fmt.Sprintf("t%d.%d", b, i), Shape: []int64{1}, DType: "float32", Param: ref, Hyper: hyper}
+		}
+		t0 := time.Now()
+		w.must(w.client, ipc.OpRegister, ipc.Register{Tensors: specs})
+		switch d := time.Since(t0); {
+		case b < window:
+			first += d
+		case b >= batches-window:
+			last += d
+		}
+	}
+	t.Logf("%d register requests of %d tensors: %v while the session held < %d, %v while it held > %d",
+		window, batch, first, window*batch, last, (batches-window)*batch)
+	if last > 4*first+50*time.Millisecond {
+		t.Errorf("register slows down with the tensors held: %v then %v", first, last)
+	}
+	// A name already held is still refused.
+	_, err := w.call(w.client, ipc.OpRegister, ipc.Register{Tensors: []ipc.TensorSpec{{Name: "t0.0", Shape: []int64{1}, DType: "float32", Param: ref, Hyper: hyper}}})
+	if err == nil || !strings.Contains(err.Error(), "already registered") {
+		t.Errorf("duplicate name: %v", err)
+	}
+}
