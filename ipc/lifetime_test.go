@@ -159,3 +159,53 @@ func TestEveryRequestGetsAReplyPastTheHighWaterMark(t *testing.T) {
 	}
 	t.Logf("%d requests: %d executed, %d answered busy", n, calls, busy)
 }
+
+// blockingHandler holds the serving loop on its first request until
+// released.
+type blockingHandler struct {
+	watchHandler
+	once    sync.Once
+	release chan struct{}
+}
+
+func (h *blockingHandler) Handle(client string, req Request) (any, error) {
+	h.once.Do(func() { <-h.release })
+	return h.watchHandler.Handle(client, req)
+}
+
+// While a request holds the loop, thousands of connections come and go:
+// no monitor event may be lost, or the requests of a connection whose
+// accept was missed would be dropped as those of a closed one.
+func TestNoConnectionEventLostWhileTheLoopIsBusy(t *testing.T) {
+	h := &blockingHandler{release: make(chan struct{})}
+	addr, _ := serve(t, h)
+	first := dealer(t, addr)
+	send(t, first, request(t, "hello", 1))
+	time.Sleep(100 * time.Millisecond) // the loop now waits in Handle
+	for i := 0; i < 900; i++ {         // 1,800 events
+		s, err := zmq.NewSocket(zmq.DEALER)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = s.SetLinger(0)
+		if err := s.Connect(addr); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Millisecond)
+		s.Close()
+	}
+	const open = 300 // 300 more: past libzmq's default 2,000 queued events
+	socks := make([]*zmq.Socket, open)
+	for i := range socks {
+		socks[i] = dealer(t, addr)
+		send(t, socks[i], request(t, "hello", uint64(10+i)))
+	}
+	time.Sleep(200 * time.Millisecond)
+	close(h.release)
+	recvReply(t, first)
+	for i, s := range socks {
+		if _, r := recvReply(t, s); !r.OK || r.ID != uint64(10+i) {
+			t.Fatalf("client %d: reply %+v", i, r)
+		}
+	}
+}

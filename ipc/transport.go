@@ -163,6 +163,12 @@ func (t *Transport) configure(o Options) error {
 		return fmt.Errorf("zmq monitor socket: %w", err)
 	}
 	t.mon = mon
+	// No event may be lost (a connection whose accept was missed would have
+	// its requests taken for a closed connection's): an inproc pipe with a
+	// receive high-water mark of 0 is unbounded.
+	if err := mon.SetRcvhwm(0); err != nil {
+		return fmt.Errorf("zmq monitor hwm: %w", err)
+	}
 	if err := mon.Connect(monAddr); err != nil {
 		return fmt.Errorf("zmq monitor connect: %w", err)
 	}
