@@ -27,9 +27,13 @@ def test_private_server_exits_within_a_second_of_its_trainer(how: str) -> None:
     p = trainer(how)
     server = ready_pid(p)
     assert running(server)
+    rundir = Path(f"/proc/{server}/cmdline").read_bytes().split(b"\0")
+    rundir = Path(rundir[rundir.index(b"--run-dir") + 1].decode())
+    assert rundir.is_dir()
     p.wait(timeout=30)
     took = wait_gone(server, 5.0)
     assert took < 1.0, f"sonard outlived its trainer ({how}) by {took:.2f} s"
+    assert not rundir.exists(), "the private server's run directory was left behind"
 
 
 def test_private_server_survives_the_thread_that_started_it() -> None:
@@ -145,7 +149,7 @@ def test_hung_shared_server_noticed_by_heartbeat(sonard_binary: str, tmp_path: P
             conn.call("stats", {})
         took = time.monotonic() - t0
         print(f"stopped shared server noticed after {took:.3f} s")
-        assert took < 2.0, f"a stopped server was noticed after {took:.2f} s"
+        assert took < 7.0, f"a stopped server was noticed after {took:.2f} s (heartbeat timeout 5 s)"
         conn.close()
     finally:
         proc.kill()

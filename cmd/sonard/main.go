@@ -74,6 +74,7 @@ func run() int {
 	cudaMaxIdle := fs.Int("cuda-max-idle", envInt("SONAR_CUDA_MAX_IDLE", 8), "client CUDA allocations kept open while unused, for reuse (env SONAR_CUDA_MAX_IDLE)")
 	trustedLibs := fs.String("trusted-sqrt-lib", os.Getenv("SONAR_TRUSTED_SQRT_LIBS"), "comma-separated libraries (absolute paths, e.g. a torch's libtorch_cpu.so) whose float32 sqrt any client may ask for, also over tcp://; clients of an ipc:// sonard may name any (env SONAR_TRUSTED_SQRT_LIBS)")
 	parentPID := fs.Int("parent-pid", 0, "private server of process PID (SonarAdamW's own): exit within a second of it, however it ends; 0: a standalone server")
+	runDir := fs.String("run-dir", "", "with --parent-pid: the private server's run directory (sonard.log, owner.token, the socket), removed once the parent has exited")
 	adminToken := fs.String("admin-token-file", os.Getenv("SONAR_ADMIN_TOKEN_FILE"), "file (mode 0600) of the secret a shutdown request must carry; without it shutdown is refused (stop sonard with SIGTERM) (env SONAR_ADMIN_TOKEN_FILE)")
 	grace := fs.Duration("reconnect-grace", envDuration("SONAR_RECONNECT_GRACE", server.DefaultReconnectGrace), "keep a session this long after its connection closed, for its client to reconnect (env SONAR_RECONNECT_GRACE)")
 	heartbeat := fs.Duration("heartbeat-timeout", envDuration("SONAR_HEARTBEAT_TIMEOUT", 10*time.Second), "close a connection that answers no heartbeat (sent every second) for this long; its session is then released (env SONAR_HEARTBEAT_TIMEOUT)")
@@ -209,6 +210,13 @@ func run() int {
 		return exitError
 	}
 	log.Info("sonard stopped")
+	if parentGone != nil && *runDir != "" {
+		select {
+		case <-parentGone:
+			removeRunDir(*runDir, log)
+		default:
+		}
+	}
 	return exitOK
 }
 

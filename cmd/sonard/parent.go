@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"time"
@@ -121,4 +122,19 @@ func readToken(path string) (string, error) {
 		return "", fmt.Errorf("admin token %s: want at least 16 characters", path)
 	}
 	return tok, nil
+}
+
+// removeRunDir removes a private server's run directory once its parent
+// has exited (nobody is left to do it): the files SonarAdamW puts there (the
+// log, the owner token; the socket is removed with the transport), then the
+// directory if that left it empty. Nothing else is ever removed.
+func removeRunDir(dir string, log *zap.Logger) {
+	for _, name := range []string{"sonard.log", "owner.token", "sonard.sock"} {
+		if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			log.Warn("run directory", zap.Error(err))
+		}
+	}
+	if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+		log.Warn("run directory", zap.Error(err))
+	}
 }

@@ -27,9 +27,10 @@ def start_private_server(timeout: float, log_level: str = "warn") -> Connection:
     fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token)
-    # --parent-pid: the server exits within a second of this process, however it ends.
+    # --parent-pid: the server exits within a second of this process, however it ends, and
+    # then removes this run directory (--run-dir), which this process can no longer do.
     args = [binary, "--listen", f"ipc://{sock}", "--log-level", log_level,
-            "--parent-pid", str(os.getpid()), "--admin-token-file", token_path]
+            "--parent-pid", str(os.getpid()), "--admin-token-file", token_path, "--run-dir", rundir]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             args,
