@@ -190,7 +190,8 @@ class Connection:
                     self.check_alive()
                 continue
             self.poll(0.05)
-            self._check_link()
+            if (rid is None and self._pending) or (rid is not None and rid in self._pending):
+                self._check_link()  # not after the awaited reply came (a shutdown's: the server then leaves)
         if rid is None:
             return {}
         return self._done.pop(rid)

@@ -61,7 +61,7 @@ class Link:
             elif ev == zmq.EVENT_DISCONNECTED and self.up:
                 self.up, self.dropped = False, True
                 self.lost_in_flight = max(self.lost_in_flight, in_flight)
-                log.warning("the connection to sonard closed (%d requests in flight)", in_flight)
+                log.debug("the connection to sonard closed (%d requests in flight)", in_flight)
 
     def lost(self, in_flight: int) -> str | None:
         """Why the server is to be given up now, or None."""
