@@ -10,6 +10,10 @@ package ipc
 type conns struct {
 	byFD   map[int]*peer
 	byName map[string]*peer
+	// last is the client of the connection that last closed on a
+	// descriptor: its messages may still be queued when a new connection
+	// reuses the descriptor.
+	last map[int]string
 }
 
 // peer is one accepted connection; client is its routing id once a message
@@ -17,17 +21,19 @@ type conns struct {
 type peer struct {
 	fd     int
 	client string
+	prev   string // the client of the previous connection on fd
 }
 
 func newConns() *conns {
-	return &conns{byFD: map[int]*peer{}, byName: map[string]*peer{}}
+	return &conns{byFD: map[int]*peer{}, byName: map[string]*peer{}, last: map[int]string{}}
 }
 
 // accepted records a new connection on fd; a connection still recorded on
 // fd (its close was not reported) is returned as gone.
 func (c *conns) accepted(fd int) (gone string) {
 	gone = c.closed(fd)
-	c.byFD[fd] = &peer{fd: fd}
+	c.byFD[fd] = &peer{fd: fd, prev: c.last[fd]}
+	delete(c.last, fd)
 	return gone
 }
 
@@ -42,6 +48,11 @@ func (c *conns) closed(fd int) string {
 	if p.client != "" && c.byName[p.client] == p {
 		delete(c.byName, p.client)
 	}
+	if p.client != "" {
+		c.last[fd] = p.client
+	} else {
+		delete(c.last, fd)
+	}
 	return p.client
 }
 
@@ -49,18 +60,30 @@ func (c *conns) closed(fd int) string {
 // connection (ok), and whether it is the first one. It does not when the
 // connection on fd was closed (a message left in the socket's queue by a
 // client that is gone) or belongs to another client (the descriptor was
-// reused).
-func (c *conns) message(fd int, client string) (ok, first bool) {
+// reused). A message left over by the previous connection on a reused
+// descriptor can come before the new connection's first one and be taken for
+// it; when the new client's message comes, the connection is given to it and
+// the previous client is returned as gone (again).
+func (c *conns) message(fd int, client string) (ok, first bool, gone string) {
 	p := c.byFD[fd]
 	switch {
 	case p == nil:
-		return false, false
+		return false, false, ""
+	case p.client == client:
+		return true, false, ""
 	case p.client == "":
-		p.client = client
-		c.byName[client] = p
-		return true, true
+	case p.client == p.prev:
+		gone = p.client
+		if c.byName[gone] == p {
+			delete(c.byName, gone)
+		}
+		p.prev = ""
+	default:
+		return false, false, ""
 	}
-	return p.client == client, false
+	p.client = client
+	c.byName[client] = p
+	return true, true, gone
 }
 
 // connected reports whether client has an open connection.

@@ -280,7 +280,10 @@ func (t *Transport) receive(h Handler, frames [][]byte, fdText string) {
 	}
 	client := fmt.Sprintf("%x", frames[0])
 	if fd, err := strconv.Atoi(fdText); err == nil {
-		ok, first := t.conns.message(fd, client)
+		ok, first, gone := t.conns.message(fd, client)
+		if gone != "" {
+			t.disconnected(h, gone)
+		}
 		if !ok {
 			t.stale++
 			t.log.Debug("dropping a request of a closed connection", zap.String("client", client))
