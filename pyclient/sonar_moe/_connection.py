@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,13 @@ from typing import Any
 import msgpack
 import zmq
 
+from . import _fork
+from ._liveness import Link, configure
+
 PROTOCOL_VERSION = 1
+# At most this many requests wait for their replies: past it, send() reads replies first
+# (the server also parks a client's requests while its replies wait: docs/protocol.md).
+MAX_IN_FLIGHT = 512
 
 # Once the private server has exited, how long the client still reads for replies it sent
 # before exiting (they are already in the socket; ZeroMQ's I/O thread moves them).
@@ -77,6 +84,14 @@ class SonarRefused(SonarError):
     """The server answered a request with an error."""
 
 
+def check_address(address: str) -> None:
+    """The transports a client speaks: ipc:///path, and tcp:// (always with CURVE)."""
+    if address.startswith("ipc:///") or address.startswith("tcp://"):
+        return
+    raise SonarError(f"sonard address {address!r}: only ipc:///path and tcp://host:port (with CURVE) are allowed; "
+                     "other transports (ws://, inproc://, ipc://@abstract, ...) do not authenticate the server's peers")
+
+
 @dataclass
 class Pending:
     op: str
@@ -93,21 +108,48 @@ class Connection:
     timeout: float = 30.0
     process: subprocess.Popen[bytes] | None = None
     log_path: str | None = None
+    admin_token: str | None = None  # the private server's owner token (shutdown)
     _ctx: zmq.Context[Any] = field(init=False)
     _sock: zmq.Socket[Any] = field(init=False)
     _ids: itertools.count[int] = field(init=False, default_factory=lambda: itertools.count(1))
     _pending: dict[int, Pending] = field(init=False, default_factory=dict)
     _done: dict[int, dict[str, Any]] = field(init=False, default_factory=dict)
     _closed: bool = field(init=False, default=False)
+    _forked_from: int | None = field(init=False, default=None)
     latencies: list[float] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        check_address(self.address)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Our own routing id: after a reconnect (a network blip) the server finds the
+        # session again, within its grace period (hello's reconnect_grace_ms).
+        self._sock.setsockopt(zmq.ROUTING_ID, b"S" + secrets.token_bytes(15))
+        configure(self._sock)
         if self.address.startswith("tcp://"):
             self._use_curve()
+        self._link = Link(self._sock)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._link.monitor, zmq.POLLIN)
         self._sock.connect(self.address)
+        _fork.track(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the connection, the private server and its run directory
+        belong to the parent. Forget them; never speak on the socket (_fork)."""
+        self._forked_from = os.getppid()
+        self._closed = True
+        self._pending.clear()
+        self._done.clear()
+
+    def _check_process(self) -> None:
+        if self._forked_from is not None:
+            raise SonarError(
+                f"this SonarAdamW belongs to process {self._forked_from}; a forked child cannot use it (its "
+                "server session, shared memory and private sonard are the parent's). Build a new SonarAdamW "
+                "in the child, or use the spawn start method")
 
     def _use_curve(self) -> None:
         """tcp:// servers authenticate clients with ZeroMQ CURVE (sonard --gen-curve-keys)."""
@@ -131,6 +173,10 @@ class Connection:
 
     def send(self, op: str, body: dict[str, Any], on_reply: Callable[[dict[str, Any]], None] | None = None) -> int:
         """Send a request without waiting; on_reply(reply) runs when its reply arrives."""
+        self._check_process()
+        while len(self._pending) >= MAX_IN_FLIGHT:
+            self.wait_any()
+        self._check_link()
         rid = next(self._ids)
         msg = msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "id": rid, "body": body}, use_bin_type=True)
         self._pending[rid] = Pending(op, time.perf_counter(), on_reply)
@@ -160,13 +206,19 @@ class Connection:
 
     def poll(self, timeout: float = 0.0) -> int:
         """Handle the replies that arrive within timeout seconds; return how many."""
+        self._check_process()
         n = 0
         wait_ms = int(timeout * 1000)
-        while self._sock.poll(wait_ms):
-            self._dispatch(self._sock.recv())
-            n += 1
+        while True:
+            ready = dict(self._poller.poll(wait_ms))
+            if self._sock not in ready:
+                if ready:  # a monitor event: the caller checks the link
+                    self._link.update(len(self._pending))
+                return n
+            while self._sock.poll(0):
+                self._dispatch(self._sock.recv())
+                n += 1
             wait_ms = 0
-        return n
 
     def wait(self, rid: int | None = None, timeout: float | None = None) -> dict[str, Any]:
         """Wait for reply rid (or for every pending reply when rid is None)."""
@@ -177,6 +229,8 @@ class Connection:
                 ops = sorted({p.op for p in self._pending.values()})
                 raise SonarError(f"sonard did not answer within {limit:.1f} s ({len(self._pending)} requests pending: {ops})")
             self._poll_or_raise_if_gone(0.05)
+            if (rid is None and self._pending) or (rid is not None and rid in self._pending):
+                self._check_link()  # not after the awaited reply came (a shutdown's: the server then leaves)
         if rid is None:
             return {}
         return self._done.pop(rid)
@@ -186,6 +240,7 @@ class Connection:
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         while not self._poll_or_raise_if_gone(0.05):
+            self._check_link()
             if time.monotonic() > deadline:
                 raise SonarError(f"sonard did not answer within {limit:.1f} s ({len(self._pending)} requests pending)")
 
@@ -204,6 +259,20 @@ class Connection:
     def server_alive(self) -> bool:
         """False once the private server process has exited (a shared server is not watched)."""
         return self.process is None or self.process.poll() is None
+
+    def _check_link(self) -> None:
+        """Raise SonarServerDied when the connection to the server is lost (the private
+        server's exit code and log when it was the private one)."""
+        why = self._link.lost(len(self._pending))
+        if why is None:
+            return
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            self.check_alive()
+        raise SonarServerDied(f"{why}: {self.address}")
 
     def check_alive(self) -> None:
         """Raise SonarServerDied, naming the cause in one line, if the private server has exited."""
@@ -245,6 +314,9 @@ class Connection:
 
     def close(self) -> None:
         self._closed = True
+        if self._forked_from is not None:
+            return  # the parent's sockets: never touched in a forked child
+        self._link.close()
         self._sock.close(linger=0)
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -274,7 +346,7 @@ class Connection:
             self.call("bye", {}, timeout=timeout)
             return
         try:
-            self.call("shutdown", {}, timeout=timeout)
+            self.call("shutdown", {"token": self.admin_token or ""}, timeout=timeout)
         except SonarServerDied:
             if self.process.returncode != 0:
                 raise
