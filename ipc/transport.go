@@ -48,7 +48,7 @@ type Transport struct {
 	// default context). Close terminates it, which is what makes the linger wait happen:
 	// closing the socket alone hands queued replies (a shutdown's answer) to ZeroMQ's
 	// threads, which the process's exit can end before they are sent.
-	ctx *zmq.Context
+	ctx  *zmq.Context
 	log  *zap.Logger
 	addr string
 	// ipcPath is the socket file of an ipc:// endpoint, removed on Close.
