@@ -80,13 +80,15 @@ def server(sonard_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 @pytest.fixture(autouse=True)
-def _deterministic() -> object:
+def _deterministic() -> Iterator[None]:
     """Some expert kernels accumulate in parallel in no fixed order on CPU (see hf_util): make the
     reference and the Sonar run reproducible."""
-    was = torch.are_deterministic_algorithms_enabled()
+    was, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # NaN-filling every new tensor costs time
     yield
     torch.use_deterministic_algorithms(was)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def test_families_are_discovered() -> None:

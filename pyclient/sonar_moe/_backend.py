@@ -279,7 +279,9 @@ class ServerBackend(ABC):
         for e in experts:
             if self._options.split_experts and e.slices > 1:
                 e.parts = e.slices
-            shape = list(e.param.shape[1:]) if e.parts > 1 else list(e.param.shape)
+            shape = list(e.param.shape)
+            if e.parts > 1:  # one expert's slice: [E, ...] -> [...]; flattened [E * I, H] -> [I, H]
+                shape = shape[1:] if shape[0] == e.parts else [shape[0] // e.parts, *shape[1:]]
             ref = self._param_ref(e)
             for i in range(e.parts):
                 specs.append({"name": e.name if e.parts == 1 else f"{e.name}.{i}", "shape": shape,
