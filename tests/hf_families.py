@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import pkgutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,10 +101,7 @@ _PREFERENCE = ("ForCausalLM", "ForConditionalGeneration", "Model", "Backbone")
 def model_class(family: Family) -> type[PreTrainedModel] | None:
     """The family's LM head model for this config (causal, else seq2seq), else its base model."""
     found: list[type[PreTrainedModel]] = []
-    pkg = importlib.import_module(f"transformers.models.{family.name}")
-    for mod_name in getattr(pkg, "_import_structure", None) or _modeling_modules(family.name):
-        if not mod_name.startswith("modeling_"):
-            continue
+    for mod_name in _modeling_modules(family.name):
         mod = importlib.import_module(f"transformers.models.{family.name}.{mod_name}")
         found += [c for c in vars(mod).values()
                   if inspect.isclass(c) and issubclass(c, PreTrainedModel) and c.config_class is family.config_class
@@ -116,7 +114,6 @@ def model_class(family: Family) -> type[PreTrainedModel] | None:
 
 
 def _modeling_modules(pkg_name: str) -> list[str]:
-    import pkgutil
     pkg = importlib.import_module(f"transformers.models.{pkg_name}")
     return [m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name.startswith("modeling_")]
 
@@ -180,7 +177,7 @@ def build(family: Family, dtype: torch.dtype = torch.float32, seed: int = 0) -> 
         raise LookupError(f"no model class with config {family.config_class.__name__}")
     cfg = tiny_config(family)
     with _seeded(seed), _nan_for_uninitialized():
-        model = cls._from_config(cfg, dtype=dtype)
+        model = cls(cfg).to(dtype)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():

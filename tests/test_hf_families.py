@@ -27,6 +27,7 @@ from hf_families import EXPERTS, Family, build, inputs, loss_of, model_class, mo
 LR = 3e-3
 WD = 0.05
 CLIP = 1e-3  # small enough that clipping engages on every step
+STEPS = 2  # the second step reads the moments back
 
 # Expert tensors of the families whose config has no expert-parallel plan (regexes on names).
 LAYOUTS: dict[str, list[str]] = {
@@ -40,11 +41,6 @@ LAYOUTS: dict[str, list[str]] = {
     "switch_transformers": [r"\.mlp\.experts\.expert_\d+\.w[io]\.weight"],
     "vitpose_backbone": [r"\.mlp\.experts\.\d+\.(weight|bias)"],           # ModuleList of Linear
 }
-
-# One step pair per family checks detection, hooks and grouping; the layouts new to this test
-# (flattened, per-expert modules, embedding rows, expert biases) take a second step, which also
-# reads the moments back (multi-step training of the batched layout: test_hf_models.py).
-TWO_STEPS = {*LAYOUTS, "gpt_oss", "openai_privacy_filter"}
 
 FAMILIES = moe_families()
 
@@ -81,13 +77,17 @@ def server(sonard_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 @pytest.fixture(autouse=True)
-def _deterministic() -> Iterator[None]:
-    """Some expert kernels accumulate in parallel in no fixed order on CPU (see hf_util): make the
-    reference and the Sonar run reproducible."""
+def _reproducible() -> Iterator[None]:
+    """Deterministic kernels (some expert kernels accumulate in parallel in no fixed order on CPU,
+    see hf_util) and one torch thread: on busy shared cores two OpenMP threads wait on each other
+    (a tiny model's step measured 100x slower). The reference and the Sonar run alike."""
     was, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    threads = torch.get_num_threads()
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False  # NaN-filling every new tensor costs time
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(was)
     torch.utils.deterministic.fill_uninitialized_memory = fill
 
@@ -124,7 +124,7 @@ def test_detection_and_bitwise_training(family: Family, server: str) -> None:
     with sonar_moe.SonarAdamW(mine, lr=LR, weight_decay=WD, max_grad_norm=CLIP, server=server) as opt:
         assert [n for n, _ in opt.named_expert_parameters()] == want
         assert len(opt.dense_parameters()) == len(dense)
-        for step in range(2 if family.model_type in TWO_STEPS else 1):
+        for step in range(STEPS):
             batch = inputs(ref, step)
             loss_of(ref, batch, step).backward()
             norm = torch.nn.utils.clip_grad_norm_(dense, CLIP)
