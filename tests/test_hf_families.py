@@ -217,6 +217,7 @@ def test_split_experts_splits_by_expert_count(model_type: str, server: str) -> N
     ref = build(family, seed=5)
     mine = copy.deepcopy(ref)
     found = sonar_moe.find_experts(mine)
+    assert found and all(t.experts == EXPERTS for t in found.values())
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
     with sonar_moe.SonarAdamW(mine, lr=LR, split_experts=True, server=server) as opt:
         batch = inputs(ref, 0)
