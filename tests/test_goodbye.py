@@ -36,14 +36,14 @@ def racing_connection() -> ReaderThatLosesTheRace:
     plain = start_private_server(10.0)
     plain.close()  # its socket only: the server goes on, a new connection takes over
     return ReaderThatLosesTheRace(address=plain.address, timeout=10.0, process=plain.process,
-                                  log_path=plain.log_path)
+                                  log_path=plain.log_path, admin_token=plain.admin_token)
 
 
 @pytest.mark.parametrize("how", ["wait", "wait_any"])
 def test_a_reply_sent_before_the_server_exited_is_read(how: str) -> None:
     conn = racing_connection()
     try:
-        rid = conn.send("shutdown", {})
+        rid = conn.send("shutdown", {"token": conn.admin_token})
         if how == "wait":
             rep = conn.wait(rid)
             assert rep["ok"] and rep["body"]["shutdown"]

@@ -228,9 +228,13 @@ class Connection:
             if time.monotonic() > deadline:
                 ops = sorted({p.op for p in self._pending.values()})
                 raise SonarError(f"sonard did not answer within {limit:.1f} s ({len(self._pending)} requests pending: {ops})")
-            self._poll_or_raise_if_gone(0.05)
-            if (rid is None and self._pending) or (rid is not None and rid in self._pending):
-                self._check_link()  # not after the awaited reply came (a shutdown's: the server then leaves)
+            n = self._poll_or_raise_if_gone(0.05)
+            # The link is checked only while the awaited reply is missing (a shutdown's comes before
+            # the server leaves) and the private server, if any, still runs: once it has exited,
+            # _poll_or_raise_if_gone reads what it sent first.
+            if not n and self.server_alive and ((rid is None and self._pending) or
+                                                (rid is not None and rid in self._pending)):
+                self._check_link()
         if rid is None:
             return {}
         return self._done.pop(rid)
@@ -240,7 +244,8 @@ class Connection:
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         while not self._poll_or_raise_if_gone(0.05):
-            self._check_link()
+            if self.server_alive:
+                self._check_link()
             if time.monotonic() > deadline:
                 raise SonarError(f"sonard did not answer within {limit:.1f} s ({len(self._pending)} requests pending)")
 
