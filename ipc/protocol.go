@@ -92,6 +92,9 @@ type HelloReply struct {
 	// CUDA describes the server's GPU ("NVIDIA H200, cc 9.0, compute_90"),
 	// empty when the server has no CUDA path.
 	CUDA string `msgpack:"cuda,omitempty"`
+	// ReconnectGraceMillis is how long the server keeps a session after its
+	// connection closed, for the client to reconnect with the same routing id.
+	ReconnectGraceMillis int64 `msgpack:"reconnect_grace_ms,omitempty"`
 }
 
 // Attach asks the server to map a shared-memory segment the client created.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -28,14 +29,52 @@ type Ticker interface {
 	Tick(now time.Time)
 }
 
+// Watcher is implemented by handlers that tie a client's state to its
+// connection. On the transport's goroutine, Connected is called before the
+// first request of a client on a connection the transport watches, and
+// Disconnected when that connection closed (the process exited or closed its
+// socket, or it missed the heartbeats).
+type Watcher interface {
+	Connected(client string)
+	Disconnected(client string)
+}
+
 // Transport is a ZeroMQ ROUTER socket serving a Handler. Clients use DEALER
 // sockets (requests may be pipelined) and send one frame per message.
 type Transport struct {
 	sock *zmq.Socket
+	mon  *zmq.Socket // PAIR end of the ROUTER's monitor: connections accepted and closed
+	// ctx is the sockets' own ZeroMQ context (nil with CURVE: authentication runs in the
+	// default context). Close terminates it, which is what makes the linger wait happen:
+	// closing the socket alone hands queued replies (a shutdown's answer) to ZeroMQ's
+	// threads, which the process's exit can end before they are sent.
+	ctx  *zmq.Context
 	log  *zap.Logger
 	addr string
 	// ipcPath is the socket file of an ipc:// endpoint, removed on Close.
 	ipcPath string
+	conns   *conns
+	out     map[string]*outbox // clients whose replies or requests wait
+	stale   int64              // requests dropped: their connection had closed
+}
+
+// Options are the transport's tunables (zero values: the defaults).
+type Options struct {
+	// HeartbeatInterval is how often the server pings each connection
+	// (ZMQ_HEARTBEAT_IVL, default 1 s); HeartbeatTimeout closes a connection
+	// that answered nothing for that long (default 10 s), which releases its
+	// client's session like a closed socket.
+	HeartbeatInterval, HeartbeatTimeout time.Duration
+}
+
+func (o Options) withDefaults() Options {
+	if o.HeartbeatInterval <= 0 {
+		o.HeartbeatInterval = time.Second
+	}
+	if o.HeartbeatTimeout <= 0 {
+		o.HeartbeatTimeout = 10 * time.Second
+	}
+	return o
 }
 
 // Curve configures ZeroMQ CURVE authentication and encryption: the server's
@@ -45,19 +84,34 @@ type Curve struct {
 	ClientKeys   []string
 }
 
-// Listen binds a ROUTER socket to addr ("ipc:///path" or "tcp://host:port").
-// For ipc:// the socket file is created with mode 0600 in a private
-// directory. tcp:// requires curve: only clients holding an allowed key
-// can connect.
-func Listen(addr string, log *zap.Logger, curve *Curve) (*Transport, error) {
-	if strings.HasPrefix(addr, "tcp://") && (curve == nil || curve.ServerSecret == "" || len(curve.ClientKeys) == 0) {
-		return nil, fmt.Errorf("listen %s: tcp:// needs CURVE authentication (a server secret key and allowed client keys)", addr)
+// Listen binds a ROUTER socket to addr, which must pass CheckEndpoint:
+// "ipc:///path" (the socket file is created with mode 0600 in a private
+// directory) or "tcp://host:port" with curve (only clients holding an
+// allowed key can connect).
+func Listen(addr string, log *zap.Logger, curve *Curve, opts ...Options) (*Transport, error) {
+	hasCurve := curve != nil && curve.ServerSecret != "" && len(curve.ClientKeys) > 0
+	if err := CheckEndpoint(addr, hasCurve); err != nil {
+		return nil, fmt.Errorf("listen: %w", err)
 	}
-	sock, err := zmq.NewSocket(zmq.ROUTER)
+	o := Options{}
+	if len(opts) > 0 {
+		o = opts[0]
+	}
+	o = o.withDefaults()
+	var ctx *zmq.Context
+	var sock *zmq.Socket
+	var err error
+	if hasCurve {
+		sock, err = zmq.NewSocket(zmq.ROUTER)
+	} else if ctx, err = zmq.NewContext(); err == nil {
+		if sock, err = ctx.NewSocket(zmq.ROUTER); err != nil {
+			_ = ctx.Term()
+		}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("zmq socket: %w", err)
 	}
-	if curve != nil && curve.ServerSecret != "" {
+	if hasCurve {
 		zmq.AuthSetVerbose(false)
 		if err := zmq.AuthStart(); err != nil {
 			sock.Close()
@@ -69,38 +123,76 @@ func Listen(addr string, log *zap.Logger, curve *Curve) (*Transport, error) {
 			return nil, fmt.Errorf("zmq curve: %w", err)
 		}
 	}
-	if err := sock.SetLinger(0); err != nil {
-		sock.Close()
-		return nil, fmt.Errorf("zmq linger: %w", err)
+	t := &Transport{sock: sock, ctx: ctx, log: log, addr: addr, conns: newConns(), out: map[string]*outbox{}}
+	if err := t.configure(o); err != nil {
+		t.closeSockets()
+		return nil, err
 	}
-	// A reply to a client that went away is dropped, not an error.
-	if err := sock.SetRouterMandatory(0); err != nil {
-		sock.Close()
-		return nil, fmt.Errorf("zmq router mandatory: %w", err)
-	}
-	if err := sock.SetMaxmsgsize(MaxMessageBytes + 1024); err != nil {
-		sock.Close()
-		return nil, fmt.Errorf("zmq maxmsgsize: %w", err)
-	}
-	t := &Transport{sock: sock, log: log, addr: addr}
 	if p, ok := strings.CutPrefix(addr, "ipc://"); ok {
 		t.ipcPath = p
 		if err := privateDir(filepath.Dir(p)); err != nil {
-			sock.Close()
+			t.closeSockets()
 			return nil, err
 		}
 	}
 	if err := sock.Bind(addr); err != nil {
-		sock.Close()
+		t.closeSockets()
 		return nil, fmt.Errorf("bind %s: %w", addr, err)
 	}
 	if t.ipcPath != "" {
 		if err := os.Chmod(t.ipcPath, 0o600); err != nil {
-			sock.Close()
+			t.closeSockets()
 			return nil, fmt.Errorf("chmod %s: %w", t.ipcPath, err)
 		}
 	}
 	return t, nil
+}
+
+// configure sets the ROUTER's options and starts its monitor.
+func (t *Transport) configure(o Options) error {
+	for _, set := range []struct {
+		name string
+		f    func() error
+	}{
+		{"linger", func() error { return t.sock.SetLinger(0) }},
+		// Replies are never dropped silently: a full queue is EAGAIN (the
+		// reply waits in the client's outbox), a client that is gone is
+		// EHOSTUNREACH.
+		{"router mandatory", func() error { return t.sock.SetRouterMandatory(1) }},
+		{"maxmsgsize", func() error { return t.sock.SetMaxmsgsize(MaxMessageBytes + 1024) }},
+		{"heartbeat interval", func() error { return t.sock.SetHeartbeatIvl(o.HeartbeatInterval) }},
+		{"heartbeat timeout", func() error { return t.sock.SetHeartbeatTimeout(o.HeartbeatTimeout) }},
+		{"heartbeat ttl", func() error { return t.sock.SetHeartbeatTtl(o.HeartbeatTimeout) }},
+	} {
+		if err := set.f(); err != nil {
+			return fmt.Errorf("zmq %s: %w", set.name, err)
+		}
+	}
+	monAddr := fmt.Sprintf("inproc://sonard-monitor-%p", t)
+	if err := t.sock.Monitor(monAddr, zmq.EVENT_ACCEPTED|zmq.EVENT_DISCONNECTED); err != nil {
+		return fmt.Errorf("zmq monitor: %w", err)
+	}
+	var mon *zmq.Socket
+	var err error
+	if t.ctx != nil { // inproc endpoints live in one context
+		mon, err = t.ctx.NewSocket(zmq.PAIR)
+	} else {
+		mon, err = zmq.NewSocket(zmq.PAIR)
+	}
+	if err != nil {
+		return fmt.Errorf("zmq monitor socket: %w", err)
+	}
+	t.mon = mon
+	// No event may be lost (a connection whose accept was missed would have
+	// its requests taken for a closed connection's): an inproc pipe with a
+	// receive high-water mark of 0 is unbounded.
+	if err := mon.SetRcvhwm(0); err != nil {
+		return fmt.Errorf("zmq monitor hwm: %w", err)
+	}
+	if err := mon.Connect(monAddr); err != nil {
+		return fmt.Errorf("zmq monitor connect: %w", err)
+	}
+	return nil
 }
 
 // Serve receives requests and answers them until ctx is done. A message
@@ -109,6 +201,7 @@ func Listen(addr string, log *zap.Logger, curve *Curve) (*Transport, error) {
 func (t *Transport) Serve(ctx context.Context, h Handler) error {
 	poller := zmq.NewPoller()
 	poller.Add(t.sock, zmq.POLLIN)
+	poller.Add(t.mon, zmq.POLLIN)
 	ticker, _ := h.(Ticker)
 	lastTick := time.Now()
 	for ctx.Err() == nil {
@@ -116,35 +209,120 @@ func (t *Transport) Serve(ctx context.Context, h Handler) error {
 			ticker.Tick(now)
 			lastTick = now
 		}
-		ready, err := poller.Poll(100 * time.Millisecond)
+		wait := 100 * time.Millisecond
+		if t.flush(h) {
+			wait = 2 * time.Millisecond // replies wait for room, or parked requests for their turn
+		}
+		ready, err := poller.Poll(wait)
 		if err != nil {
 			if errors.Is(err, zmq.Errno(4)) { // EINTR
 				continue
 			}
 			return fmt.Errorf("poll: %w", err)
 		}
+		t.events(h)
 		if len(ready) == 0 {
 			continue
 		}
-		frames, err := t.sock.RecvMessageBytes(zmq.DONTWAIT)
+		frames, fd, err := t.recv()
 		if err != nil {
 			if zmq.AsErrno(err) == zmq.Errno(11) { // EAGAIN
 				continue
 			}
 			return fmt.Errorf("recv: %w", err)
 		}
-		t.serveOne(h, frames)
+		// Events produced before this message (its connection's accept,
+		// the close of an earlier connection on the same descriptor).
+		t.events(h)
+		t.receive(h, frames, fd)
 	}
 	return nil
 }
 
-func (t *Transport) serveOne(h Handler, frames [][]byte) {
+// recv receives one message and the descriptor of the connection it came
+// on ("" when libzmq does not say). The descriptor is libzmq's "__fd"
+// metadata; after a poll the ROUTER may have it on the payload frame only, so
+// every frame is asked.
+func (t *Transport) recv() (frames [][]byte, fd string, err error) {
+	for {
+		b, md, err := t.sock.RecvBytesWithMetadata(zmq.DONTWAIT, "__fd")
+		if err != nil {
+			return frames, fd, err
+		}
+		frames = append(frames, b)
+		if v, ok := md["__fd"]; ok {
+			fd = v
+		}
+		if more, err := t.sock.GetRcvmore(); err != nil || !more {
+			return frames, fd, err
+		}
+	}
+}
+
+// events handles the monitor's events that are waiting.
+func (t *Transport) events(h Handler) {
+	for {
+		ev, _, fd, err := t.mon.RecvEvent(zmq.DONTWAIT)
+		if err != nil {
+			return
+		}
+		var gone string
+		switch ev {
+		case zmq.EVENT_ACCEPTED:
+			gone = t.conns.accepted(fd)
+		case zmq.EVENT_DISCONNECTED:
+			gone = t.conns.closed(fd)
+		}
+		if gone != "" {
+			t.disconnected(h, gone)
+		}
+	}
+}
+
+func (t *Transport) disconnected(h Handler, client string) {
+	if ob := t.out[client]; ob != nil && (len(ob.replies) > 0 || len(ob.parked) > 0) {
+		t.log.Warn("client gone with replies or requests waiting", zap.String("client", client),
+			zap.Int("replies", len(ob.replies)), zap.Int("requests", len(ob.parked)))
+	}
+	delete(t.out, client)
+	if w, ok := h.(Watcher); ok {
+		w.Disconnected(client)
+	}
+}
+
+// receive takes one message: it is served now, or parked behind the
+// client's replies that wait for room (backpressure), or dropped when its
+// connection is already closed (nobody could read the reply).
+func (t *Transport) receive(h Handler, frames [][]byte, fdText string) {
 	if len(frames) < 2 {
 		t.log.Warn("dropping message without routing id and payload", zap.Int("frames", len(frames)))
 		return
 	}
+	client := fmt.Sprintf("%x", frames[0])
+	if fd, err := strconv.Atoi(fdText); err == nil {
+		ok, first, gone := t.conns.message(fd, client)
+		if gone != "" {
+			t.disconnected(h, gone)
+		}
+		if !ok {
+			t.stale++
+			t.log.Debug("dropping a request of a closed connection", zap.String("client", client))
+			return
+		}
+		if w, watcher := h.(Watcher); watcher && first {
+			w.Connected(client)
+		}
+	}
+	if ob := t.out[client]; ob != nil {
+		ob.park(t, client, frames)
+		return
+	}
+	t.send(client, t.serveOne(h, client, frames))
+}
+
+// serveOne executes one message and returns the reply's frames.
+func (t *Transport) serveOne(h Handler, client string, frames [][]byte) [][]byte {
 	id := frames[0]
-	client := fmt.Sprintf("%x", id)
 	// REQ clients put an empty delimiter before the payload; keep it in replies.
 	head := [][]byte{id}
 	rest := frames[1:]
@@ -170,26 +348,23 @@ func (t *Transport) serveOne(h Handler, frames [][]byte) {
 			rep.OK = true
 		}
 	}
+	return t.replyFrames(head, rep)
+}
+
+func (t *Transport) replyFrames(head [][]byte, rep Reply) [][]byte {
 	b, err := EncodeReply(rep)
 	if err != nil {
 		t.log.Error("encode reply", zap.Error(err))
-		return
+		b, _ = EncodeReply(Reply{ID: rep.ID, Error: "encode reply: " + err.Error()})
 	}
-	parts := make([]any, 0, len(head)+1)
-	for _, p := range head {
-		parts = append(parts, p)
-	}
-	parts = append(parts, b)
-	if _, err := t.sock.SendMessageDontwait(parts...); err != nil {
-		t.log.Warn("reply not sent", zap.String("client", client), zap.Error(err))
-	}
+	return append(append([][]byte(nil), head...), b)
 }
 
 // Close closes the socket (after up to a second to deliver queued replies,
 // such as the answer to a shutdown request) and removes an ipc:// socket file.
 func (t *Transport) Close() error {
 	_ = t.sock.SetLinger(time.Second)
-	err := t.sock.Close()
+	err := t.closeSockets()
 	if t.ipcPath != "" {
 		_ = os.Remove(t.ipcPath)
 	}
@@ -217,4 +392,17 @@ func privateDir(dir string) error {
 		return fmt.Errorf("socket dir %s has mode %o: want no group/other access", dir, st.Mode().Perm())
 	}
 	return nil
+}
+
+// closeSockets stops the monitor and closes both sockets.
+func (t *Transport) closeSockets() error {
+	if t.mon != nil {
+		_ = t.sock.Monitor("", 0)
+		_ = t.mon.Close()
+	}
+	err := t.sock.Close()
+	if t.ctx != nil {
+		_ = t.ctx.Term()
+	}
+	return err
 }

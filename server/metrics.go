@@ -55,11 +55,11 @@ func (s *Server) observe(client, op string, err error, start time.Time, bytes in
 	if err != nil {
 		s.m.errors.WithLabelValues(op).Inc()
 	}
-	pid := ""
+	// Per client only while it has a session (a bye's own request is not
+	// counted): its series goes with the session.
 	if ss := s.sessions[client]; ss != nil {
-		pid = strconv.Itoa(ss.hello.PID)
+		s.m.perReq.WithLabelValues(client, strconv.Itoa(ss.hello.PID)).Inc()
 	}
-	s.m.perReq.WithLabelValues(client, pid).Inc()
 	if op == "step" && err == nil {
 		s.m.latency.Observe(time.Since(start).Seconds())
 		s.m.bytes.Add(float64(bytes))
@@ -104,4 +104,10 @@ func (s *Server) MetricsHandler() http.Handler {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(s.m.requests, s.m.errors, s.m.bytes, s.m.latency, s.m.perReq, collector{s})
 	return promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
+}
+
+// forgetMetrics deletes a released client's series: nothing of a client
+// outlives its session.
+func (s *Server) forgetMetrics(client string) {
+	s.m.perReq.DeletePartialMatch(prometheus.Labels{"client": client})
 }

@@ -24,7 +24,6 @@ import (
 	"github.com/sonar-moe/sonar/ipc"
 	"github.com/sonar-moe/sonar/optimizer"
 	"go.uber.org/zap"
-	"golang.org/x/sys/unix"
 )
 
 // Version is the release version of sonard (the repository's VERSION file).
@@ -66,8 +65,12 @@ type session struct {
 	open     map[string]backend.Session // by backend name, opened on first use
 	segments map[uint32]*segment
 	tensors  map[uint32]*tensor
+	names    map[string]uint32 // tensor name -> id: register is linear in the tensors it adds
 	lastSeen time.Time
-	pidfd    int // the client process (pidfd_open), -1 when unknown
+	// goneAt is when the client's connection closed (zero while it is
+	// open); the session is released ReconnectGrace later unless the client
+	// is back (see lifetime.go).
+	goneAt time.Time
 }
 
 // Server implements ipc.Handler.
@@ -92,8 +95,8 @@ type Server struct {
 	// TrustedSqrtLibs are the libraries any client may name, local or not
 	// (the operator's --trusted-sqrt-lib).
 	TrustedSqrtLibs map[string]bool
-	// IdleTimeout releases sessions without a watchable client process
-	// after this long without a request (0: never).
+	// IdleTimeout releases sessions whose connection the transport cannot
+	// watch after this long without a request (0: never).
 	IdleTimeout time.Duration
 	// MaxStateBytes bounds the optimizer state (and gradient-accumulation
 	// buffers) the server holds in host memory for all sessions together,
@@ -101,6 +104,13 @@ type Server struct {
 	// accumulating step that would pass either is refused and changes
 	// nothing. CUDA tensors' state lives in device memory and is not counted.
 	MaxStateBytes, MaxSessionStateBytes int64
+	// ReconnectGrace is how long a session outlives its closed connection,
+	// for the client to come back with the same routing id (lifetime.go).
+	ReconnectGrace time.Duration
+	// AdminToken, when set, is the secret a shutdown request must carry (the
+	// private server's owner, or an operator); empty: shutdown is refused.
+	AdminToken string
+	watched    map[string]bool // clients whose connection the transport watches
 
 	requests, errors, stepItems, bytesUpdated int64
 	byOp                                      map[string]int64
@@ -111,7 +121,8 @@ type Server struct {
 // New returns a server over the given backends (by their Name).
 func New(log *zap.Logger, backends ...backend.Backend) *Server {
 	s := &Server{log: log, backends: map[string]backend.Backend{}, unavail: map[string]string{}, sessions: map[string]*session{},
-		shutdown: make(chan struct{}), byOp: map[string]int64{}, stepMicros: make([]int64, 0, 4096), m: newMetrics()}
+		shutdown: make(chan struct{}), byOp: map[string]int64{}, stepMicros: make([]int64, 0, 4096), m: newMetrics(),
+		watched: map[string]bool{}, ReconnectGrace: DefaultReconnectGrace}
 	for _, b := range backends {
 		s.backends[b.Name()] = b
 	}
@@ -129,10 +140,11 @@ func (s *Server) sess(client string) *session {
 	ss := s.sessions[client]
 	if ss == nil {
 		ss = &session{client: client, open: map[string]backend.Session{}, segments: map[uint32]*segment{},
-			tensors: map[uint32]*tensor{}, pidfd: -1, sqrtName: "ieee"}
+			tensors: map[uint32]*tensor{}, names: map[string]uint32{}, sqrtName: "ieee"}
 		s.sessions[client] = ss
 	}
 	ss.lastSeen = time.Now()
+	ss.goneAt = time.Time{}
 	return ss
 }
 
@@ -225,6 +237,9 @@ func (s *Server) handle(client string, req ipc.Request) (any, error) {
 		s.release(client)
 		return ipc.ByeReply{Bye: true}, nil
 	case ipc.OpShutdown:
+		if err := s.mayShutdown(req); err != nil {
+			return nil, err
+		}
 		s.release(client)
 		if s.closed.CompareAndSwap(false, true) {
 			close(s.shutdown)
@@ -255,10 +270,10 @@ func (s *Server) hello(ss *session, h ipc.Hello) (any, error) {
 		return nil, fmt.Errorf("hello changes the float32 sqrt (%s -> %s) of a session that already attached memory", ss.sqrtName, name)
 	}
 	ss.hello, ss.sqrt, ss.sqrtName = h, sqrt, name
-	ss.watch(h.PID)
 	s.log.Info("client connected", zap.String("client", ss.client), zap.String("name", h.Client), zap.Int("pid", h.PID),
 		zap.String("torch", h.Torch), zap.Int("threads", h.Threads), zap.String("capability", h.Capability), zap.String("sqrt", name))
-	rep := ipc.HelloReply{Server: Version, Protocol: ipc.Version, PID: os.Getpid(), Workers: s.Workers, Sqrt: name}
+	rep := ipc.HelloReply{Server: Version, Protocol: ipc.Version, PID: os.Getpid(), Workers: s.Workers, Sqrt: name,
+		ReconnectGraceMillis: s.ReconnectGrace.Milliseconds()}
 	if b := s.backends["cuda"]; b != nil {
 		rep.CUDA = b.Describe()
 	}
@@ -343,21 +358,16 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 	// Validate all first; register all or none.
 	made := make([]*tensor, 0, len(r.Tensors))
 	v := verifier{}
-	names := make(map[string]bool, len(r.Tensors))
-	for _, t := range ss.tensors {
-		names[t.name] = true
-	}
+	names := make(map[string]bool, len(r.Tensors)) // this request's
 	for _, spec := range r.Tensors {
 		d, err := optimizer.ParseDType(spec.DType)
 		if err != nil {
 			return nil, fmt.Errorf("tensor %q: %w", spec.Name, err)
 		}
+		if id, ok := ss.names[spec.Name]; ok {
+			return nil, fmt.Errorf("tensor %q already registered (id %d)", spec.Name, id)
+		}
 		if names[spec.Name] {
-			for _, t := range ss.tensors {
-				if t.name == spec.Name {
-					return nil, fmt.Errorf("tensor %q already registered (id %d)", spec.Name, t.id)
-				}
-			}
 			return nil, fmt.Errorf("tensor %q appears twice", spec.Name)
 		}
 		names[spec.Name] = true
@@ -414,6 +424,7 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 		t.id = s.nextID
 		ids[i] = t.id
 		ss.tensors[t.id] = t
+		ss.names[t.name] = t.id
 	}
 	s.log.Debug("tensors registered", zap.String("client", ss.client), zap.Int("count", len(ids)))
 	return ipc.RegisterReply{IDs: ids}, nil
@@ -698,52 +709,6 @@ func (s *Server) stats() ipc.Stats {
 	return st
 }
 
-// watch ties the session to the client process, so that its memory is freed
-// as soon as that process exits (see Tick).
-func (ss *session) watch(pid int) {
-	if ss.pidfd >= 0 {
-		_ = unix.Close(ss.pidfd)
-		ss.pidfd = -1
-	}
-	if pid <= 0 {
-		return
-	}
-	if fd, err := unix.PidfdOpen(pid, 0); err == nil {
-		ss.pidfd = fd
-	}
-}
-
-// exited reports whether the session's client process has exited.
-func (ss *session) exited() bool {
-	if ss.pidfd < 0 {
-		return false
-	}
-	fds := []unix.PollFd{{Fd: int32(ss.pidfd), Events: unix.POLLIN}}
-	n, err := unix.Poll(fds, 0)
-	return err == nil && n > 0 && fds[0].Revents&unix.POLLIN != 0
-}
-
-// Tick releases the sessions of clients that exited (their process is gone)
-// and of clients not on this host (no process to watch) that have been
-// silent for longer than IdleTimeout. The transport calls it about once a
-// second.
-func (s *Server) Tick(now time.Time) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for c, ss := range s.sessions {
-		switch {
-		case ss.exited():
-			s.log.Warn("client process exited without saying goodbye: releasing its session",
-				zap.String("client", c), zap.Int("pid", ss.hello.PID))
-			s.release(c)
-		case ss.pidfd < 0 && s.IdleTimeout > 0 && now.Sub(ss.lastSeen) > s.IdleTimeout:
-			s.log.Warn("client silent for too long: releasing its session", zap.String("client", c),
-				zap.Duration("idle", now.Sub(ss.lastSeen)))
-			s.release(c)
-		}
-	}
-}
-
 // release frees a client's tensors and closes its segments, in every backend.
 func (s *Server) release(client string) {
 	ss := s.sessions[client]
@@ -762,10 +727,8 @@ func (s *Server) release(client string) {
 	if err := errors.Join(errs...); err != nil {
 		s.log.Warn("releasing session", zap.String("client", client), zap.Error(err))
 	}
-	if ss.pidfd >= 0 {
-		_ = unix.Close(ss.pidfd)
-	}
 	delete(s.sessions, client)
+	s.forgetMetrics(client)
 	s.log.Info("client released", zap.String("client", client), zap.Int("tensors", len(ss.tensors)), zap.Int("segments", len(ss.segments)))
 }
 

@@ -710,8 +710,14 @@ func TestDetachAndBye(t *testing.T) {
 		t.Fatal("Done closed before shutdown")
 	default:
 	}
-	w.must("c3", ipc.OpShutdown, nil)
-	w.must("c3", ipc.OpShutdown, nil)
+	for _, body := range []any{nil, ipc.Shutdown{}, ipc.Shutdown{Token: "guess"}} {
+		if _, err := w.call("c3", ipc.OpShutdown, body); err == nil || !strings.Contains(err.Error(), "not allowed") {
+			t.Errorf("shutdown without a token (%v, none set): %v", body, err)
+		}
+		w.s.AdminToken = "secret"
+	}
+	w.must("c3", ipc.OpShutdown, ipc.Shutdown{Token: "secret"})
+	w.must("c3", ipc.OpShutdown, ipc.Shutdown{Token: "secret"})
 	select {
 	case <-w.s.Done():
 	default:

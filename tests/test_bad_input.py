@@ -66,8 +66,7 @@ def rig() -> Iterator[Rig]:
     # One real step first, so the state is not all zeros.
     conn.call("step", {"items": [r.step_item(step=1, scalars=torch_scalars(GROUP, 1.0))]})
     yield r
-    conn.call("shutdown", {})
-    conn.close()
+    conn.shutdown()
 
 
 def env(op: str, body: Any, v: int = 1, rid: int = 1_000_000) -> bytes:

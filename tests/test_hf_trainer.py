@@ -3,6 +3,7 @@ checkpoint resume, and per-tensor expert clipping."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -10,11 +11,12 @@ import pytest
 import torch
 import transformers
 from torch.utils.data import Dataset
-from transformers import OlmoeConfig, OlmoeForCausalLM, Trainer, TrainingArguments
+from transformers import GraniteMoeConfig, GraniteMoeForCausalLM, OlmoeConfig, OlmoeForCausalLM
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 import sonar_moe
 import tiny_moe as tm
-from sonar_moe.hf import SonarTrainer, unwrap_sonar
+from sonar_moe.hf import SonarTrainer, load_weights_in_place, unwrap_sonar
 
 transformers.logging.set_verbosity_error()
 
@@ -25,6 +27,20 @@ def olmoe(seed: int = 0) -> OlmoeForCausalLM:
                       max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     return OlmoeForCausalLM(cfg)
+
+
+def granite(seed: int = 0) -> GraniteMoeForCausalLM:
+    """A tiny GraniteMoe with non-unit multipliers (scaled embedding, residual, attention, logits)."""
+    cfg = GraniteMoeConfig(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+                           max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                           embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25,
+                           logits_scaling=2.0)
+    torch.manual_seed(seed)
+    return GraniteMoeForCausalLM(cfg)
+
+
+MODELS = {"olmoe": olmoe, "granite": granite}
 
 
 class Windows(Dataset):
@@ -94,11 +110,12 @@ def test_sonar_trainer_equals_manual_loop_with_dense_clipping(tmp_path: Path) ->
     mine, ref = olmoe(), olmoe()
     tr = Recording(model=mine, args=a, train_dataset=Windows())
     tr.train()
-    assert a.max_grad_norm == 0.0 and tr.sonar_max_grad_norm == 0.5  # Trainer's own clipping is off
+    assert a.max_grad_norm == 0.5 and tr.args is a  # the caller's arguments are not changed
     opt = unwrap_sonar(tr.optimizer)
     assert opt is not None and opt.max_grad_norm == 0.5
     logged = [h["dense_grad_norm"] for h in tr.state.log_history if "dense_grad_norm" in h]
     assert len(logged) == a.max_steps
+    assert not any("grad_norm" in h for h in tr.state.log_history)  # the global norm is not known
     assert all("sonar_peak_expert_grad_bytes" in h for h in tr.state.log_history if "loss" in h)
     opt.close()
 
@@ -123,24 +140,133 @@ def test_sonar_trainer_equals_manual_loop_with_dense_clipping(tmp_path: Path) ->
         ropt.zero_grad()
     assert_same(ref, mine)
     assert logged == pytest.approx(norms, rel=0, abs=0)
+    assert max(norms) > 0.5  # the clipping was active
+
+    # Without clipping, dense_grad_norm is still logged: the first step's equals the norm above.
+    unclipped = SonarTrainer(model=olmoe(), args=args(tmp_path, max_grad_norm=0.0, max_steps=1), train_dataset=Windows())
+    unclipped.train()
+    unwrap_sonar(unclipped.optimizer).close()
+    first = [h for h in unclipped.state.log_history if "loss" in h][0]
+    assert first["dense_grad_norm"] == norms[0] and "grad_norm" not in first
 
 
-def test_sonar_trainer_resume_from_checkpoint_is_bitwise(tmp_path: Path) -> None:
-    full = olmoe()
-    SonarTrainer(model=full, args=args(tmp_path / "full", max_steps=6), train_dataset=Windows()).train()
-    first = olmoe()
-    a = args(tmp_path / "ck", max_steps=6, save_strategy="steps", save_steps=3)
-    t1 = SonarTrainer(model=first, args=a, train_dataset=Windows())
-    # A run with the same schedule saves at step 3; a fresh trainer (new optimizer, new sonard)
-    # resumes from that checkpoint.
+def test_sonar_trainer_leaves_training_arguments_alone(tmp_path: Path) -> None:
+    """The saved training_args.bin shows the max_grad_norm asked for, and the same arguments
+    object gives a stock Trainer afterwards its usual (global) clipping."""
+    a = args(tmp_path / "sonar", max_grad_norm=0.5, max_steps=2, save_strategy="steps", save_steps=2)
+    before = a.to_dict()
+    st = SonarTrainer(model=olmoe(), args=a, train_dataset=Windows())
+    st.train()
+    unwrap_sonar(st.optimizer).close()
+    assert a.to_dict() == before
+    saved = torch.load(tmp_path / "sonar" / "checkpoint-2" / "training_args.bin", weights_only=False)
+    assert saved.max_grad_norm == 0.5
+    reused, fresh = olmoe(), olmoe()
+    rt = Trainer(model=reused, args=a, train_dataset=Windows())
+    rt.train()
+    Trainer(model=fresh, args=args(tmp_path / "fresh", max_grad_norm=0.5, max_steps=2), train_dataset=Windows()).train()
+    assert_same(fresh, reused)
+    assert max(h["grad_norm"] for h in rt.state.log_history if "grad_norm" in h) > 0.5  # it clipped
+
+
+class LoadWarnings:
+    """Collects warnings of transformers' and sonar_moe's loggers (the test module silences
+    transformers' below errors; this lets its warnings through while active)."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def __enter__(self) -> LoadWarnings:
+        self._level = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_warning()
+        self._handler = logging.Handler(logging.WARNING)
+        self._handler.emit = lambda r: self.messages.append(r.getMessage())  # type: ignore[method-assign]
+        for name in ("transformers", "sonar_moe"):
+            logging.getLogger(name).addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name in ("transformers", "sonar_moe"):
+            logging.getLogger(name).removeHandler(self._handler)
+        transformers.logging.set_verbosity(self._level)
+
+    def about_keys(self) -> list[str]:
+        return [m for m in self.messages if "keys" in m or "tensors" in m]
+
+
+def default_args(out: Path, **kw: Any) -> TrainingArguments:
+    """Default TrainingArguments (optim adamw_torch_fused) but for what a tiny test run needs;
+    max_grad_norm=0 since Trainer's global clipping and Sonar's dense clipping differ by design."""
+    base = dict(output_dir=str(out), per_device_train_batch_size=2, max_steps=6, learning_rate=2e-3,
+                max_grad_norm=0.0, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_params(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
+    for n, p in model.named_parameters():
+        assert torch.equal(p, expected[n]), f"{n} differs"
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_sonar_trainer_resume_from_checkpoint_is_bitwise(tmp_path: Path, family: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh SonarTrainer (new optimizer, new sonard, another initialisation) resumed from the
+    checkpoint of step 3 ends where an uninterrupted stock Trainer ends after 6 steps; the
+    checkpoint is loaded in place (no model built with from_pretrained), without warnings."""
+    full = MODELS[family]()
+    Trainer(model=full, args=default_args(tmp_path / "full"), train_dataset=Windows()).train()
+    first = MODELS[family]()
+    t1 = SonarTrainer(model=first, args=default_args(tmp_path / "ck", save_strategy="steps", save_steps=3),
+                      train_dataset=Windows())
     t1.train()
     unwrap_sonar(t1.optimizer).close()
     ck = tmp_path / "ck" / "checkpoint-3"
     assert (ck / "optimizer.pt").exists()
-    resumed = olmoe(seed=123)  # different init: everything must come from the checkpoint
-    t2 = SonarTrainer(model=resumed, args=args(tmp_path / "ck", max_steps=6), train_dataset=Windows())
-    t2.train(resume_from_checkpoint=str(ck))
+
+    def no_second_model(*a: Any, **kw: Any) -> None:
+        raise AssertionError("a second model was loaded with from_pretrained")
+
+    monkeypatch.setattr(type(first), "from_pretrained", no_second_model)
+    resumed = MODELS[family](seed=123)  # different init: everything must come from the checkpoint
+    t2 = SonarTrainer(model=resumed, args=default_args(tmp_path / "ck", save_strategy="steps", save_steps=3),
+                      train_dataset=Windows())
+    with LoadWarnings() as warned:
+        t2.train(resume_from_checkpoint=str(ck))
+    unwrap_sonar(t2.optimizer).close()
+    assert warned.about_keys() == []
     assert_same(full, resumed)
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_load_best_model_at_end_restores_experts(tmp_path: Path, family: str) -> None:
+    """load_best_model_at_end with an eval strategy: SonarTrainer and the stock Trainer pick the
+    same checkpoint, and SonarTrainer's model ends with all of that checkpoint's tensors, experts
+    (saved per expert) and GraniteMoe's renamed router included. The metric picks the worst eval
+    loss, so the best checkpoint is the first one, not the last step."""
+    kw = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+              metric_for_best_model="loss", greater_is_better=True)
+    ref = MODELS[family]()
+    rt = Trainer(model=ref, args=default_args(tmp_path / "ref", **kw), train_dataset=Windows(),
+                 eval_dataset=Windows(n=8, seed=1))
+    rt.train()
+    mine = MODELS[family]()
+    st = SonarTrainer(model=mine, args=default_args(tmp_path / "sonar", **kw), train_dataset=Windows(),
+                      eval_dataset=Windows(n=8, seed=1))
+    with LoadWarnings() as warned:
+        st.train()
+    unwrap_sonar(st.optimizer).close()
+    assert warned.about_keys() == []
+    assert rt.state.best_model_checkpoint is not None and st.state.best_model_checkpoint is not None
+    assert Path(st.state.best_model_checkpoint).name == Path(rt.state.best_model_checkpoint).name == "checkpoint-2"
+    best = type(ref).from_pretrained(rt.state.best_model_checkpoint)  # the stock run's best model
+    last = type(ref).from_pretrained(tmp_path / "ref" / "checkpoint-6")
+    assert_params(mine, params_of(best))
+    assert not any(torch.equal(mine.get_parameter(n), last.get_parameter(n)) for n in experts(mine))
 
 
 def test_max_expert_grad_norm_is_per_tensor_clipping() -> None:
@@ -194,19 +320,69 @@ def test_sonar_trainer_refuses_other_optimizers(tmp_path: Path) -> None:
             t.create_optimizer()
 
 
+# Non-default hyper-parameters on top of the defaults: Trainer's default weight_decay is 0, so
+# "decay" is what exercises its decay/no-decay groups.
+HYPER = {"default": {}, "decay": {"learning_rate": 2e-3, "weight_decay": 0.01}}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("accum", [1, 2])
-def test_sonar_trainer_equals_trainer_default_optimizer(tmp_path: Path, accum: int, dtype: torch.dtype) -> None:
-    """With Trainer's default optimizer (adamw_torch_fused: torch.optim.AdamW(fused=True), decay
-    groups) SonarTrainer ends bit for bit where the stock Trainer does."""
-    a = args(tmp_path, max_grad_norm=0.0, optim="adamw_torch_fused", gradient_accumulation_steps=accum)
-    ref, mine = olmoe().to(dtype), olmoe().to(dtype)
+@pytest.mark.parametrize(("accum", "hyper"), [(1, "default"), (2, "default"), (2, "decay")])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_sonar_trainer_equals_trainer_default_optimizer(tmp_path: Path, family: str, accum: int, hyper: str,
+                                                         dtype: torch.dtype) -> None:
+    """With default TrainingArguments (optim adamw_torch_fused: torch.optim.AdamW(fused=True) with
+    Trainer's decay groups) SonarTrainer ends bit for bit where the stock Trainer does. Only
+    max_grad_norm is set (to 0): Trainer clips all gradients, SonarTrainer the dense ones only."""
+    def default_args() -> TrainingArguments:
+        return TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=6,
+                                 gradient_accumulation_steps=accum, max_grad_norm=0.0, use_cpu=True,
+                                 report_to=[], save_strategy="no", disable_tqdm=True, **HYPER[hyper])
+
+    a = default_args()
+    assert str(getattr(a.optim, "value", a.optim)) == "adamw_torch_fused"
+    ref, mine = MODELS[family]().to(dtype), MODELS[family]().to(dtype)
+    assert isinstance(ref, PreTrainedModel) and torch.equal(ref.lm_head.weight, mine.lm_head.weight)
+    init = {n: p.detach().clone() for n, p in mine.named_parameters()}
     rt = Trainer(model=ref, args=a, train_dataset=Windows())
     rt.train()
     assert all(g["fused"] for g in rt.optimizer.param_groups)
-    st = SonarTrainer(model=mine, args=a, train_dataset=Windows())
+    assert [g["weight_decay"] for g in rt.optimizer.param_groups] == [a.weight_decay, 0.0]
+    st = SonarTrainer(model=mine, args=default_args(), train_dataset=Windows())
     st.train()
     opt = unwrap_sonar(st.optimizer)
     assert opt is not None and all(g["fused"] for g in opt.param_groups)
+    assert [len(g["params"]) for g in opt.param_groups] == [len(g["params"]) for g in rt.optimizer.param_groups]
+    ex = experts(mine)
+    assert len(ex) == 4 and all(mine.get_parameter(n).grad is None for n in ex)  # updated by sonard
     opt.close()
     assert_same(ref, mine)
+    for n in ex:  # the run moved most expert elements (bf16 rounds the smallest updates away)
+        assert (mine.get_parameter(n) != init[n]).float().mean() > 0.4, n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_load_weights_in_place_restores_every_tensor(tmp_path: Path, family: str, dtype: torch.dtype) -> None:
+    """A save_pretrained checkpoint (experts saved per expert, GraniteMoe's router renamed) is
+    copied into another model's own tensors: every tensor equal, no storage replaced."""
+    src, dst = MODELS[family](seed=1).to(dtype), MODELS[family](seed=2).to(dtype)
+    src.save_pretrained(tmp_path)
+    storage = {n: p.data_ptr() for n, p in dst.named_parameters()}
+    report = load_weights_in_place(dst, str(tmp_path))
+    assert report.missing == [] and report.unexpected == []
+    assert {n: p.data_ptr() for n, p in dst.named_parameters()} == storage
+    assert_same(src, dst)
+
+
+def test_load_weights_in_place_with_tied_embeddings(tmp_path: Path) -> None:
+    cfg = olmoe().config
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(1)
+    src = OlmoeForCausalLM(cfg)
+    torch.manual_seed(2)
+    dst = OlmoeForCausalLM(cfg)
+    assert dst.lm_head.weight is dst.model.embed_tokens.weight
+    src.save_pretrained(tmp_path)
+    report = load_weights_in_place(dst, str(tmp_path))
+    assert report.missing == [] and report.unexpected == []
+    assert_same(src, dst)

@@ -79,7 +79,7 @@ func run() int {
 	logFormat := fs.String("log-format", envOr("SONAR_LOG_FORMAT", "console"), "log format: console or json (env SONAR_LOG_FORMAT)")
 	workers := fs.Int("workers", envInt("SONAR_WORKERS", runtime.GOMAXPROCS(0)), "goroutines per tensor update (env SONAR_WORKERS)")
 	shmDir := fs.String("shm-dir", envOr("SONAR_SHM_DIR", "/dev/shm"), "directory of POSIX shared memory (env SONAR_SHM_DIR)")
-	idle := fs.Duration("idle-timeout", envDuration("SONAR_IDLE_TIMEOUT", 10*time.Minute), "release the state of a client not on this host after this long without a request (clients on this host are released when their process exits); 0: never (env SONAR_IDLE_TIMEOUT)")
+	idle := fs.Duration("idle-timeout", envDuration("SONAR_IDLE_TIMEOUT", 10*time.Minute), "release the state of a client whose connection cannot be watched after this long without a request (a session normally ends --reconnect-grace after its connection closed); 0: never (env SONAR_IDLE_TIMEOUT)")
 	curveSecret := fs.String("curve-secret-file", os.Getenv("SONAR_CURVE_SECRET_FILE"), "file holding the server's CURVE secret key (Z85, mode 0600); required for tcp:// (env SONAR_CURVE_SECRET_FILE)")
 	curveClients := fs.String("curve-clients-file", os.Getenv("SONAR_CURVE_CLIENTS_FILE"), "file of allowed client CURVE public keys, one Z85 key per line; required for tcp:// (env SONAR_CURVE_CLIENTS_FILE)")
 	genKeys := fs.String("gen-curve-keys", "", "write a new CURVE key pair to PREFIX.secret (mode 0600) and PREFIX.public, then exit")
@@ -89,6 +89,11 @@ func run() int {
 	trustedLibs := fs.String("trusted-sqrt-lib", os.Getenv("SONAR_TRUSTED_SQRT_LIBS"), "comma-separated libraries (absolute paths, e.g. a torch's libtorch_cpu.so) whose float32 sqrt any client may ask for, also over tcp://; clients of an ipc:// sonard may name any (env SONAR_TRUSTED_SQRT_LIBS)")
 	maxState := fs.String("max-state-bytes", envOr("SONAR_MAX_STATE_BYTES", ""), "host memory for optimizer state of all clients together, e.g. 64GiB; 0: no bound (default: 75% of the memory available at start, see below) (env SONAR_MAX_STATE_BYTES)")
 	maxSession := fs.String("max-session-state-bytes", envOr("SONAR_MAX_SESSION_STATE_BYTES", ""), "host memory for optimizer state of one client; 0: no bound (default: --max-state-bytes) (env SONAR_MAX_SESSION_STATE_BYTES)")
+	parentPID := fs.Int("parent-pid", 0, "private server of process PID (SonarAdamW's own): exit within a second of it, however it ends; 0: a standalone server")
+	runDir := fs.String("run-dir", "", "with --parent-pid: the private server's run directory (sonard.log, owner.token, the socket), removed once the parent has exited")
+	adminToken := fs.String("admin-token-file", os.Getenv("SONAR_ADMIN_TOKEN_FILE"), "file (mode 0600) of the secret a shutdown request must carry; without it shutdown is refused (stop sonard with SIGTERM) (env SONAR_ADMIN_TOKEN_FILE)")
+	grace := fs.Duration("reconnect-grace", envDuration("SONAR_RECONNECT_GRACE", server.DefaultReconnectGrace), "keep a session this long after its connection closed, for its client to reconnect (env SONAR_RECONNECT_GRACE)")
+	heartbeat := fs.Duration("heartbeat-timeout", envDuration("SONAR_HEARTBEAT_TIMEOUT", 10*time.Second), "close a connection that answers no heartbeat (sent every second) for this long; its session is then released (env SONAR_HEARTBEAT_TIMEOUT)")
 	version := fs.Bool("version", false, "print the version and exit")
 	fs.SetOutput(os.Stdout)
 	fs.Usage = func() {
@@ -122,8 +127,8 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "sonard:", err)
 		return exitUsage
 	}
-	if strings.HasPrefix(*listen, "tcp://") && curve == nil {
-		fmt.Fprintln(os.Stderr, "sonard: --listen tcp:// needs --curve-secret-file and --curve-clients-file (see --gen-curve-keys)")
+	if err := ipc.CheckEndpoint(*listen, curve != nil); err != nil {
+		fmt.Fprintf(os.Stderr, "sonard: --listen: %v (tcp:// needs --curve-secret-file and --curve-clients-file, see --gen-curve-keys)\n", err)
 		return exitUsage
 	}
 	budget, sessionBudget, err := stateBudgets(*maxState, *maxSession)
@@ -159,6 +164,13 @@ func run() int {
 	srv.Workers = *workers
 	srv.IdleTimeout = *idle
 	srv.MaxStateBytes, srv.MaxSessionStateBytes = budget, sessionBudget
+	srv.ReconnectGrace = *grace
+	if *adminToken != "" {
+		if srv.AdminToken, err = readToken(*adminToken); err != nil {
+			fmt.Fprintln(os.Stderr, "sonard:", err)
+			return exitUsage
+		}
+	}
 	srv.LoadSqrt = loadSqrt
 	srv.LocalClients = strings.HasPrefix(*listen, "ipc://")
 	srv.TrustedSqrtLibs = map[string]bool{}
@@ -172,16 +184,25 @@ func run() int {
 		}
 	}
 	defer srv.Close() // sessions first (they hold mappings and device state), then the backends
-	tr, err := ipc.Listen(*listen, log, curve)
+	tr, err := ipc.Listen(*listen, log, curve, ipc.Options{HeartbeatTimeout: *heartbeat})
 	if err != nil {
 		log.Error("listen failed", zap.Error(err))
 		return exitError
 	}
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer cancel()
+	var parentGone <-chan struct{}
+	if *parentPID != 0 {
+		if parentGone, err = watchParent(*parentPID, log); err != nil {
+			log.Error("parent", zap.Error(err))
+			return exitError
+		}
+	}
 	go func() {
 		select {
 		case <-srv.Done():
+			cancel()
+		case <-parentGone:
 			cancel()
 		case <-ctx.Done():
 		}
@@ -212,6 +233,13 @@ func run() int {
 		return exitError
 	}
 	log.Info("sonard stopped")
+	if parentGone != nil && *runDir != "" {
+		select {
+		case <-parentGone:
+			removeRunDir(*runDir, log)
+		default:
+		}
+	}
 	return exitOK
 }
 

@@ -12,7 +12,7 @@ share: registration, step requests per layer, accumulation, state transfer), ``_
 tensors registered in place, over ``_cuda``'s IPC handles and event), ``_steps`` (step
 requests grouped per layer), ``_connection`` (the socket and protocol), ``_launch`` (a private
 sonard), ``_binary`` (finding sonard), ``_sqrt`` (this torch's float32 sqrt, named in hello),
-``_detect`` (which parameters are experts), ``checkpoint``, ``hf``, ``distributed``.
+``_detect`` (which parameters are experts: ``find_experts`` on a module, ``is_expert_param`` on a name), ``checkpoint``, ``hf``, ``distributed``.
 
 For tools and tests that speak the protocol themselves: ``Connection`` (one socket to a sonard),
 ``start_private_server`` and ``torch_sqrt_library`` (the library this torch's float32 sqrt needs,
@@ -21,13 +21,13 @@ or None).
 
 from ._binary import find_sonard
 from ._connection import PROTOCOL_VERSION, Connection, SonarError, SonarRefused, SonarServerDied
-from ._detect import group_key, is_expert_param
+from ._detect import ExpertTensor, find_experts, group_key, is_expert_param
 from ._shm import ShmFullError
 from ._launch import start_private_server
 from ._sqrt import torch_sqrt_library
 from ._version import __version__
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .optimizer import SonarAdamW, torch_fused_cuda_scalars, torch_fused_scalars, torch_scalars
+from .optimizer import NoExpertsWarning, SonarAdamW, torch_fused_cuda_scalars, torch_fused_scalars, torch_scalars
 
 __all__ = [
     "__version__",
@@ -44,9 +44,12 @@ __all__ = [
     "SonarServerDied",
     "ShmFullError",
     "find_sonard",
+    "ExpertTensor",
+    "find_experts",
     "group_key",
     "is_expert_param",
     "torch_fused_cuda_scalars",
+    "NoExpertsWarning",
     "torch_fused_scalars",
     "torch_scalars",
 ]

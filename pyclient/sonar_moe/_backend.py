@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ._connection import Connection
-from ._detect import group_key
+from ._detect import group_key, layer_key
 from ._launch import connect
 from ._steps import StepQueue
 
@@ -70,6 +70,7 @@ class Expert:
     name: str
     param: nn.Parameter
     key: str  # tensors with the same key go to the server in one request
+    slices: int = 1  # experts stacked along dim 0 (split_experts makes one server tensor of each)
     parts: int = 1
     tids: list[int] = field(default_factory=list)
     micro: int = 0  # micro-batch gradients sent since the last apply
@@ -77,6 +78,20 @@ class Expert:
     # (share_memory(), .to()) is not the memory it updates.
     ptr: int = 0
     dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, name: str, param: nn.Parameter, slices: Mapping[int, int] | None) -> Expert:
+        """An expert tensor; ``slices`` (by id of the parameter) says how many experts it stacks,
+        else a tensor of 3 or more dimensions stacks ``shape[0]``."""
+        n = slices.get(id(param)) if slices is not None else None
+        if n is None:
+            n = param.shape[0] if param.dim() >= 3 else 1
+        return cls(name, param, group_key(name), slices=n)
+
+    @property
+    def layer(self) -> str:
+        """The MoE block (the gradient ring holds ring_layers of the largest)."""
+        return layer_key(self.name)
 
     @property
     def nbytes(self) -> int:
@@ -134,8 +149,9 @@ class ExpertBackend(Protocol):
         """Raise RuntimeError if `param` is no longer the memory the server updates."""
         ...
 
-    def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf) -> None:
-        """Place and register more expert tensors (add_param_group)."""
+    def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf,
+            slices: Mapping[int, int] | None = None) -> None:
+        """Place and register more expert tensors (add_param_group); ``slices`` as in ``open``."""
         ...
 
     def state_transfer(self, amsgrad: bool) -> contextlib.AbstractContextManager[StateTransfer]:
@@ -193,14 +209,16 @@ class ServerBackend(ABC):
 
     @classmethod
     def open(cls, server: str | None, named: Iterable[tuple[str, nn.Parameter]], options: BackendOptions,
-             hyper_of: HyperOf, counter: Counter) -> ServerBackend:
-        """Connect (to `server`, or to a new private sonard), say hello, place and register the tensors."""
+             hyper_of: HyperOf, counter: Counter, slices: Mapping[int, int] | None = None) -> ServerBackend:
+        """Connect (to `server`, or to a new private sonard), say hello, place and register the
+        tensors. ``slices``: how many experts each tensor stacks along dim 0, by id of the
+        parameter (default: ``shape[0]`` of a tensor of 3 or more dimensions, else 1)."""
         named = list(named)
         cls._check_devices({p.device for _, p in named})
         conn = connect(server, options.timeout)
         try:
             rep = cls._hello(conn, named, options)
-            backend = cls(conn, rep, named, options, counter)
+            backend = cls(conn, rep, named, options, counter, slices)
             backend._register(list(backend._experts.values()), hyper_of)
         except BaseException:
             conn.end_session()
@@ -208,12 +226,12 @@ class ServerBackend(ABC):
         return backend
 
     def __init__(self, conn: Connection, hello: Mapping[str, Any], named: list[tuple[str, nn.Parameter]],
-                 options: BackendOptions, counter: Counter) -> None:
+                 options: BackendOptions, counter: Counter, slices: Mapping[int, int] | None = None) -> None:
         self._conn = conn
         self._end_session = weakref.finalize(self, conn.end_session)  # also at exit, if never closed
         self._options = options
         self._counter = counter
-        self._experts = {id(p): Expert(name, p, group_key(name)) for name, p in named}
+        self._experts = {id(p): Expert.of(name, p, slices) for name, p in named}
         self._by_tid: dict[int, Expert] = {}
         self._steps = StepQueue(conn, self._release, self._step_body, self._refused)
         self._peak = 0
@@ -259,9 +277,11 @@ class ServerBackend(ABC):
         """Register expert tensors (one per expert slice with split_experts) and group them."""
         specs = []
         for e in experts:
-            if self._options.split_experts and e.param.dim() >= 3:
-                e.parts = e.param.shape[0]
-            shape = list(e.param.shape[1:]) if e.parts > 1 else list(e.param.shape)
+            if self._options.split_experts and e.slices > 1:
+                e.parts = e.slices
+            shape = list(e.param.shape)
+            if e.parts > 1:  # one expert's slice: [E, ...] -> [...]; flattened [E * I, H] -> [I, H]
+                shape = shape[1:] if shape[0] == e.parts else [shape[0] // e.parts, *shape[1:]]
             ref = self._param_ref(e)
             for i in range(e.parts):
                 specs.append({"name": e.name if e.parts == 1 else f"{e.name}.{i}", "shape": shape,
@@ -275,10 +295,11 @@ class ServerBackend(ABC):
                 self._by_tid[t] = e
             self._steps.add_member(e.key)
 
-    def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf) -> None:
+    def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf,
+            slices: Mapping[int, int] | None = None) -> None:
         self.drain()
         self._check_devices({p.device for _, p in named})
-        new = [Expert(name, p, group_key(name)) for name, p in named]
+        new = [Expert.of(name, p, slices) for name, p in named]
         for e in new:
             self._experts[id(e.param)] = e
         self._place(new)
@@ -440,7 +461,8 @@ class NoExperts:
     def check(self, param: nn.Parameter) -> None:
         pass
 
-    def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf) -> None:
+    def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf,
+            slices: Mapping[int, int] | None = None) -> None:
         raise AssertionError("NoExperts.add: the optimizer opens a server backend for its first expert tensors")
 
     @contextlib.contextmanager

@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,17 @@ from typing import Any
 import msgpack
 import zmq
 
+from . import _fork
+from ._liveness import Link, configure
+
 PROTOCOL_VERSION = 1
+# At most this many requests wait for their replies: past it, send() reads replies first
+# (the server also parks a client's requests while its replies wait: docs/protocol.md).
+MAX_IN_FLIGHT = 512
+
+# Once the private server has exited, how long the client still reads for replies it sent
+# before exiting (they are already in the socket; ZeroMQ's I/O thread moves them).
+EXIT_GRACE_S = 0.25
 
 log = logging.getLogger("sonar_moe")
 
@@ -73,6 +84,14 @@ class SonarRefused(SonarError):
     """The server answered a request with an error."""
 
 
+def check_address(address: str) -> None:
+    """The transports a client speaks: ipc:///path, and tcp:// (always with CURVE)."""
+    if address.startswith("ipc:///") or address.startswith("tcp://"):
+        return
+    raise SonarError(f"sonard address {address!r}: only ipc:///path and tcp://host:port (with CURVE) are allowed; "
+                     "other transports (ws://, inproc://, ipc://@abstract, ...) do not authenticate the server's peers")
+
+
 @dataclass
 class Pending:
     op: str
@@ -89,21 +108,48 @@ class Connection:
     timeout: float = 30.0
     process: subprocess.Popen[bytes] | None = None
     log_path: str | None = None
+    admin_token: str | None = None  # the private server's owner token (shutdown)
     _ctx: zmq.Context[Any] = field(init=False)
     _sock: zmq.Socket[Any] = field(init=False)
     _ids: itertools.count[int] = field(init=False, default_factory=lambda: itertools.count(1))
     _pending: dict[int, Pending] = field(init=False, default_factory=dict)
     _done: dict[int, dict[str, Any]] = field(init=False, default_factory=dict)
     _closed: bool = field(init=False, default=False)
+    _forked_from: int | None = field(init=False, default=None)
     latencies: list[float] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        check_address(self.address)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Our own routing id: after a reconnect (a network blip) the server finds the
+        # session again, within its grace period (hello's reconnect_grace_ms).
+        self._sock.setsockopt(zmq.ROUTING_ID, b"S" + secrets.token_bytes(15))
+        configure(self._sock)
         if self.address.startswith("tcp://"):
             self._use_curve()
+        self._link = Link(self._sock)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._link.monitor, zmq.POLLIN)
         self._sock.connect(self.address)
+        _fork.track(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the connection, the private server and its run directory
+        belong to the parent. Forget them; never speak on the socket (_fork)."""
+        self._forked_from = os.getppid()
+        self._closed = True
+        self._pending.clear()
+        self._done.clear()
+
+    def _check_process(self) -> None:
+        if self._forked_from is not None:
+            raise SonarError(
+                f"this SonarAdamW belongs to process {self._forked_from}; a forked child cannot use it (its "
+                "server session, shared memory and private sonard are the parent's). Build a new SonarAdamW "
+                "in the child, or use the spawn start method")
 
     def _use_curve(self) -> None:
         """tcp:// servers authenticate clients with ZeroMQ CURVE (sonard --gen-curve-keys)."""
@@ -127,6 +173,10 @@ class Connection:
 
     def send(self, op: str, body: dict[str, Any], on_reply: Callable[[dict[str, Any]], None] | None = None) -> int:
         """Send a request without waiting; on_reply(reply) runs when its reply arrives."""
+        self._check_process()
+        while len(self._pending) >= MAX_IN_FLIGHT:
+            self.wait_any()
+        self._check_link()
         rid = next(self._ids)
         msg = msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "id": rid, "body": body}, use_bin_type=True)
         self._pending[rid] = Pending(op, time.perf_counter(), on_reply)
@@ -156,13 +206,19 @@ class Connection:
 
     def poll(self, timeout: float = 0.0) -> int:
         """Handle the replies that arrive within timeout seconds; return how many."""
+        self._check_process()
         n = 0
         wait_ms = int(timeout * 1000)
-        while self._sock.poll(wait_ms):
-            self._dispatch(self._sock.recv())
-            n += 1
+        while True:
+            ready = dict(self._poller.poll(wait_ms))
+            if self._sock not in ready:
+                if ready:  # a monitor event: the caller checks the link
+                    self._link.update(len(self._pending))
+                return n
+            while self._sock.poll(0):
+                self._dispatch(self._sock.recv())
+                n += 1
             wait_ms = 0
-        return n
 
     def wait(self, rid: int | None = None, timeout: float | None = None) -> dict[str, Any]:
         """Wait for reply rid (or for every pending reply when rid is None)."""
@@ -172,12 +228,13 @@ class Connection:
             if time.monotonic() > deadline:
                 ops = sorted({p.op for p in self._pending.values()})
                 raise SonarError(f"sonard did not answer within {limit:.1f} s ({len(self._pending)} requests pending: {ops})")
-            if not self.server_alive:
-                self.poll(0.1)  # replies it sent before exiting (a shutdown's) are still readable
-                if (rid is None and self._pending) or (rid is not None and rid in self._pending):
-                    self.check_alive()
-                continue
-            self.poll(0.05)
+            n = self._poll_or_raise_if_gone(0.05)
+            # The link is checked only while the awaited reply is missing (a shutdown's comes before
+            # the server leaves) and the private server, if any, still runs: once it has exited,
+            # _poll_or_raise_if_gone reads what it sent first.
+            if not n and self.server_alive and ((rid is None and self._pending) or
+                                                (rid is not None and rid in self._pending)):
+                self._check_link()
         if rid is None:
             return {}
         return self._done.pop(rid)
@@ -186,15 +243,41 @@ class Connection:
         """Wait until at least one reply has been handled."""
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        while not self.poll(0.05):
-            self.check_alive()
+        while not self._poll_or_raise_if_gone(0.05):
+            if self.server_alive:
+                self._check_link()
             if time.monotonic() > deadline:
                 raise SonarError(f"sonard did not answer within {limit:.1f} s ({len(self._pending)} requests pending)")
+
+    def _poll_or_raise_if_gone(self, timeout: float) -> int:
+        """poll(timeout); raise SonarServerDied only when the private server had already exited
+        before a poll that found nothing. Liveness is sampled first and the socket read after,
+        so a reply the server sent just before exiting (a shutdown's) is always read, never
+        mistaken for a death; ZeroMQ's I/O thread gets EXIT_GRACE_S to hand such a reply over."""
+        alive = self.server_alive
+        n = self.poll(timeout if alive else max(timeout, EXIT_GRACE_S))
+        if not n and not alive:
+            self.check_alive()
+        return n
 
     @property
     def server_alive(self) -> bool:
         """False once the private server process has exited (a shared server is not watched)."""
         return self.process is None or self.process.poll() is None
+
+    def _check_link(self) -> None:
+        """Raise SonarServerDied when the connection to the server is lost (the private
+        server's exit code and log when it was the private one)."""
+        why = self._link.lost(len(self._pending))
+        if why is None:
+            return
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            self.check_alive()
+        raise SonarServerDied(f"{why}: {self.address}")
 
     def check_alive(self) -> None:
         """Raise SonarServerDied, naming the cause in one line, if the private server has exited."""
@@ -236,6 +319,9 @@ class Connection:
 
     def close(self) -> None:
         self._closed = True
+        if self._forked_from is not None:
+            return  # the parent's sockets: never touched in a forked child
+        self._link.close()
         self._sock.close(linger=0)
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -246,7 +332,7 @@ class Connection:
             return
         try:
             if self.server_alive:
-                self.call("shutdown" if self.process is not None else "bye", {}, timeout=timeout)
+                self._say_goodbye(timeout)
         finally:
             if self.process is not None:
                 try:
@@ -257,6 +343,19 @@ class Connection:
                 if self.log_path:
                     shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
             self.close()
+
+    def _say_goodbye(self, timeout: float) -> None:
+        """shutdown (private server) or bye (shared server). A private server that exits with
+        code 0 before its reply is read has done what was asked: that is not an error."""
+        if self.process is None:
+            self.call("bye", {}, timeout=timeout)
+            return
+        try:
+            self.call("shutdown", {"token": self.admin_token or ""}, timeout=timeout)
+        except SonarServerDied:
+            if self.process.returncode != 0:
+                raise
+            log.debug("sonard exited cleanly before its shutdown reply was read")
 
     def end_session(self) -> None:
         """shutdown(), best effort (at close or exit): a failure is logged, not raised."""

@@ -38,8 +38,8 @@ class CudaBackend(ServerBackend):
             raise NotImplementedError(f"expert tensors on {dev}: only CPU or CUDA expert tensors are supported")
 
     def __init__(self, conn: Connection, hello: Mapping[str, Any], named: list[tuple[str, nn.Parameter]],
-                 options: BackendOptions, counter: Counter) -> None:
-        super().__init__(conn, hello, named, options, counter)
+                 options: BackendOptions, counter: Counter, slices: Mapping[int, int] | None = None) -> None:
+        super().__init__(conn, hello, named, options, counter, slices)
         dev = named[0][1].device
         if not hello.get("cuda"):
             raise SonarError(f"expert tensors are on {dev} but this sonard has no CUDA path (no CUDA driver where it "

@@ -1,31 +1,201 @@
-"""Which parameters are expert tensors, and how they group into one request per layer."""
+"""Which parameters are expert tensors, how many experts each holds, and how they group.
+
+Two ways to find them:
+
+* :func:`find_experts` walks a module. It knows the layouts of every MoE family of Hugging
+  Face transformers (listed in ``docs/models.md``) and of plain PyTorch models built the
+  same way. It is what ``SonarAdamW(model)`` uses.
+* :func:`is_expert_param` looks at a name and a shape only, for parameters given as
+  ``(name, tensor)`` pairs without their module.
+
+An *expert container* is a module reached through an attribute named ``experts``, or whose
+class name ends in ``Experts`` (JetMoe's and old GraniteMoe's ``ParallelExperts``); a module
+whose path says *shared* is not one (shared experts see every token: dense), nor one whose
+class name ends in ``SharedExperts``. Inside a
+container, a parameter is an expert tensor when
+
+* the container is a ``ModuleList``/``ModuleDict`` of experts, or the parameter sits under a
+  child named ``<i>`` or ``expert_<i>``: one tensor per expert (*per-expert*); the tensors of a
+  container go to the server in one request;
+* it has 3 or more dimensions: ``[E, ...]`` (*batched*);
+* its first dimension is the container's expert count ``E``: expert biases ``[E, N]``
+  (gpt-oss), per-expert vectors (*batched*);
+* it is 2-D with ``k * E`` rows: experts flattened into ``[E * I, H]`` (DBRX, *flattened*);
+
+and never when it lives under a router or gate (JetMoe keeps its attention router inside the
+experts module). ``E`` comes from the container (its length, or an attribute such as
+``num_experts``), else from the modules above it, else from the model's config. Outside
+containers, an MoE block that holds an expert count ``E`` and ``nn.Embedding(E, ...)`` tables
+keeps one expert per row (Doge, *embedding-rows*). Routers, gates, shared experts and
+everything else stay dense.
+"""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-# ...experts.<i>.... : per-expert ModuleList layouts (Mixtral-style, this repo's tiny model).
-_PER_EXPERT = re.compile(r"^(.*?(?:^|\.)experts)\.(\d+)\.")
-# Batched [E, ...] tensors: HF v5 OLMoE/Qwen/Mixtral `mlp.experts.gate_up_proj`/`down_proj`,
-# GraniteMoe `block_sparse_moe.experts.gate_up_proj`/`down_proj` (transformers 5.x renames the
-# checkpoint names `block_sparse_moe.input_linear.weight`/`output_linear.weight`, also accepted).
-_BATCHED = re.compile(r"(^|\.)experts\.[^.]+$|(^|\.)block_sparse_moe\.(input|output)_linear\.weight$")
+# Attribute names that hold an expert count, on modules and configs of transformers.
+COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
+# Sub-configs where a model's config keeps the MoE settings.
+_SUB_CONFIGS = ("text_config", "ffn_config", "language_config", "llm_config")
+
+# A child that is one expert of a per-expert container.
+_ONE_EXPERT = re.compile(r"\d+|expert_\d+")
+# Module names that route tokens (they stay dense even inside an expert container).
+_ROUTER = re.compile(r"router.*|gate|gating|.*_gate|classifier")
+_ROUTER_CLASS = re.compile(r"Router|Gate|TopK")
+
+# Name-only detection (no module at hand).
+# ...experts.<i>.... / ...experts.expert_<i>.... : per-expert modules (Mixtral-style
+# ModuleList, Switch-Transformers and NLLB-MoE ModuleDict).
+_PER_EXPERT = re.compile(r"^(.*?(?:^|\.)experts)\.(?:\d+|expert_\d+)\.")
+# Parameters of an experts module: HF v5 `mlp.experts.gate_up_proj` [E, 2I, H], expert biases
+# `experts.gate_up_proj_bias` [E, 2I].
+_BATCHED = re.compile(r"(^|\.)experts\.[^.]+$")
+# DBRX: `ffn.experts.mlp.w1` [E * I, H].
+_FLATTENED = re.compile(r"(^|\.)experts\.mlp\.[^.]+$")
+# ParallelExperts weights [E, N, K]: GraniteMoe checkpoints (`block_sparse_moe.input_linear.weight`),
+# JetMoe (`mlp.input_linear.weight`, `self_attention.experts.input_linear.weight`).
+_PARALLEL = re.compile(r"(^|\.)(input|output)_linear\.weight$")
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One expert tensor as detection sees it."""
+
+    name: str
+    layout: str  # "batched", "flattened", "per-expert" or "embedding-rows"
+    experts: int  # experts stacked along dim 0 (1 for one expert's own tensor)
+    container: str  # the module whose experts these are (the MoE block's experts)
+
+
+def find_experts(module: nn.Module) -> dict[str, ExpertTensor]:
+    """The expert tensors of ``module`` by parameter name (``named_parameters()`` names)."""
+    modules = dict(module.named_modules())
+    config = getattr(module, "config", None)
+    found: dict[str, ExpertTensor] = {}
+    containers: list[str] = []
+    for path, m in modules.items():
+        if any(path.startswith(c + ".") for c in containers):
+            continue  # inside a container already looked through
+        if _is_container(path, m):
+            containers.append(path)
+            count = len(m) if isinstance(m, (nn.ModuleList, nn.ModuleDict)) else _count(path, modules, config)
+            for rel, p in m.named_parameters():
+                t = _classify(path, m, rel, p, count)
+                if t is not None:
+                    found[t.name] = t
+        else:
+            found.update(_embedding_rows(path, m))
+    return found
+
+
+def _join(path: str, rel: str) -> str:
+    return f"{path}.{rel}" if path else rel
+
+
+def _is_container(path: str, m: nn.Module) -> bool:
+    if "shared" in path.lower():
+        return False
+    cls = type(m).__name__
+    return path.rsplit(".", 1)[-1] == "experts" or (cls.endswith("Experts") and not cls.endswith("SharedExperts"))
+
+
+def _count_of(obj: object) -> int | None:
+    for a in COUNT_ATTRS:
+        try:
+            v = getattr(obj, a, None)
+        except Exception:  # noqa: BLE001 - configs may refuse a global read of a per-layer value
+            continue
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _count(path: str, modules: dict[str, nn.Module], config: object) -> int | None:
+    """The expert count of the container at ``path``: its own attribute, else its ancestors', else the config's."""
+    parts = path.split(".") if path else []
+    for i in range(len(parts), -1, -1):
+        n = _count_of(modules.get(".".join(parts[:i])))
+        if n is not None:
+            return n
+    for cfg in [config, *(getattr(config, s, None) for s in _SUB_CONFIGS)]:
+        n = _count_of(cfg) if cfg is not None else None
+        if n is not None:
+            return n
+    return None
+
+
+def _routes(m: nn.Module, rel: str) -> bool:
+    """Whether the parameter ``rel`` of ``m`` belongs to a router or gate."""
+    owner = m
+    for comp in rel.split(".")[:-1]:
+        owner = getattr(owner, comp)
+        if _ROUTER.fullmatch(comp) or _ROUTER_CLASS.search(type(owner).__name__):
+            return True
+    return False
+
+
+def _classify(path: str, m: nn.Module, rel: str, p: torch.Tensor, count: int | None) -> ExpertTensor | None:
+    if _routes(m, rel):
+        return None
+    name = _join(path, rel)
+    first = rel.split(".", 1)[0]
+    if isinstance(m, (nn.ModuleList, nn.ModuleDict)) or ("." in rel and _ONE_EXPERT.fullmatch(first)):
+        return ExpertTensor(name, "per-expert", 1, path)
+    if p.dim() >= 3:
+        return ExpertTensor(name, "batched", p.shape[0], path)
+    if count is None or p.dim() == 0:
+        return None
+    if p.shape[0] == count:
+        return ExpertTensor(name, "batched", count, path)
+    if p.dim() == 2 and p.shape[0] % count == 0:
+        return ExpertTensor(name, "flattened", count, path)
+    return None
+
+
+def _embedding_rows(path: str, m: nn.Module) -> dict[str, ExpertTensor]:
+    """Embedding tables of an MoE block with one row per expert (Doge's `down_embed`/`up_embed`)."""
+    count = _count_of(m)
+    if count is None or count < 2 or not path:
+        return {}
+    out = {}
+    for child, sub in m.named_children():
+        if isinstance(sub, nn.Embedding) and sub.num_embeddings == count:
+            name = _join(path, f"{child}.weight")
+            out[name] = ExpertTensor(name, "embedding-rows", count, path)
+    return out
 
 
 def is_expert_param(name: str, param: torch.Tensor) -> bool:
-    """Default predicate: batched expert tensors (3D or more) and per-expert ModuleList params.
+    """Name-and-shape detection, for parameters known by name only (no module).
 
-    Routers (`mlp.gate`, `block_sparse_moe.router`) and shared dense layers stay dense.
+    Per-expert modules (``...experts.<i>.``, ``...experts.expert_<i>.``), parameters of an
+    ``experts`` module with 2 or more dimensions (batched ``[E, ...]`` tensors, expert biases
+    ``[E, N]``), DBRX's flattened ``experts.mlp.*`` and 3-D ``input_linear``/``output_linear``
+    weights (ParallelExperts). With the module at hand, :func:`find_experts` is more exact.
     """
     if _PER_EXPERT.match(name):
         return True
-    return param.dim() >= 3 and bool(_BATCHED.search(name))
+    if param.dim() >= 2 and (_BATCHED.search(name) or _FLATTENED.search(name)):
+        return True
+    return param.dim() >= 3 and bool(_PARALLEL.search(name))
 
 
 def group_key(name: str) -> str:
     """Tensors with the same key go to the server in one request: a layer's per-expert
-    ModuleList parameters share the layer's key; a batched tensor is its own group."""
+    module parameters share the key of their container; any other tensor is its own group."""
     m = _PER_EXPERT.match(name)
     return m.group(1) if m else name
+
+
+def layer_key(name: str) -> str:
+    """The MoE block an expert tensor belongs to (the gradient ring holds whole blocks): the
+    path before its last ``experts`` component, else its module's parent."""
+    parts = name.split(".")
+    at = [i for i, c in enumerate(parts) if c == "experts"]
+    return ".".join(parts[:at[-1]] if at else parts[:-2])

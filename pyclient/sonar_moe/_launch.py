@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import tempfile
 
@@ -19,7 +20,17 @@ def start_private_server(timeout: float, log_level: str = "warn") -> Connection:
     rundir = tempfile.mkdtemp(prefix="sonar-")  # mode 0700
     sock = os.path.join(rundir, "sonard.sock")
     log_path = os.path.join(rundir, "sonard.log")
-    args = [binary, "--listen", f"ipc://{sock}", "--log-level", log_level]
+    # Only this process may stop its server: shutdown carries this token (the file is 0600
+    # in the 0700 run directory; never on the command line, which others can read).
+    token = secrets.token_hex(32)
+    token_path = os.path.join(rundir, "owner.token")
+    fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    # --parent-pid: the server exits within a second of this process, however it ends, and
+    # then removes this run directory (--run-dir), which this process can no longer do.
+    args = [binary, "--listen", f"ipc://{sock}", "--log-level", log_level,
+            "--parent-pid", str(os.getpid()), "--admin-token-file", token_path, "--run-dir", rundir]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             args,
@@ -28,7 +39,7 @@ def start_private_server(timeout: float, log_level: str = "warn") -> Connection:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C in the trainer reaches the trainer; close() stops the server
         )
-    return Connection(address=f"ipc://{sock}", timeout=timeout, process=proc, log_path=log_path)
+    return Connection(address=f"ipc://{sock}", timeout=timeout, process=proc, log_path=log_path, admin_token=token)
 
 
 def connect(server: str | None, timeout: float) -> Connection:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._detect import is_expert_param
+from ._detect import ExpertTensor, find_experts, is_expert_param
 
 ExpertPredicate = Callable[[str, torch.Tensor], bool]
 
@@ -53,6 +53,22 @@ def torch_params(params: nn.Module | Iterable[Any], model: nn.Module | None) -> 
     return plain(out), names
 
 
+def module_experts(params: nn.Module | Iterable[Any], model: nn.Module | None) -> dict[int, ExpertTensor | None] | None:
+    """Every parameter of the module given (as ``params`` or ``model=``) by ``id``: what
+    :func:`find_experts` sees it as, None where it is dense; None when no module is given
+    (names or shapes decide)."""
+    mods = [m for m in (params if isinstance(params, nn.Module) else None, model) if m is not None]
+    if not mods:
+        return None
+    out: dict[int, ExpertTensor | None] = {}
+    for mod in mods:
+        found = find_experts(mod)
+        for n, p in mod.named_parameters(remove_duplicate=False):
+            if out.get(id(p)) is None:
+                out[id(p)] = found.get(n)
+    return out
+
+
 def group_names(group: Mapping[str, Any], names: Mapping[int, str]) -> list[str | None]:
     """The name of each parameter of a torch parameter group, None where unknown."""
     given = group.get("param_names")
@@ -61,9 +77,23 @@ def group_names(group: Mapping[str, Any], names: Mapping[int, str]) -> list[str 
     return [names.get(id(p)) for p in group["params"]]
 
 
-def is_expert(name: str | None, p: torch.Tensor, pred: ExpertPredicate | None) -> bool:
-    """Expert tensors are found by name where it is known (``pred`` or the default
-    predicate), and by shape where it is not: every parameter of 3 or more dimensions."""
+def is_expert(name: str | None, p: torch.Tensor, pred: ExpertPredicate | None,
+              in_module: Mapping[int, ExpertTensor | None] | None) -> bool:
+    """Whether p is an expert tensor: ``pred`` decides where given; else the module's layout
+    where a module is known (``in_module``, from :func:`module_experts`); else the name (the
+    default predicate); else the shape (every parameter of 3 or more dimensions)."""
+    if pred is not None:
+        return pred(name or "", p)
+    if in_module is not None and id(p) in in_module:
+        return in_module[id(p)] is not None
     if name is None:
-        return pred("", p) if pred is not None else p.dim() >= 3
-    return (pred or is_expert_param)(name, p)
+        return p.dim() >= 3
+    return is_expert_param(name, p)
+
+
+def expert_slices(p: torch.Tensor, in_module: Mapping[int, ExpertTensor | None] | None) -> int:
+    """How many experts an expert tensor stacks along dim 0 (what ``split_experts`` splits)."""
+    found = in_module.get(id(p)) if in_module is not None else None
+    if found is not None:
+        return found.experts
+    return p.shape[0] if p.dim() >= 3 else 1

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import collections
 import errno
+import ctypes
 import itertools
 import mmap
 import os
 import secrets
+import weakref
 
 import torch
 
 from ._connection import SonarError
+from . import _fork
 
 SHM_DIR = "/dev/shm"
 PAGE = 4096
@@ -80,9 +83,13 @@ class Segment:
             self.mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.unlink(self.path)
-            raise
-        finally:
             os.close(fd)
+            raise
+        # Kept open (the name is unlinked once the server mapped it) so that a forked
+        # child can re-map the memory privately (_fork).
+        self._fd = fd
+        weakref.finalize(self, os.close, fd)
+        _fork.track(self)
 
     def tensor(self, offset: int, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
         """A tensor view of [offset, offset + numel*itemsize) of the segment."""
@@ -90,6 +97,22 @@ class Segment:
         for d in shape:
             numel *= int(d)
         return torch.frombuffer(self.mm, dtype=dtype, count=numel, offset=offset).view(shape)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: replace the shared mapping, at the same address, by a private
+        copy-on-write mapping of the same memory, so that the child's writes stay its own."""
+        if self.mm.closed:
+            return
+        view = ctypes.c_char.from_buffer(self.mm)
+        addr = ctypes.addressof(view)
+        del view
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        map_fixed = 0x10
+        got = libc.mmap(addr, self.size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | map_fixed, self._fd, 0)
+        if got != addr:
+            raise OSError(ctypes.get_errno(), f"sonar: re-mapping {self.name} privately after fork failed")
 
     def unlink(self) -> None:
         """Remove the name (the server unlinks it once mapped; this covers failures)."""

@@ -53,8 +53,8 @@ class ShmBackend(ServerBackend):
         return rep
 
     def __init__(self, conn: Connection, hello: Mapping[str, Any], named: list[tuple[str, nn.Parameter]],
-                 options: BackendOptions, counter: Counter) -> None:
-        super().__init__(conn, hello, named, options, counter)
+                 options: BackendOptions, counter: Counter, slices: Mapping[int, int] | None = None) -> None:
+        super().__init__(conn, hello, named, options, counter, slices)
         self._params: list[Segment] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (segment id, offset)
         self._ring: Ring | None = None
@@ -79,9 +79,8 @@ class ShmBackend(ServerBackend):
             e.param.data = view
             self._where[id(e.param)] = (seg_id, o)
         layer: dict[str, int] = {}
-        for e in self._experts.values():  # batched tensors of one layer share the module prefix
-            lk = e.key.rsplit("experts", 1)[0]
-            layer[lk] = layer.get(lk, 0) + Ring.slot_bytes(e.nbytes)
+        for e in self._experts.values():
+            layer[e.layer] = layer.get(e.layer, 0) + Ring.slot_bytes(e.nbytes)
         need = max(layer.values()) * self._options.ring_layers
         if self._ring is None or self._ring.capacity < need:  # no gradient is in flight here
             if self._ring is not None:

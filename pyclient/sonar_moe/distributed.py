@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._connection import Connection, SonarError
 from ._launch import start_private_server
-from ._detect import is_expert_param
+from ._detect import find_experts
 from .optimizer import SonarAdamW
 
 log = logging.getLogger("sonar_moe")
@@ -184,8 +184,11 @@ def ignore_experts_in_ddp(module: nn.Module,
     """
     if isinstance(module, DistributedDataParallel):
         raise TypeError("call ignore_experts_in_ddp on the module before wrapping it in DDP")
-    pred = expert_params or is_expert_param
-    names = [n for n, p in module.named_parameters() if pred(n, p)]
+    if expert_params is None:  # the same expert tensors SonarAdamW(module) finds
+        found = find_experts(module)
+        names = [n for n, _ in module.named_parameters() if n in found]
+    else:
+        names = [n for n, p in module.named_parameters() if expert_params(n, p)]
     if not names:
         raise ValueError("no expert parameters found")
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)

@@ -8,21 +8,45 @@ The optimizer is built from the ``TrainingArguments`` as ``Trainer.create_optimi
 torch's: ``args.optim`` (``adamw_torch`` or ``adamw_torch_fused``, Trainer's default with
 torch >= 2.8), learning_rate, adam_beta1/2, adam_epsilon, and two parameter groups, weight
 decay on the parameters ``Trainer.get_decay_parameter_names`` names and none on the others
-(biases, norm weights); plus max_grad_norm and gradient_accumulation_steps. Trainer's own
-clipping would run after backward, when the expert gradients are already applied and freed,
-so it would silently clip (and log the norm of) the dense parameters only. SonarTrainer turns
-it off and lets SonarAdamW clip the dense parameters with ``args.max_grad_norm`` instead, and
-logs that norm as ``dense_grad_norm`` together with Sonar's figures.
+(biases, norm weights); plus max_grad_norm and gradient_accumulation_steps.
+
+Clipping: Trainer's own clipping would run after backward, when the expert gradients are
+already applied and freed, so it would silently clip the dense parameters only. SonarTrainer
+replaces Trainer's clipping hook (``_clip_grad_norm``) with nothing and lets SonarAdamW clip
+the dense parameters to ``args.max_grad_norm`` in ``step()``; the caller's ``TrainingArguments``
+are not changed (the saved ``training_args.bin`` shows what was asked for, and the same object
+gives a stock Trainer its usual clipping).
+
+Logs: ``dense_grad_norm`` is the norm of the dense gradients before clipping (what SonarAdamW
+clips). Trainer's ``grad_norm`` (the norm over all gradients) is not logged: the expert
+gradients are applied and freed during backward, and with gradient accumulation only sonard
+holds their sum, so the global norm would cost an extra pass over every expert gradient and a
+reduction on the server. ``sonar_peak_expert_grad_bytes`` and ``sonar_update_ms_p50`` come
+from SonarAdamW's statistics.
+
+Checkpoints: resuming and ``load_best_model_at_end`` load the model's weights in place with the
+checkpoint's layout converted back (``load_weights_in_place``): Trainer 5.23 loads them with
+``strict=False`` and no conversion, so expert tensors, saved per expert, would keep their
+current values.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from transformers import PreTrainedModel, Trainer
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from .optimizer import SonarAdamW
+
+log = logging.getLogger("sonar_moe")
 
 # args.optim values SonarTrainer reproduces, and the AdamW flags each one means in Trainer.
 SUPPORTED_OPTIM = {"adamw_torch": {}, "adamw_torch_fused": {"fused": True}}
@@ -49,10 +73,7 @@ class SonarTrainer(Trainer):
     def __init__(self, *args: Any, sonar_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sonar_kwargs = dict(sonar_kwargs or {})
-        clip = self.args.max_grad_norm
-        self.sonar_max_grad_norm = float(clip) if clip is not None and clip > 0 else None
-        # Trainer must not clip: SonarAdamW clips the dense parameters itself.
-        self.args.max_grad_norm = 0.0
+        self._unclipped_dense_norm: float | None = None
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -76,37 +97,190 @@ class SonarTrainer(Trainer):
                 lr=a.learning_rate,
                 betas=(a.adam_beta1, a.adam_beta2),
                 eps=a.adam_epsilon,
-                max_grad_norm=self.sonar_max_grad_norm,
+                max_grad_norm=float(a.max_grad_norm) if a.max_grad_norm and a.max_grad_norm > 0 else None,
                 grad_accumulation_steps=a.gradient_accumulation_steps,
                 model=target,
                 **{**SUPPORTED_OPTIM[optim], **self.sonar_kwargs},
             )
         return self.optimizer
 
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        """Trainer's clipping, which runs after backward: with SonarAdamW nothing is clipped
+        here (the expert gradients are already applied; SonarAdamW clips the dense ones in
+        step()), and no norm is returned."""
+        if unwrap_sonar(self.optimizer) is None:
+            return super()._clip_grad_norm(model)
+        return None
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        """Trainer's ``grad_norm`` (the norm over all gradients) is not available with SonarAdamW
+        (see the module docstring), so it is not logged. Where SonarAdamW does not clip, the
+        dense norm Trainer would measure is measured here the same way, for ``dense_grad_norm``
+        (only dense parameters have a gradient at this point)."""
+        opt = unwrap_sonar(self.optimizer)
+        if opt is None:
+            return super()._get_grad_norm(model, grad_norm)
+        if opt.max_grad_norm is None:
+            norm = super()._get_grad_norm(model, None)
+            self._unclipped_dense_norm = float(norm) if norm is not None else None
+        return None
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         opt = unwrap_sonar(self.optimizer)
         if opt is not None and "loss" in logs:
-            if opt.last_dense_grad_norm is not None:
+            if opt.max_grad_norm is not None and opt.last_dense_grad_norm is not None:
                 logs["dense_grad_norm"] = float(opt.last_dense_grad_norm)
+            elif opt.max_grad_norm is None and self._unclipped_dense_norm is not None:
+                logs["dense_grad_norm"] = self._unclipped_dense_norm
             st = opt.stats(server=False)
             logs["sonar_peak_expert_grad_bytes"] = st["peak_expert_grad_bytes"]
             logs["sonar_update_ms_p50"] = round(st["latency_ms_p50"], 3)
         super().log(logs, *args, **kwargs)
 
-
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
-        """Trainer's loader, plus a reload through ``from_pretrained``.
-
-        transformers 5.x saves batched expert tensors (OLMoE ``mlp.experts.gate_up_proj``) in the
-        per-expert checkpoint layout, and ``Trainer._load_from_checkpoint`` loads with
-        ``strict=False`` without converting back, so the experts silently keep their current
-        values on resume. ``from_pretrained`` applies the conversion; its weights are copied in
-        place, so parameters living in Sonar's shared memory stay where they are.
-        """
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        """Trainer's loader, except for a plain ``PreTrainedModel`` with a safetensors or
+        ``pytorch_model.bin`` checkpoint: that is loaded in place with the checkpoint layout
+        converted (see ``load_weights_in_place``). Trainer 5.23 loads with ``strict=False`` and no
+        conversion, so batched expert tensors (saved per expert) and renamed weights (GraniteMoe's
+        router) would silently keep their current values, with a missing/unexpected-keys warning."""
         target = model if model is not None else self.model
-        if isinstance(target, PreTrainedModel):
-            fresh = type(target).from_pretrained(resume_from_checkpoint, dtype=target.dtype)
-            with torch.no_grad():
-                target.load_state_dict(fresh.state_dict(), strict=True)
-            del fresh
+        if not self._loads_in_place(target, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        report_load(load_weights_in_place(target, resume_from_checkpoint), resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        """Trainer's ``load_best_model_at_end``, with the same in-place, converting load as resume."""
+        best = self.state.best_model_checkpoint
+        if best is None or not self._loads_in_place(self.model, best):
+            super()._load_best_model()
+            return
+        log.info("loading the best model from %s (score %s)", best, self.state.best_metric)
+        report_load(load_weights_in_place(self.model, best), best)
+
+    def _loads_in_place(self, model: torch.nn.Module, checkpoint: str) -> bool:
+        """Whether SonarTrainer loads this checkpoint itself: a plain (not PEFT-wrapped)
+        PreTrainedModel, neither FSDP nor DeepSpeed, and a checkpoint of one safetensors file,
+        sharded safetensors or one pytorch_model.bin. Other cases keep Trainer's loader."""
+        return (isinstance(model, PreTrainedModel) and not hasattr(model, "peft_config")
+                and not self.is_fsdp_enabled and not self.is_deepspeed_enabled
+                and checkpoint_files(checkpoint) is not None)
+
+
+def checkpoint_files(checkpoint: str) -> dict[str, str] | None:
+    """{checkpoint key: file} of a model checkpoint directory, or None where it has no
+    safetensors file, safetensors index or pytorch_model.bin."""
+    single = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
+    index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
+    pickled = os.path.join(checkpoint, WEIGHTS_NAME)
+    if os.path.isfile(single):
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(checkpoint, v) for k, v in json.load(f)["weight_map"].items()}
+    if os.path.isfile(pickled):
+        return {k: pickled for k in torch.load(pickled, map_location="meta", weights_only=True)}
+    return None
+
+
+@dataclass
+class LoadReport:
+    """What load_weights_in_place did: the model's tensors it could not find in the checkpoint,
+    and the checkpoint's tensors no model tensor maps to."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    restored: int = 0
+
+
+class _CheckpointReader:
+    """Reads one checkpoint tensor at a time (safetensors lazily; a pytorch_model.bin once)."""
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self.files = files
+        self._pickled: dict[str, dict[str, torch.Tensor]] = {}
+
+    def get(self, key: str) -> torch.Tensor:
+        path = self.files[key]
+        if path.endswith(".safetensors"):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                return f.get_tensor(key)
+        if path not in self._pickled:
+            self._pickled[path] = torch.load(path, map_location="cpu", weights_only=True)
+        return self._pickled[path][key]
+
+
+def load_weights_in_place(model: PreTrainedModel, checkpoint: str) -> LoadReport:
+    """Copy a ``save_pretrained`` checkpoint into ``model``'s own tensors, converting its layout.
+
+    transformers 5 saves some tensors in another layout than the module holds them (OLMoE's
+    batched ``mlp.experts.gate_up_proj`` as per-expert ``gate_proj``/``up_proj`` matrices,
+    GraniteMoe's ``router.weight`` as ``router.layer.weight``) by reverting the model's weight
+    conversion (``transformers.core_model_loading.revert_weight_conversion``) when saving. That
+    conversion only moves elements, so reverting it on a tensor of element indices tells, for
+    every checkpoint tensor, where each of its elements lives in the model's tensor. The
+    elements are copied there in place: the parameters keep their storage (SonarAdamW's shared
+    memory), no second model is built, and one tensor is read from the checkpoint at a time.
+    """
+    files = checkpoint_files(checkpoint)
+    if files is None:
+        raise FileNotFoundError(f"no model weights in {checkpoint}")
+    reader = _CheckpointReader(files)
+    report = LoadReport()
+    used: set[str] = set()
+    names: dict[int, list[str]] = {}  # tied weights: one tensor under several names
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+        tensors[id(tensor)] = tensor
+    with torch.no_grad():
+        for tid, tensor in tensors.items():
+            found = next((p for p in (_placement(model, n, tensor, files) for n in names[tid]) if p), None)
+            if found is None:
+                report.missing.extend(names[tid])
+                continue
+            flat = tensor.detach().view(-1)
+            for key, where in found.items():
+                value = reader.get(key).to(device=flat.device, dtype=flat.dtype)
+                if where is None:  # stored as the model holds it
+                    tensor.detach().copy_(value)
+                else:
+                    flat[where.reshape(-1).to(flat.device)] = value.reshape(-1)
+                used.add(key)
+            report.restored += 1
+    report.unexpected = sorted(set(files) - used)
+    return report
+
+
+def _placement(model: PreTrainedModel, name: str, tensor: torch.Tensor,
+               files: dict[str, str]) -> dict[str, torch.Tensor | None] | None:
+    """{checkpoint key: indices of its elements in ``tensor`` (None: the whole tensor, as is)}
+    for the model tensor ``name``; None if the checkpoint does not hold it."""
+    probe = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    reverted = revert_weight_conversion(model, {name: probe})
+    if list(reverted) == [name] and reverted[name] is probe:  # not converted: stored as is
+        return {name: None} if name in files else None
+    if not any(k in files for k in reverted):
+        return None
+    dtype = torch.int32 if tensor.numel() < 2**31 else torch.int64
+    index = torch.arange(tensor.numel(), dtype=dtype).view(tensor.shape)
+    parts = revert_weight_conversion(model, {name: index})
+    covered = torch.zeros(tensor.numel(), dtype=torch.int8)
+    for key, where in parts.items():
+        if key not in files or where.dtype != dtype:
+            raise RuntimeError(f"{name}: its checkpoint layout ({sorted(parts)}) is not a rearrangement of its "
+                               f"elements found in the checkpoint, so it cannot be loaded in place")
+        covered.index_add_(0, where.reshape(-1), torch.ones(where.numel(), dtype=torch.int8))
+    if not bool((covered == 1).all()):
+        raise RuntimeError(f"{name}: its checkpoint tensors ({sorted(parts)}) do not cover each element once")
+    return dict(parts)
+
+
+def report_load(report: LoadReport, checkpoint: str) -> None:
+    """Warn, as Trainer does, about model tensors the checkpoint lacked or tensors it had in excess."""
+    if report.missing:
+        log.warning("model tensors not in the checkpoint %s (kept as they were): %s", checkpoint, report.missing)
+    if report.unexpected:
+        log.warning("checkpoint tensors in %s that no model tensor takes: %s", checkpoint, report.unexpected)
+    log.info("loaded %d model tensors in place from %s", report.restored, checkpoint)

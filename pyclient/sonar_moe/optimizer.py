@@ -20,6 +20,7 @@ import re
 import statistics
 import subprocess
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from fractions import Fraction
@@ -32,7 +33,7 @@ from torch.optim.adam import adam
 from ._backend import DTYPES, STATE_KEYS, BackendOptions, ExpertBackend, NoExperts
 from ._connection import SonarError
 from ._cuda_backend import CudaBackend
-from ._params import ExpertPredicate, group_names, is_expert, torch_params
+from ._params import ExpertPredicate, expert_slices, group_names, is_expert, module_experts, torch_params
 from ._shm_backend import ShmBackend
 
 log = logging.getLogger("sonar_moe")
@@ -79,6 +80,19 @@ def torch_scalars(group: Mapping[str, Any], step: float, dtype: torch.dtype | No
         "amsgrad": bool(group["amsgrad"]),
         "maximize": bool(group["maximize"]),
     }
+
+
+def torch_foreach_cpu_scalars(group: Mapping[str, Any], step: float, dtype: torch.dtype) -> dict[str, Any]:
+    """One step's constants as torch's foreach AdamW (``_multi_tensor_adam``) uses them on CPU:
+    those of the single-tensor path, except that ``_foreach_mul_(tensors, scalar)`` on CPU casts
+    its scalar to the tensors' dtype before multiplying (the other foreach ops keep it in
+    float32), so for bfloat16 the weight decay factor and beta2 are rounded to bfloat16 (double
+    -> float -> bfloat16, as c10 converts). For float32 nothing changes."""
+    scalars = torch_scalars(group, step, dtype)
+    if dtype == torch.bfloat16:
+        for key in ("decay", "beta2"):
+            scalars[key] = float(torch.tensor(scalars[key], dtype=torch.float32).to(dtype).item())
+    return scalars
 
 
 def fused_lanes(dtype: torch.dtype) -> int:
@@ -156,14 +170,19 @@ def torch_fused_cuda_scalars(group: Mapping[str, Any], step: float) -> dict[str,
     return sc
 
 
+class NoExpertsWarning(UserWarning):
+    """SonarAdamW found no expert tensor: it trains as plain torch.optim.AdamW, without sonard."""
+
+
 def open_backend(named: list[tuple[str, nn.Parameter]], server: str | None, options: BackendOptions,
-                 hyper_of: Callable[[nn.Parameter], Mapping[str, Any]], counter: Any) -> ExpertBackend:
+                 hyper_of: Callable[[nn.Parameter], Mapping[str, Any]], counter: Any,
+                 slices: Mapping[int, int] | None = None) -> ExpertBackend:
     """The expert backend of these tensors, chosen once: CUDA IPC when any expert tensor is on
     a GPU, shared memory for CPU tensors, none without expert tensors."""
     if not named:
         return NoExperts()
     cuda = any(p.device.type == "cuda" for _, p in named)
-    return (CudaBackend if cuda else ShmBackend).open(server, named, options, hyper_of, counter)
+    return (CudaBackend if cuda else ShmBackend).open(server, named, options, hyper_of, counter, slices)
 
 
 def _check_options(grad_accumulation_steps: int, max_grad_norm: float | None, max_expert_grad_norm: float | None,
@@ -284,6 +303,7 @@ class SonarAdamW(torch.optim.AdamW):
                 raise TypeError("SonarAdamW needs the parameters to optimize (a module, parameters or groups)")
             params = model
         given, self._names = torch_params(params, model)
+        self._in_module = module_experts(params, model)  # the module's layout, where a module is given
         self._order = {pid: i for i, pid in enumerate(self._names)}  # the module's parameter order
         self._groups_key: tuple[int, ...] = ()
         self._group_by_param: dict[int, dict[str, Any]] = {}
@@ -325,6 +345,12 @@ class SonarAdamW(torch.optim.AdamW):
         self._server = server
         self._started = True
         self._adopt(self.param_groups)
+        if not self._experts:
+            warnings.warn(NoExpertsWarning(
+                "SonarAdamW found no expert tensors, so it is plain torch.optim.AdamW here: no sonard, no update "
+                "during backward, no memory saved. Name them with expert_params=lambda name, param: ... (see "
+                "docs/models.md for the layouts found on their own), or ignore this warning for a dense model"),
+                stacklevel=2)
 
     # -------------------------------------------------------- parameter groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -339,7 +365,7 @@ class SonarAdamW(torch.optim.AdamW):
         new: list[tuple[str, nn.Parameter]] = []
         for g in groups:
             for name, p in zip(group_names(g, self._names), g["params"]):
-                if id(p) in self._experts or not is_expert(name, p, self._pred):
+                if id(p) in self._experts or not is_expert(name, p, self._pred, self._in_module):
                     continue
                 label = name or self._label(p)
                 _check_expert(label, p)
@@ -360,10 +386,11 @@ class SonarAdamW(torch.optim.AdamW):
                     f"fused=True for the CUDA expert tensor {name} with torch {torch.__version__}: sonard reproduces "
                     "the fused CUDA AdamW of torch >= 2.8 only; use a newer torch, or fused=False (foreach, torch's "
                     "CUDA default)")
+        slices = {id(p): expert_slices(p, self._in_module) for _, p in new}
         if isinstance(self._backend, NoExperts):
-            self._backend = open_backend(new, self._server, self._options, self._hyper_of, self)
+            self._backend = open_backend(new, self._server, self._options, self._hyper_of, self, slices)
         else:
-            self._backend.add(new, self._hyper_of)
+            self._backend.add(new, self._hyper_of, slices)
         for name, p in new:
             self._experts[id(p)] = (name, p)
             h = self._hyper_of(p)
@@ -423,6 +450,8 @@ class SonarAdamW(torch.optim.AdamW):
             if p.device.type == "cuda":
                 return int(step), torch_fused_cuda_scalars(g, step)
             return int(step), torch_fused_scalars(g, step, p.dtype)
+        if g["foreach"] and p.device.type == "cpu":
+            return int(step), torch_foreach_cpu_scalars(g, step, p.dtype)
         return int(step), torch_scalars(g, step, p.dtype)
 
     def retreat(self, p: nn.Parameter, step: int) -> None:

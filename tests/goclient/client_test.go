@@ -170,7 +170,10 @@ func (c *Client) Bye() error { return c.Call(ipc.OpBye, nil, nil) }
 // Shutdown releases the session and stops the server. The reply can be
 // lost when the server closes its socket right after queueing it; callers
 // that must know the server stopped should wait for its process.
-func (c *Client) Shutdown() error { return c.Call(ipc.OpShutdown, nil, nil) }
+// Shutdown stops the server; token is its --admin-token-file's secret.
+func (c *Client) Shutdown(token string) error {
+	return c.Call(ipc.OpShutdown, ipc.Shutdown{Token: token}, nil)
+}
 
 // HyperMsg converts hyper-parameters to their wire form.
 func HyperMsg(h optimizer.Hyper) ipc.HyperMsg {

@@ -63,7 +63,12 @@ func startSonard(t *testing.T) *Client {
 	sock := filepath.Join(dir, "run", "sonard.sock") // sonard creates run/ with mode 0700
 	addr := "ipc://" + sock
 	var logs bytes.Buffer
-	cmd := exec.Command(bin, "--listen", addr, "--log-level", "warn", "--workers", "2")
+	const token = "the-owner-token-of-this-test"
+	tokenFile := filepath.Join(dir, "owner.token")
+	if err := os.WriteFile(tokenFile, []byte(token), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, "--listen", addr, "--log-level", "warn", "--workers", "2", "--admin-token-file", tokenFile)
 	cmd.Stdout, cmd.Stderr = &logs, &logs
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("start sonard: %v", err)
@@ -95,7 +100,7 @@ func startSonard(t *testing.T) *Client {
 	}
 	t.Cleanup(func() {
 		_ = c.SetTimeout(3 * time.Second)
-		err := c.Shutdown()
+		err := c.Shutdown(token)
 		c.Close()
 		if err != nil {
 			// sonard closes its socket with linger 0 right after queueing
