@@ -48,15 +48,21 @@ func stepF32Vec(p, g, m, v, out []float32, s Scalars, k f32) int {
 // |w| < 0.5 lerp is fma(w, g-m, m), otherwise fma(w-1, g-m, g); maximize
 // flips the gradient's sign bit; no decay multiplies by exactly 1.
 func newPass1Consts(s Scalars, k f32) pass1Consts {
-	c := pass1Consts{decay: 1, c: k.w, b2: k.b2, omb2: k.omb2}
-	if s.ApplyDecay {
-		c.decay = k.decay
+	return lerpConsts(k.decay, k.w, k.b2, k.omb2, s.ApplyDecay, s.Maximize)
+}
+
+// lerpConsts is newPass1Consts from the float32 constants themselves (the
+// fused kernels' come from fusedScalars).
+func lerpConsts(decay, w, b2, omb2 float32, applyDecay, maximize bool) pass1Consts {
+	c := pass1Consts{decay: 1, c: w, b2: b2, omb2: omb2}
+	if applyDecay {
+		c.decay = decay
 	}
-	if s.Maximize {
+	if maximize {
 		c.sign = 0x80000000
 	}
-	if !(k.w < 0.5 && k.w > -0.5) {
-		c.c = k.w - 1
+	if !(w < 0.5 && w > -0.5) {
+		c.c = w - 1
 		c.baseMask = math.MaxUint32
 	}
 	return c
@@ -100,9 +106,7 @@ func stepBF16Vec(p, g, m, v []uint16, s Scalars, k f32, epsBF float32) int {
 		return 0
 	}
 	c := vecConsts{pass1Consts: newPass1Consts(s, k), bc2s: k.bc2s, eps: epsBF, negStep: k.negStep}
-	for i := range c.one {
-		c.one[i], c.r7fff[i], c.hiMask[i], c.nan[i] = 1, 0x7FFF, 0xFFFF0000, 0x7FC00000
-	}
+	c.setRounding(0x7FC0)
 	stepBF16AVX2(&p[0], &g[0], &m[0], &v[0], n, &c)
 	return n
 }
@@ -113,26 +117,22 @@ func fusedF32AVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
 //go:noescape
 func fusedBF16AVX2(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 
-// newFusedConsts packs a fused step's constants for the assembly: the lerp
-// coefficient and base as newPass1Consts does them (w with base m when
-// |w| < 0.5, else w-1 with base g), the decay factor exactly 1 without decay.
+// newFusedConsts packs a fused step's constants for the assembly: decay,
+// lerp and exp_avg_sq constants as newPass1Consts packs them.
 func newFusedConsts(k fusedScalars) vecConsts {
-	c := vecConsts{pass1Consts: pass1Consts{decay: 1, c: k.w, b2: k.b2, omb2: k.c}, bc2s: k.bc2s, eps: k.eps,
-		negStep: k.negStep}
-	if k.applyDecay {
-		c.decay = k.decay
-	}
-	if k.maximize {
-		c.sign = 0x80000000
-	}
-	if !k.small {
-		c.c, c.baseMask = k.wm1, math.MaxUint32
-	}
+	c := vecConsts{pass1Consts: lerpConsts(k.decay, k.w, k.b2, k.c, k.applyDecay, k.maximize), bc2s: k.bc2s,
+		eps: k.eps, negStep: k.negStep}
 	// Vector-loop NaNs become 0xFFFF, as torch's vectorized bfloat16 conversion makes them.
-	for i := range c.one {
-		c.one[i], c.r7fff[i], c.hiMask[i], c.nan[i] = 1, 0x7FFF, 0xFFFF0000, 0xFFFF0000
-	}
+	c.setRounding(0xFFFF)
 	return c
+}
+
+// setRounding fills the masks RNDBF reads: round to nearest even, and a NaN
+// stored as the bfloat16 pattern nan.
+func (c *vecConsts) setRounding(nan uint32) {
+	for i := range c.one {
+		c.one[i], c.r7fff[i], c.hiMask[i], c.nan[i] = 1, 0x7FFF, 0xFFFF0000, nan<<16
+	}
 }
 
 // fusedF32Vec runs the vector-loop elements of a fused float32 step (an FMA
