@@ -70,6 +70,16 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (/proc/PID/stat; clock-tick resolution)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def reset_peak_rss() -> bool:
     """Reset this process's VmHWM (Linux >= 4.0: write 5 to clear_refs)."""
     try:

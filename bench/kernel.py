@@ -113,24 +113,94 @@ def sonard_e2e(n: int, dtype: torch.dtype, reps: int, fused: bool = False) -> di
             "wait_in_step_s": common.median(walls)}
 
 
-def ipc_ping(n: int) -> dict:
-    """Round trips of a request the server answers without touching tensor memory ("stats"):
-    ZeroMQ ipc:// transport plus msgpack encoding on both sides."""
+def _stats(times: list[float]) -> dict:
+    t = sorted(times)
+    n = len(t)
+    return {"n": n, "p50_s": t[n // 2], "p90_s": t[n * 9 // 10], "p99_s": t[n * 99 // 100], "max_s": t[-1],
+            "times_s": times}
+
+
+def ipc_ping(n: int, go_bench: str | None = None) -> dict:
+    """Round trips of a request the server answers without touching tensor memory ("stats"),
+    as SonarAdamW makes them (``Connection.call``), and where their microseconds go: the same
+    request sent with bare pyzmq + msgpack (no sonar_moe client code), and (with go_bench) a
+    bare ZeroMQ ROUTER echo in Go (no decoding, no handler: the transport's floor). The three
+    are measured in interleaved rounds, so a change of the machine's load hits all alike. The
+    client's CPU time per call (this process, all threads) is reported beside the wall time."""
+    import subprocess
+    import tempfile
+
+    import msgpack
+    import zmq
     from sonar_moe import start_private_server
+    from sonar_moe._connection import PROTOCOL_VERSION
+
     conn = start_private_server(timeout=10.0)  # as SonarAdamW starts one
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(conn.address)
+    tmp = tempfile.mkdtemp(prefix="sonar-echo-")
+    echo_proc, echo = None, None
+    if go_bench:
+        addr = f"ipc://{tmp}/echo.sock"
+        echo_proc = subprocess.Popen([go_bench, "-echo", addr], stdout=subprocess.PIPE, text=True)
+        echo_proc.stdout.readline()  # "ready"
+        echo = ctx.socket(zmq.DEALER)
+        echo.setsockopt(zmq.LINGER, 0)
+        echo.connect(addr)
+    req = msgpack.packb({"v": PROTOCOL_VERSION, "op": "stats", "id": 1, "body": {}}, use_bin_type=True)
+
+    def via_client() -> None:
+        conn.call("stats", {})
+
+    def via_pyzmq() -> None:
+        raw.send(req)
+        msgpack.unpackb(raw.recv(), raw=False)
+
+    def via_echo() -> None:
+        echo.send(req)
+        msgpack.unpackb(echo.recv(), raw=False)
+
+    cases = {"client": via_client, "pyzmq": via_pyzmq}
+    if echo is not None:
+        cases["echo"] = via_echo
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    cpu: dict[str, float] = {k: 0.0 for k in cases}
     try:
-        for _ in range(50):
-            conn.call("stats", {})
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
-            conn.call("stats", {})
-            times.append(time.perf_counter() - t)
+        for f in cases.values():
+            for _ in range(50):
+                f()
+        rounds = 10
+        for _ in range(rounds):
+            for k, f in cases.items():
+                c0 = time.process_time()
+                for _ in range(max(1, n // rounds)):
+                    t = time.perf_counter()
+                    f()
+                    times[k].append(time.perf_counter() - t)
+                cpu[k] += time.process_time() - c0
     finally:
+        raw.close()
+        if echo is not None:
+            echo.close()
+        if echo_proc is not None:
+            echo_proc.kill()
+            echo_proc.wait()
         conn.shutdown()
-    times.sort()
-    return {"n": n, "p50_s": times[n // 2], "p90_s": times[n * 9 // 10], "p99_s": times[n * 99 // 100],
-            "max_s": times[-1], "times_s": times}
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = {**_stats(times["client"]), "cpu_s_per_call": cpu["client"] / len(times["client"]),
+           "layers": {k: {**_stats(v), "cpu_s_per_call": cpu[k] / len(v)} for k, v in times.items()}}
+    # msgpack's share on the client: one request packed and one reply unpacked.
+    rep = msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "ok": True, "body": {"requests": 1}}, use_bin_type=True)
+    m = 20000
+    t = time.perf_counter()
+    for _ in range(m):
+        msgpack.packb({"v": PROTOCOL_VERSION, "op": "stats", "id": 1, "body": {}}, use_bin_type=True)
+        msgpack.unpackb(rep, raw=False)
+    out["msgpack_s_per_call"] = (time.perf_counter() - t) / m
+    return out
 
 
 def go_engine(go_bench: str, lib: str | None, dtype: str, n: int, reps: int) -> list[dict]:
@@ -198,7 +268,7 @@ def main() -> None:
                 res["sonard"].append(sonard_e2e(n, dtype, a.reps))
                 res["sonard"].append(sonard_e2e(n, dtype, a.reps, fused=True))
     if not a.no_sonard:
-        res["ping"] = ipc_ping(a.pings)
+        res["ping"] = ipc_ping(a.pings, a.go_bench)
     res["copy"].append(copy_bandwidth(a.copy_mb, a.reps))
     if a.go_bench:
         res["go_copy"].append(go_copy(a.go_bench, a.copy_mb, a.reps))

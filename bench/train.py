@@ -76,6 +76,8 @@ class Method:
         self.losses: list[float] = []
         self.hook_s: list[float] = []
         self.drain_s: list[float] = []
+        self.cpu_s: list[float] = []  # trainer process (all threads) + its sonard, per timed step
+        self.server_cpu_s: list[float] = []
 
     def _in_backward(self, p: torch.Tensor) -> None:
         o = self.per_param[p]
@@ -94,16 +96,27 @@ class Method:
 
     def timed_step(self, batch: dict[str, torch.Tensor], record: bool) -> None:
         h0, d0 = sonar_seconds(self.sonar)
+        s0 = self.server_cpu()
+        c0 = time.process_time()
         t = time.perf_counter()
         loss = self.step(batch)
         dt = time.perf_counter() - t
+        c1 = time.process_time()
+        s1 = self.server_cpu()
         self.losses.append(loss)
         if record:
             self.times.append(dt)
+            self.cpu_s.append(c1 - c0 + s1 - s0)
+            self.server_cpu_s.append(s1 - s0)
             if self.sonar is not None:
                 h1, d1 = sonar_seconds(self.sonar)
                 self.hook_s.append(h1 - h0)
                 self.drain_s.append(d1 - d0)
+
+    def server_cpu(self) -> float:
+        """CPU seconds the private sonard has used (0 for torch methods)."""
+        proc = self.sonar.server_process if self.sonar is not None else None
+        return common.proc_cpu_s(proc.pid) if proc is not None else 0.0
 
     # ---------------------------------------------------------------- memory
     def live_bytes(self) -> dict[str, int]:
@@ -255,7 +268,10 @@ def main() -> None:
     res_methods = {}
     for m in methods:
         r: dict[str, Any] = {"label": METHODS[m.key], "median_step_s": common.median(m.times),
-                             "step_times_s": m.times, "losses": m.losses}
+                             "step_times_s": m.times, "losses": m.losses,
+                             # means, not medians: sonard's CPU time has clock-tick (10 ms) resolution
+                             "cpu_s_per_step": sum(m.cpu_s) / max(len(m.cpu_s), 1),
+                             "server_cpu_s_per_step": sum(m.server_cpu_s) / max(len(m.server_cpu_s), 1)}
         if m.sonar is not None:
             n_lat = len(m.sonar.request_latencies)  # before stats() adds its own round trip
             st = m.sonar.stats()

@@ -5,6 +5,7 @@
 // one JSON document; bench/run.py turns it into docs/benchmarks.md.
 //
 //	sonar-bench -sizes 1M,16M,64M -dtypes float32,bfloat16 -reps 7 -fused -torch-lib .../libtorch_cpu.so
+//	sonar-bench -echo ipc:///tmp/echo.sock   # a bare ZeroMQ echo: the transport's floor
 //
 // Timings are reported, never asserted: medians over -reps repeats after
 // one untimed warm-up (which faults the pages in and fills the state).
@@ -75,7 +76,15 @@ func main() {
 	streamM := flag.Int("stream-m", 0, "also measure AdamW's streaming pattern over four arrays of this many Mi float32 elements (0: not)")
 	torchLib := flag.String("torch-lib", "", "libtorch_cpu.so whose MKL vmsSqrt to measure as well (float32)")
 	fused := flag.Bool("fused", false, "also measure the fused arithmetic (torch.optim.AdamW(fused=True))")
+	echoAddr := flag.String("echo", "", "serve a bare ZeroMQ ROUTER echo on this address until killed (no kernels)")
 	flag.Parse()
+	if *echoAddr != "" {
+		if err := echo(*echoAddr); err != nil {
+			fmt.Fprintln(os.Stderr, "sonar-bench:", err)
+			os.Exit(1)
+		}
+		return
+	}
 
 	ns, err := parseSizes(*sizes)
 	if err != nil {
