@@ -135,6 +135,15 @@ type Session interface {
 	Close() error
 }
 
+// ProcessAttacher is a Session that can also read gradients where they lie
+// in its client's own memory (the CPU backend, ipcbridge.ProcessMemory).
+// pid comes from the connection, never from the client; the probe's bytes
+// must be found at probeAddr. The segment it returns holds gradients only:
+// its Size is 0 and its offsets are the client's addresses.
+type ProcessAttacher interface {
+	AttachProcess(pid int, probeAddr uint64, probe []byte) (Segment, error)
+}
+
 // Stats are a backend's own counters (beyond its sessions' tensors).
 type Stats struct {
 	IPCOpen      int   // CUDA allocations open in the IPC cache

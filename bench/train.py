@@ -47,12 +47,13 @@ METHODS = {
 LR, WD, CLIP = 1e-3, 0.01, 1.0
 
 
-def sonar_seconds(opt: sonar_moe.SonarAdamW | None) -> tuple[float, float]:
-    """Seconds SonarAdamW has spent so far in its gradient hooks and waiting for updates in step()."""
+def sonar_seconds(opt: sonar_moe.SonarAdamW | None) -> tuple[float, float, float]:
+    """Seconds SonarAdamW has spent so far in its gradient hooks, waiting for updates in step(),
+    and (part of the first) waiting in the hooks for room in the gradient ring."""
     if opt is None:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     st = opt.stats(server=False)
-    return st["hand_over_s"], st["wait_s"]
+    return st["hand_over_s"], st["wait_s"], st.get("room_wait_s", 0.0)
 
 
 class Method:
@@ -76,6 +77,7 @@ class Method:
         self.losses: list[float] = []
         self.hook_s: list[float] = []
         self.drain_s: list[float] = []
+        self.room_wait_s: list[float] = []
         self.cpu_s: list[float] = []  # trainer process (all threads) + its sonard, per timed step
         self.server_cpu_s: list[float] = []
 
@@ -95,7 +97,7 @@ class Method:
         return float(loss.detach())
 
     def timed_step(self, batch: dict[str, torch.Tensor], record: bool) -> None:
-        h0, d0 = sonar_seconds(self.sonar)
+        h0, d0, r0 = sonar_seconds(self.sonar)
         s0 = self.server_cpu()
         c0 = time.process_time()
         t = time.perf_counter()
@@ -109,8 +111,9 @@ class Method:
             self.cpu_s.append(c1 - c0 + s1 - s0)
             self.server_cpu_s.append(s1 - s0)
             if self.sonar is not None:
-                h1, d1 = sonar_seconds(self.sonar)
+                h1, d1, r1 = sonar_seconds(self.sonar)
                 self.hook_s.append(h1 - h0)
+                self.room_wait_s.append(r1 - r0)
                 self.drain_s.append(d1 - d0)
 
     def server_cpu(self) -> float:
@@ -284,6 +287,7 @@ def main() -> None:
             r["requests_per_step"] = (st["step_requests"] - getattr(m, "req0", 0)) / max(a.steps, 1)
             r["hook_s_median"] = common.median(m.hook_s)
             r["drain_s_median"] = common.median(m.drain_s)
+            r["room_wait_s_median"] = common.median(m.room_wait_s)
             proc = m.sonar.server_process
             if proc is not None:
                 r["server_proc"] = common.proc_status(proc.pid)

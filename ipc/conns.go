@@ -86,6 +86,15 @@ func (c *conns) message(fd int, client string) (ok, first bool, gone string) {
 	return true, true, gone
 }
 
+// fd is the descriptor of client's open connection (false: none).
+func (c *conns) fd(client string) (int, bool) {
+	p := c.byName[client]
+	if p == nil {
+		return 0, false
+	}
+	return p.fd, true
+}
+
 // connected reports whether client has an open connection.
 func (c *conns) connected(client string) bool { return c.byName[client] != nil }
 

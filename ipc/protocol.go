@@ -33,6 +33,9 @@ const (
 	// error; older peers never send them, so the version stays 1).
 	OpAttachCUDA = "attach_cuda" // AttachCUDA -> AttachReply
 	OpCUDAEvent  = "cuda_event"  // CUDAEvent -> {}
+	// The client's own memory as a segment of gradients (optional: a
+	// client falls back to shared memory when it is refused).
+	OpAttachProcess = "attach_process" // AttachProcess -> AttachReply
 )
 
 // Limits on what one message may ask for.
@@ -101,6 +104,15 @@ type HelloReply struct {
 type Attach struct {
 	Shm  string `msgpack:"shm"`
 	Size int64  `msgpack:"size"`
+}
+
+// AttachProcess asks the server to read gradients where they lie in the
+// client's own memory (process_vm_readv): the probe's bytes are at
+// ProbeAddr in the client. The server takes the client's process id from
+// the connection (SO_PEERCRED on ipc://), never from the message.
+type AttachProcess struct {
+	ProbeAddr uint64 `msgpack:"probe_addr"`
+	Probe     []byte `msgpack:"probe"`
 }
 
 // AttachCUDA asks the server to open a client's CUDA allocation by its IPC
@@ -407,6 +419,17 @@ func (s *Step) Validate() error {
 func (a *Attach) Validate() error {
 	if a.Shm == "" || a.Size <= 0 {
 		return fmt.Errorf("attach needs a name and a positive size")
+	}
+	return nil
+}
+
+// Validate checks an AttachProcess body.
+func (a *AttachProcess) Validate() error {
+	if len(a.Probe) < 16 || len(a.Probe) > 4096 {
+		return fmt.Errorf("probe of %d bytes (want 16..4096)", len(a.Probe))
+	}
+	if a.ProbeAddr == 0 {
+		return errors.New("probe address 0")
 	}
 	return nil
 }

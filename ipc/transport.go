@@ -13,6 +13,7 @@ import (
 
 	zmq "github.com/pebbe/zmq4"
 	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
 )
 
 // Handler serves one decoded request of one client (identified by its
@@ -358,6 +359,24 @@ func (t *Transport) replyFrames(head [][]byte, rep Reply) [][]byte {
 		b, _ = EncodeReply(Reply{ID: rep.ID, Error: "encode reply: " + err.Error()})
 	}
 	return append(append([][]byte(nil), head...), b)
+}
+
+// PeerPID is the process id of client, from its connection's peer
+// credentials (SO_PEERCRED): only an ipc:// connection has one. It must be
+// called from the handler (the goroutine that runs Serve).
+func (t *Transport) PeerPID(client string) (int, error) {
+	if t.ipcPath == "" {
+		return 0, errors.New("a tcp:// client has no process on this machine")
+	}
+	fd, ok := t.conns.fd(client)
+	if !ok {
+		return 0, fmt.Errorf("client %s has no connection on record", client)
+	}
+	cred, err := unix.GetsockoptUcred(fd, unix.SOL_SOCKET, unix.SO_PEERCRED)
+	if err != nil {
+		return 0, fmt.Errorf("peer credentials of client %s: %w", client, err)
+	}
+	return int(cred.Pid), nil
 }
 
 // Close closes the socket (after up to a second to deliver queued replies,

@@ -326,21 +326,7 @@ func (e *Engine) Apply(t *Tensor, grad []byte, s Scalars) error {
 	}
 	err := e.parallel(t.Numel, func(lo, hi int) {
 		sz := t.DType.Size()
-		a, b := lo*sz, hi*sz
-		var vmax []byte
-		if s.Amsgrad {
-			vmax = t.MaxExpAvgSq[a:b]
-		}
-		switch {
-		case s.Fused && t.DType == Float32:
-			FusedStepF32(f32s(t.Param[a:b]), f32s(grad[a:b]), f32s(t.ExpAvg[a:b]), f32s(t.ExpAvgSq[a:b]), f32s(vmax), s, lo, t.Numel)
-		case s.Fused:
-			FusedStepBF16(u16s(t.Param[a:b]), u16s(grad[a:b]), u16s(t.ExpAvg[a:b]), u16s(t.ExpAvgSq[a:b]), u16s(vmax), s, lo, t.Numel)
-		case t.DType == Float32:
-			StepF32(f32s(t.Param[a:b]), f32s(grad[a:b]), f32s(t.ExpAvg[a:b]), f32s(t.ExpAvgSq[a:b]), f32s(vmax), s, e.Sqrt)
-		default:
-			StepBF16(u16s(t.Param[a:b]), u16s(grad[a:b]), u16s(t.ExpAvg[a:b]), u16s(t.ExpAvgSq[a:b]), u16s(vmax), s)
-		}
+		e.kernel(t, grad[lo*sz:hi*sz], s, lo, hi)
 	})
 	if err != nil {
 		return t.faulted("apply", true, err)
@@ -348,6 +334,27 @@ func (e *Engine) Apply(t *Tensor, grad []byte, s Scalars) error {
 	t.Step++
 	t.dropAccum()
 	return nil
+}
+
+// kernel runs the AdamW arithmetic s selects over elements [lo, hi) of t,
+// whose gradient is g (exactly those elements).
+func (e *Engine) kernel(t *Tensor, g []byte, s Scalars, lo, hi int) {
+	sz := t.DType.Size()
+	a, b := lo*sz, hi*sz
+	var vmax []byte
+	if s.Amsgrad {
+		vmax = t.MaxExpAvgSq[a:b]
+	}
+	switch {
+	case s.Fused && t.DType == Float32:
+		FusedStepF32(f32s(t.Param[a:b]), f32s(g), f32s(t.ExpAvg[a:b]), f32s(t.ExpAvgSq[a:b]), f32s(vmax), s, lo, t.Numel)
+	case s.Fused:
+		FusedStepBF16(u16s(t.Param[a:b]), u16s(g), u16s(t.ExpAvg[a:b]), u16s(t.ExpAvgSq[a:b]), u16s(vmax), s, lo, t.Numel)
+	case t.DType == Float32:
+		StepF32(f32s(t.Param[a:b]), f32s(g), f32s(t.ExpAvg[a:b]), f32s(t.ExpAvgSq[a:b]), f32s(vmax), s, e.Sqrt)
+	default:
+		StepBF16(u16s(t.Param[a:b]), u16s(g), u16s(t.ExpAvg[a:b]), u16s(t.ExpAvgSq[a:b]), u16s(vmax), s)
+	}
 }
 
 // parallel splits [0, n) into contiguous chunks, one per worker, aligned to

@@ -34,7 +34,7 @@ var Version = sonar.Version
 type SqrtLoader func(path string) (sqrt optimizer.VecSqrt, name string, err error)
 
 // Backends names the backend each attach operation uses.
-var opBackend = map[string]string{ipc.OpAttach: "cpu", ipc.OpAttachCUDA: "cuda", ipc.OpCUDAEvent: "cuda"}
+var opBackend = map[string]string{ipc.OpAttach: "cpu", ipc.OpAttachProcess: "cpu", ipc.OpAttachCUDA: "cuda", ipc.OpCUDAEvent: "cuda"}
 
 type segment struct {
 	id      uint32
@@ -74,6 +74,11 @@ type session struct {
 }
 
 // Server implements ipc.Handler.
+// PeerLookup finds the process of a connected client (ipc.Transport).
+type PeerLookup interface {
+	PeerPID(client string) (int, error)
+}
+
 type Server struct {
 	log      *zap.Logger
 	backends map[string]backend.Backend
@@ -110,7 +115,10 @@ type Server struct {
 	// AdminToken, when set, is the secret a shutdown request must carry (the
 	// private server's owner, or an operator); empty: shutdown is refused.
 	AdminToken string
-	watched    map[string]bool // clients whose connection the transport watches
+	// Peers tells a client's process id (the transport's peer
+	// credentials); nil: attach_process is refused.
+	Peers   PeerLookup
+	watched map[string]bool // clients whose connection the transport watches
 
 	requests, errors, stepItems, bytesUpdated int64
 	byOp                                      map[string]int64
@@ -196,7 +204,7 @@ func (s *Server) Handle(client string, req ipc.Request) (any, error) {
 func knownOp(op string) string {
 	switch op {
 	case ipc.OpHello, ipc.OpAttach, ipc.OpRegister, ipc.OpStep, ipc.OpExport, ipc.OpImport,
-		ipc.OpDetach, ipc.OpStats, ipc.OpBye, ipc.OpShutdown, ipc.OpAttachCUDA, ipc.OpCUDAEvent:
+		ipc.OpDetach, ipc.OpStats, ipc.OpBye, ipc.OpShutdown, ipc.OpAttachCUDA, ipc.OpCUDAEvent, ipc.OpAttachProcess:
 		return op
 	}
 	return "unknown"
@@ -221,6 +229,8 @@ func (s *Server) handle(client string, req ipc.Request) (any, error) {
 		return decode(req, func(a ipc.AttachCUDA) (any, error) { return s.attach(s.sess(client), req.Op, a.Handle, a.Size) })
 	case ipc.OpCUDAEvent:
 		return decode(req, func(e ipc.CUDAEvent) (any, error) { return s.event(s.sess(client), e) })
+	case ipc.OpAttachProcess:
+		return decode(req, func(a ipc.AttachProcess) (any, error) { return s.attachProcess(s.sess(client), a) })
 	case ipc.OpRegister:
 		return decode(req, func(r ipc.Register) (any, error) { return s.register(s.sess(client), r) })
 	case ipc.OpStep:
@@ -294,6 +304,35 @@ func (s *Server) attach(ss *session, op string, handle []byte, size int64) (any,
 	ss.segments[s.nextID] = &segment{id: s.nextID, backend: name, seg: seg}
 	s.log.Debug("segment attached", zap.String("client", ss.client), zap.String("backend", name), zap.String("name", seg.Name()),
 		zap.Int64("size", seg.Size()), zap.Uint32("seg", s.nextID))
+	return ipc.AttachReply{Seg: s.nextID}, nil
+}
+
+// attachProcess makes the client's own memory a segment of gradients: the
+// process is the one at the other end of the connection, proven readable by
+// the probe.
+func (s *Server) attachProcess(ss *session, a ipc.AttachProcess) (any, error) {
+	if s.Peers == nil {
+		return nil, errors.New("attach_process: this sonard cannot tell its clients' processes")
+	}
+	pid, err := s.Peers.PeerPID(ss.client)
+	if err != nil {
+		return nil, fmt.Errorf("attach_process: %w", err)
+	}
+	bs, err := s.backendSession(ss, opBackend[ipc.OpAttachProcess])
+	if err != nil {
+		return nil, err
+	}
+	pa, ok := bs.(backend.ProcessAttacher)
+	if !ok {
+		return nil, errors.New("attach_process: this backend cannot read a client's memory")
+	}
+	seg, err := pa.AttachProcess(pid, a.ProbeAddr, a.Probe)
+	if err != nil {
+		return nil, fmt.Errorf("attach_process: %w", err)
+	}
+	s.nextID++
+	ss.segments[s.nextID] = &segment{id: s.nextID, backend: opBackend[ipc.OpAttachProcess], seg: seg}
+	s.log.Debug("client memory attached", zap.String("client", ss.client), zap.Int("pid", pid), zap.Uint32("seg", s.nextID))
 	return ipc.AttachReply{Seg: s.nextID}, nil
 }
 

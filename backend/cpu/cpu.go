@@ -6,6 +6,7 @@ package cpu
 import (
 	"errors"
 	"fmt"
+	"math"
 	"runtime"
 	"unsafe"
 
@@ -82,9 +83,54 @@ func (s *segment) Check(off, n, align int64) error {
 func bytesOf(r backend.Ref) ([]byte, error) {
 	s, ok := r.Seg.(*segment)
 	if !ok {
-		return nil, fmt.Errorf("segment %s is not shared memory", r.Seg.Name())
+		return nil, fmt.Errorf("segment %s is not shared memory (a client's own memory holds gradients only)", r.Seg.Name())
 	}
 	return s.m.Bytes(r.Off, r.Len, 1)
+}
+
+// procSegment is the client's own address space (AttachProcess): a
+// reference's offset is an address there. It holds gradients only.
+type procSegment struct{ pm *ipcbridge.ProcessMemory }
+
+// procObject identifies a process's memory: it never overlaps a file.
+type procObject struct{ pid int }
+
+func (p *procSegment) Name() string  { return fmt.Sprintf("process %d", p.pm.PID()) }
+func (p *procSegment) Size() int64   { return 0 } // nothing is mapped
+func (p *procSegment) Object() any   { return procObject{p.pm.PID()} }
+func (p *procSegment) Base() uint64  { return 0 }
+func (p *procSegment) Verify() error { return nil } // each range is checked when a step reads it
+func (p *procSegment) Close() error  { return nil }
+
+func (p *procSegment) Check(off, n, align int64) error {
+	switch {
+	case off <= 0 || n < 0 || off > math.MaxInt64-n:
+		return fmt.Errorf("address 0x%x+%d of %s is out of range", off, n, p.Name())
+	case align > 1 && off%align != 0:
+		return fmt.Errorf("address 0x%x of %s is not aligned to %d bytes", off, p.Name(), align)
+	}
+	return nil
+}
+
+// procGrad reads one gradient from the client's memory.
+type procGrad struct {
+	pm   *ipcbridge.ProcessMemory
+	addr uint64
+}
+
+func (g procGrad) ReadGrad(dst []byte, off int) error { return g.pm.ReadAt(dst, g.addr+uint64(off)) }
+
+// gradOf is how the engine gets a reference's gradient: a slice of shared
+// memory, or a reader of the client's memory whose every page was checked.
+func gradOf(r backend.Ref) ([]byte, optimizer.GradReader, error) {
+	if p, ok := r.Seg.(*procSegment); ok {
+		if err := p.pm.Check(uint64(r.Off), r.Len); err != nil {
+			return nil, nil, err
+		}
+		return nil, procGrad{p.pm, uint64(r.Off)}, nil
+	}
+	b, err := bytesOf(r)
+	return b, nil, err
 }
 
 type tensor struct{ *optimizer.Tensor }
@@ -135,6 +181,15 @@ func (s *session) Attach(handle []byte, size int64) (backend.Segment, error) {
 	return seg, nil
 }
 
+// AttachProcess implements backend.ProcessAttacher.
+func (s *session) AttachProcess(pid int, probeAddr uint64, probe []byte) (backend.Segment, error) {
+	pm, err := ipcbridge.OpenProcess(pid, probeAddr, probe)
+	if err != nil {
+		return nil, err
+	}
+	return &procSegment{pm}, nil
+}
+
 func (s *session) SetEvent([]byte) error {
 	return errors.New("cuda_event is for CUDA tensors: this session's tensors are shared memory")
 }
@@ -176,6 +231,7 @@ func (s *session) Step(items []backend.Item, waitEvent bool) error {
 	type work struct {
 		t    *optimizer.Tensor
 		grad []byte
+		read optimizer.GradReader
 		it   backend.Item
 	}
 	ws := make([]work, 0, len(items))
@@ -184,24 +240,30 @@ func (s *session) Step(items []backend.Item, waitEvent bool) error {
 		if err != nil {
 			return err
 		}
-		var grad []byte
+		w := work{t: t, it: it}
 		if it.Grad != nil {
-			if grad, err = bytesOf(*it.Grad); err != nil {
+			if w.grad, w.read, err = gradOf(*it.Grad); err != nil {
 				return fmt.Errorf("tensor %s grad: %w", t.Name, err)
 			}
 		}
-		ws = append(ws, work{t, grad, it})
+		ws = append(ws, w)
 	}
 	for i, w := range ws {
 		var err error
-		if w.it.Apply {
+		switch {
+		case w.read != nil && w.it.Apply:
+			err = s.engine.ApplyFrom(w.t, w.read, w.it.Scalars)
+		case w.read != nil:
+			err = s.engine.AccumulateFrom(w.t, w.read)
+		case w.it.Apply:
 			err = s.engine.Apply(w.t, w.grad, w.it.Scalars)
-		} else {
+		default:
 			err = s.engine.Accumulate(w.t, w.grad)
 		}
 		if err != nil {
 			// The server validated every item: a memory fault (the client
-			// shrank a segment during the request) or allocation failure.
+			// shrank a segment during the request), a read of the client's
+			// memory that failed after its check, or allocation failure.
 			return fmt.Errorf("item %d of %d: %w; items before it were done, items after it were not started",
 				i, len(ws), s.explain(err))
 		}

@@ -189,6 +189,7 @@ func run() int {
 		log.Error("listen failed", zap.Error(err))
 		return exitError
 	}
+	srv.Peers = tr // a client's process id, for attach_process
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer cancel()
 	var parentGone <-chan struct{}

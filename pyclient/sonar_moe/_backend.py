@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import subprocess
+import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -112,6 +113,9 @@ class BackendOptions:
     max_expert_grad_norm: float | None = None
     ring_layers: int = 1
     namespace: str | None = None
+    # CPU: sonard reads each gradient where autograd left it (None: when it can, else through
+    # the shared-memory ring; True: required; False: always the ring).
+    zero_copy: bool | None = None
 
 
 class Staged(NamedTuple):
@@ -235,6 +239,7 @@ class ServerBackend(ABC):
         self._by_tid: dict[int, Expert] = {}
         self._steps = StepQueue(conn, self._release, self._step_body, self._refused)
         self._peak = 0
+        self._room_wait_s = 0.0  # time the gradient hooks waited for room in the ring
 
     # ------------------------------------------------------------ path-specific
     @classmethod
@@ -347,7 +352,9 @@ class ServerBackend(ABC):
     def _make_room(self) -> bool:
         """Wait for a reply, or send incomplete layers; False when nothing is outstanding."""
         if self._conn.in_flight:
+            t = time.perf_counter()
             self._conn.wait_any()
+            self._room_wait_s += time.perf_counter() - t
             return True
         return self._steps.flush()
 
@@ -374,7 +381,7 @@ class ServerBackend(ABC):
     def stats(self) -> dict[str, Any]:
         return {"peak_expert_grad_bytes": self._peak, **self._memory_stats(),
                 "step_requests": self._steps.step_requests, "grads_sent": self._steps.grads_sent,
-                "bytes_sent": self._steps.bytes_sent}
+                "bytes_sent": self._steps.bytes_sent, "room_wait_s": self._room_wait_s}
 
     def server_stats(self) -> dict[str, Any] | None:
         return self._conn.call("stats", {})

@@ -1,13 +1,16 @@
 """The shared-memory path: CPU expert tensors, updated by sonard's CPU kernels.
 
 The parameters move into one POSIX shared-memory segment for good (each at a page
-boundary). Autograd allocates gradients in private memory, so each gradient is copied into
-a slot of a ring (sized to ``ring_layers`` of the largest layer), freed at once, and the
-slot is given back when the server has answered the request that read it.
+boundary). Autograd allocates gradients in private memory. Where sonard can read this
+process's memory (``_direct``: zero copy, the default when it can), each gradient stays
+where it is, held until the server has answered the request that read it; otherwise it is
+copied into a slot of a ring and freed at once, and the slot is given back with the reply.
+Either way at most ``ring_layers`` of the largest layer of gradient bytes wait for the server.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,8 +19,11 @@ from torch import nn
 
 from ._backend import Counter, BackendOptions, Expert, MemRef, ServerBackend, Staged, Transfer, no_ref, say_hello
 from ._connection import Connection, SonarError, SonarRefused
+from ._direct import attach_process
 from ._shm import PAGE, Ring, Segment
 from ._sqrt import check_session_sqrt, needed_sqrt_lib
+
+log = logging.getLogger("sonar_moe")
 
 
 def attach(conn: Connection, seg: Segment) -> int:
@@ -60,6 +66,17 @@ class ShmBackend(ServerBackend):
         self._ring: Ring | None = None
         self._ring_seg = 0
         self._alive = 0
+        self._budget = 0  # gradient bytes that may wait for the server (ring_layers of the largest layer)
+        self._held = 0  # zero copy: bytes of gradients held for requests in flight
+        self._process_seg: int | None = None
+        self.zero_copy_refused = ""  # why the server cannot read our gradients ("" when it can, or not asked)
+        if options.zero_copy is not False:
+            self._process_seg, self.zero_copy_refused = attach_process(conn)
+            if self._process_seg is None:
+                if options.zero_copy:
+                    raise SonarError(f"zero_copy=True, but sonard cannot read this process's memory: {self.zero_copy_refused}")
+                log.info("sonard cannot read this process's memory (%s): expert gradients are copied through "
+                         "a shared-memory ring", self.zero_copy_refused)
         self._place(list(self._experts.values()))
 
     def _place(self, experts: list[Expert]) -> None:
@@ -80,30 +97,54 @@ class ShmBackend(ServerBackend):
             self._where[id(e.param)] = (seg_id, o)
         layer: dict[str, int] = {}
         for e in self._experts.values():
+            layer[e.layer] = layer.get(e.layer, 0) + e.nbytes
+        self._budget = max(layer.values()) * self._options.ring_layers
+        if self._ring is not None or self._process_seg is None:  # zero copy makes the ring when first needed
+            self._ring_for(self._budget)
+
+    def _ring_for(self, nbytes: int) -> Ring:
+        """The gradient ring, made (or made larger) to take `nbytes` of gradients of the
+        largest layer; only while no gradient is in the ring."""
+        layer: dict[str, int] = {}
+        for e in self._experts.values():
             layer[e.layer] = layer.get(e.layer, 0) + Ring.slot_bytes(e.nbytes)
-        need = max(layer.values()) * self._options.ring_layers
-        if self._ring is None or self._ring.capacity < need:  # no gradient is in flight here
+        need = max(max(layer.values()) * self._options.ring_layers, Ring.slot_bytes(nbytes))
+        if self._ring is None or self._ring.capacity < need:
             if self._ring is not None:
+                if len(self._ring):
+                    return self._ring  # gradients in flight: the ring grows when they are answered
                 self._conn.call("detach", {"seg": self._ring_seg})  # the mapping goes with the last view
             self._ring = Ring(need, "ring")
             self._ring_seg = attach(self._conn, self._ring.segment)
+        return self._ring
 
     def _param_ref(self, e: Expert) -> MemRef:
         seg, off = self._where[id(e.param)]
         return {"seg": seg, "off": off, "nbytes": e.nbytes}
 
     def _stage(self, e: Expert, grad: torch.Tensor, owned: bool) -> Staged:
-        """Copy the gradient into a ring slot (freeing the original when owned)."""
+        """Hold the gradient where it is for the server to read (zero copy), or copy it into a
+        ring slot (freeing the original when owned)."""
         p, clip = e.param, self._options.max_expert_grad_norm
         if clip is not None and owned:
             # Per-tensor clipping, exactly clip_grad_norm_([p], c): NOT global-norm clipping.
             torch.nn.utils.clip_grad_norm_([p], clip)
         nbytes = e.nbytes
+        self._conn.poll(0)  # give back what finished requests held
+        if owned and self._process_seg is not None and self._readable(grad, p):
+            while self._held and self._held + nbytes > self._budget:
+                if not self._make_room():
+                    break
+            p.grad = None
+            self._held += nbytes
+            self._peak = max(self._peak, self._held + (self._ring.used if self._ring is not None else 0))
+            return Staged(self._process_seg, grad.data_ptr(), Held(grad, nbytes))
         self._alive += nbytes
-        self._conn.poll(0)  # free the slots of finished requests
         off = self._alloc(nbytes)
-        self._peak = max(self._peak, self._alive + self._ring.used)
-        slot = self._ring.segment.tensor(off, p.dtype, p.shape)
+        ring = self._ring
+        assert ring is not None
+        self._peak = max(self._peak, self._alive + ring.used + self._held)
+        slot = ring.segment.tensor(off, p.dtype, p.shape)
         with torch.no_grad():
             slot.copy_(grad)
         if owned:
@@ -119,23 +160,48 @@ class ShmBackend(ServerBackend):
         self._alive -= nbytes
         return Staged(self._ring_seg, off, off)
 
+    @staticmethod
+    def _readable(grad: torch.Tensor, p: torch.Tensor) -> bool:
+        """A gradient the server can read in place: dense, contiguous, the parameter's dtype
+        and size, in this process's memory."""
+        return (grad.layout == torch.strided and grad.device.type == "cpu" and grad.dtype == p.dtype
+                and grad.numel() == p.numel() and grad.is_contiguous() and grad.data_ptr() != 0)
+
     def _alloc(self, nbytes: int) -> int:
+        ring = self._ring_for(nbytes) if self._ring is None or not len(self._ring) else self._ring
         while True:
-            off = self._ring.try_alloc(nbytes)
+            off = ring.try_alloc(nbytes)
             if off is not None:
                 return off
             if not self._make_room():
-                raise SonarError(f"a gradient of {nbytes} bytes does not fit the {self._ring.capacity}-byte ring")
+                raise SonarError(f"a gradient of {nbytes} bytes does not fit the {ring.capacity}-byte ring")
+            if not len(ring):
+                ring = self._ring_for(nbytes)
 
     def _release(self, token: Any) -> None:
-        self._ring.free(token)
+        if isinstance(token, Held):
+            self._held -= token.nbytes
+            token.grad = None  # the server has read it: autograd's memory goes back to torch
+        else:
+            assert self._ring is not None
+            self._ring.free(token)
 
     def _open_transfer(self, amsgrad: bool) -> Transfer:
         return ShmTransfer(self._conn, self._experts, amsgrad)
 
     def _memory_stats(self) -> dict[str, int]:
         return {"ring_bytes": self._ring.capacity if self._ring is not None else 0,
-                "param_segment_bytes": sum(seg.size for seg in self._params)}
+                "param_segment_bytes": sum(seg.size for seg in self._params),
+                "zero_copy": self._process_seg is not None, "held_grad_bytes": self._held}
+
+
+class Held:
+    """A gradient the server reads in place; dropped when the request's reply arrives."""
+
+    __slots__ = ("grad", "nbytes")
+
+    def __init__(self, grad: torch.Tensor | None, nbytes: int) -> None:
+        self.grad, self.nbytes = grad, nbytes
 
 
 class ShmTransfer(Transfer):

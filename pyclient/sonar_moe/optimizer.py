@@ -295,6 +295,7 @@ class SonarAdamW(torch.optim.AdamW):
         timeout: float = 10.0,
         ring_layers: int = 1,
         namespace: str | None = None,
+        zero_copy: bool | None = None,
     ) -> None:
         _check_options(grad_accumulation_steps, max_grad_norm, max_expert_grad_norm, nonfinite, ring_layers,
                        grad_scaler)
@@ -341,7 +342,7 @@ class SonarAdamW(torch.optim.AdamW):
         self._options = BackendOptions(timeout=timeout, split_experts=split_experts,
                                        grad_accumulation_steps=grad_accumulation_steps,
                                        max_expert_grad_norm=max_expert_grad_norm, ring_layers=ring_layers,
-                                       namespace=namespace)
+                                       namespace=namespace, zero_copy=zero_copy)
         self._server = server
         self._started = True
         self._adopt(self.param_groups)

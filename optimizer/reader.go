@@ -1,0 +1,152 @@
+package optimizer
+
+import (
+	"fmt"
+	"sync"
+)
+
+// GradReader is a gradient the server cannot address: another process's
+// memory, copied piece by piece (package ipcbridge's ProcessMemory). ReadGrad
+// copies bytes [off, off+len(dst)) of the gradient into dst, or fails
+// without a partial copy being used.
+type GradReader interface {
+	ReadGrad(dst []byte, off int) error
+}
+
+// readChunk is how many elements a worker reads at a time: small enough
+// that the piece is still in the core's cache when the arithmetic reads it,
+// so reading the gradient costs about what reading it in place would. A
+// multiple of 64, the alignment of the workers' chunks, so the pieces start
+// where a whole-tensor pass would be (the fused kernels' vector tails are
+// the tensor's).
+const readChunk = 8192
+
+// ReadError is a gradient read that failed part way through an update.
+type ReadError struct {
+	Tensor string
+	Op     string // "apply" or "accumulate"
+	Err    error
+}
+
+func (e *ReadError) Error() string {
+	return fmt.Sprintf("tensor %q: %s interrupted by a failed gradient read (%v); its parameter and optimizer state "+
+		"may be partly updated: the tensor refuses updates and exports until its state is imported again (load_state_dict)",
+		e.Tensor, e.Op, e.Err)
+}
+
+func (e *ReadError) Unwrap() error { return e.Err }
+
+// ApplyFrom is Apply with the gradient read from r. Callers check r's whole
+// range first (ipcbridge.ProcessMemory.Check): a read that fails anyway (the
+// client unmapped its memory during the request) leaves the tensor damaged,
+// as a memory fault does.
+func (e *Engine) ApplyFrom(t *Tensor, r GradReader, s Scalars) error {
+	if err := t.usable(); err != nil {
+		return err
+	}
+	if s.Amsgrad != t.Hyper.Amsgrad {
+		return fmt.Errorf("tensor %q: amsgrad=%v in step but registered with amsgrad=%v", t.Name, s.Amsgrad, t.Hyper.Amsgrad)
+	}
+	if t.accumCount > 0 {
+		if err := e.AccumulateFrom(t, r); err != nil {
+			return err
+		}
+		return e.Apply(t, nil, s)
+	}
+	failed, err := e.pieces(t, r, func(lo, hi int, g []byte) { e.kernel(t, g, s, lo, hi) })
+	if err != nil {
+		return t.faulted("apply", true, err)
+	}
+	if failed != nil {
+		t.damage = &ReadError{Tensor: t.Name, Op: "apply", Err: failed}
+		return t.damage
+	}
+	t.Step++
+	return nil
+}
+
+// AccumulateFrom is Accumulate with the gradient read from r.
+func (e *Engine) AccumulateFrom(t *Tensor, r GradReader) error {
+	if err := t.usable(); err != nil {
+		return err
+	}
+	sz := t.DType.Size()
+	if t.accumCount == 0 {
+		if t.accum == nil {
+			b, err := allocStaggered(t.Bytes(), offAccum)
+			if err != nil {
+				return fmt.Errorf("tensor %q: gradient accumulation buffer: %w", t.Name, err)
+			}
+			t.accumBuf, t.accum = b, b.b
+		}
+		var once firstError
+		err := e.parallel(t.Numel, func(lo, hi int) {
+			once.set(r.ReadGrad(t.accum[lo*sz:hi*sz], lo*sz))
+		})
+		if err == nil {
+			err = once.err
+		}
+		if err != nil { // the first copy: nothing was accumulated before, nothing is lost
+			t.dropAccum()
+			return fmt.Errorf("tensor %q: accumulate: %w", t.Name, err)
+		}
+	} else {
+		failed, err := e.pieces(t, r, func(lo, hi int, g []byte) {
+			switch t.DType {
+			case Float32:
+				AddF32(f32s(t.accum)[lo:hi], f32s(g))
+			case BFloat16:
+				AddBF16(u16s(t.accum)[lo:hi], u16s(g))
+			}
+		})
+		if err != nil {
+			return t.faulted("accumulate", true, err)
+		}
+		if failed != nil {
+			t.damage = &ReadError{Tensor: t.Name, Op: "accumulate", Err: failed}
+			t.dropAccum()
+			return t.damage
+		}
+	}
+	t.accumCount++
+	return nil
+}
+
+// pieces runs fn over t's elements, each worker in pieces of readChunk
+// elements whose gradient r reads into the worker's buffer first. It returns
+// the first failed read (the worker stops there; the others finish) and
+// parallel's memory fault.
+func (e *Engine) pieces(t *Tensor, r GradReader, fn func(lo, hi int, g []byte)) (failed, fault error) {
+	sz := t.DType.Size()
+	var once firstError
+	fault = e.parallel(t.Numel, func(lo, hi int) {
+		buf := make([]byte, min(readChunk, hi-lo)*sz)
+		for a := lo; a < hi; a += readChunk {
+			b := min(a+readChunk, hi)
+			g := buf[:(b-a)*sz]
+			if err := r.ReadGrad(g, a*sz); err != nil {
+				once.set(err)
+				return
+			}
+			fn(a, b, g)
+		}
+	})
+	return once.err, fault
+}
+
+// firstError keeps the first non-nil error of several goroutines.
+type firstError struct {
+	mu  sync.Mutex
+	err error
+}
+
+func (f *firstError) set(err error) {
+	if err == nil {
+		return
+	}
+	f.mu.Lock()
+	if f.err == nil {
+		f.err = err
+	}
+	f.mu.Unlock()
+}

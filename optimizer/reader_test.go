@@ -1,0 +1,139 @@
+package optimizer
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"testing"
+)
+
+// sliceReader reads a gradient from a slice, counting reads; failAt >= 0
+// makes the read covering that byte fail.
+type sliceReader struct {
+	b      []byte
+	failAt int
+	reads  int
+}
+
+func (r *sliceReader) ReadGrad(dst []byte, off int) error {
+	r.reads++
+	if r.failAt >= off && r.failAt < off+len(dst) {
+		return errors.New("bad address")
+	}
+	copy(dst, r.b[off:off+len(dst)])
+	return nil
+}
+
+func reader(b []byte) *sliceReader { return &sliceReader{b: b, failAt: -1} }
+
+// TestApplyFromMatchesApply: an update whose gradient is read piece by piece
+// equals the update from the whole gradient in memory, bit for bit, for
+// every arithmetic (single-tensor, fused), both dtypes, amsgrad, sizes
+// around the read pieces and the workers' chunks, and with accumulation.
+func TestApplyFromMatchesApply(t *testing.T) {
+	sizes := []int{1, 7, 63, 65, readChunk - 1, readChunk, readChunk + 1, 3*readChunk + 17, 100003}
+	for _, d := range []DType{Float32, BFloat16} {
+		for _, fused := range []bool{false, true} {
+			for _, ams := range []bool{false, true} {
+				h := Hyper{LR: 1e-2, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 1e-2, Amsgrad: ams}
+				for _, n := range sizes {
+					for _, workers := range []int{1, 3} {
+						name := fmt.Sprintf("%v/fused=%v/amsgrad=%v/n=%d/workers=%d", d, fused, ams, n, workers)
+						r := rand.New(rand.NewPCG(uint64(n), 41))
+						param := randBytes(r, d, n, 1, false)
+						g1, g2, g3 := randBytes(r, d, n, 1e-2, false), randBytes(r, d, n, 1e-3, false), randBytes(r, d, n, 3e-2, false)
+						e := &Engine{Workers: workers, MinChunk: 64}
+						newT := func() *Tensor { return newTestTensor(t, rand.New(rand.NewPCG(uint64(n), 42)), d, n, h, param) }
+						sc := func(tt *Tensor) Scalars {
+							s := ScalarsFor(h, tt.Step+1)
+							s.Fused = fused
+							return s
+						}
+
+						want, got := newT(), newT()
+						for _, g := range [][]byte{g1, g2} { // two plain steps
+							if err := e.Apply(want, g, sc(want)); err != nil {
+								t.Fatal(err)
+							}
+							rd := reader(g)
+							if err := e.ApplyFrom(got, rd, sc(got)); err != nil {
+								t.Fatal(err)
+							}
+							if pieces := (n + readChunk - 1) / readChunk; rd.reads < pieces {
+								t.Fatalf("%s: %d reads, want at least %d", name, rd.reads, pieces)
+							}
+						}
+						// Then a step accumulated over three micro-batches.
+						for _, g := range [][]byte{g1, g2} {
+							if err := e.Accumulate(want, g); err != nil {
+								t.Fatal(err)
+							}
+							if err := e.AccumulateFrom(got, reader(g)); err != nil {
+								t.Fatal(err)
+							}
+						}
+						if err := e.Apply(want, g3, sc(want)); err != nil {
+							t.Fatal(err)
+						}
+						if err := e.ApplyFrom(got, reader(g3), sc(got)); err != nil {
+							t.Fatal(err)
+						}
+						if diff := sameState(got, want); diff != "" {
+							t.Fatalf("%s: read piece by piece differs in %s", name, diff)
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// TestApplyFromReadFailure: a read that fails before anything was summed
+// changes nothing; one that fails part way through an update marks the
+// tensor damaged (it refuses updates until its state is imported).
+func TestApplyFromReadFailure(t *testing.T) {
+	const n = 5*readChunk + 3
+	h := Hyper{LR: 1e-2, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 1e-2}
+	r := rand.New(rand.NewPCG(7, 8))
+	param := randBytes(r, Float32, n, 1, false)
+	g := randBytes(r, Float32, n, 1e-2, false)
+	e := &Engine{Workers: 1, MinChunk: 64}
+	bad := &sliceReader{b: g, failAt: 4 * readChunk * 4} // the fifth piece
+
+	for _, tc := range []struct {
+		name    string
+		prepare func(*Tensor) error
+		run     func(*Tensor) error
+		damaged bool
+	}{
+		{"first accumulation", nil, func(tt *Tensor) error { return e.AccumulateFrom(tt, bad) }, false},
+		{"apply", nil, func(tt *Tensor) error { return e.ApplyFrom(tt, bad, ScalarsFor(h, 6)) }, true},
+		{"second accumulation", func(tt *Tensor) error { return e.Accumulate(tt, g) },
+			func(tt *Tensor) error { return e.AccumulateFrom(tt, bad) }, true},
+	} {
+		tt := newTestTensor(t, rand.New(rand.NewPCG(7, 9)), Float32, n, h, param)
+		if tc.prepare != nil {
+			if err := tc.prepare(tt); err != nil {
+				t.Fatal(err)
+			}
+		}
+		before := snap(tt)
+		err := tc.run(tt)
+		if err == nil || !strings.Contains(err.Error(), "bad address") {
+			t.Fatalf("%s: error %v, want the read's", tc.name, err)
+		}
+		if got := tt.Damage() != nil; got != tc.damaged {
+			t.Fatalf("%s: damaged %v, want %v (%v)", tc.name, got, tc.damaged, err)
+		}
+		if !tc.damaged {
+			if diff := before.diff(snap(tt)); diff != "" {
+				t.Fatalf("%s: a failed first read changed %s", tc.name, diff)
+			}
+			continue
+		}
+		if err := e.Apply(tt, g, ScalarsFor(h, 6)); err == nil || !strings.Contains(err.Error(), "damaged") {
+			t.Fatalf("%s: a damaged tensor took an update: %v", tc.name, err)
+		}
+	}
+}

@@ -1,0 +1,177 @@
+"""Zero-copy CPU gradients: sonard reads each expert gradient where autograd left it
+(process_vm_readv), the default wherever the server can read the trainer's memory.
+
+Bitwise equality with torch.optim.AdamW is the rest of the suite's (it runs zero copy by
+default); here: the ring fallback is still exact, what is held waits within the same budget,
+and the server reads only the connected process, only at addresses that are mapped."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import secrets
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import sonar_moe
+from sonar_moe import SonarError, start_private_server, torch_scalars
+from sonar_moe._shm import Segment
+
+N = 1000
+GROUP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False, "maximize": False}
+HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False, "maximize": False}
+
+
+class TinyMoE(nn.Module):
+    """Two layers of batched experts (HF v5 names) and a dense projection."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(2):
+            blk = nn.Module()
+            blk.mlp = nn.Module()
+            blk.mlp.experts = nn.Module()
+            blk.mlp.experts.gate_up_proj = nn.Parameter(torch.randn(4, 22, 9, dtype=dtype))
+            blk.mlp.experts.down_proj = nn.Parameter(torch.randn(4, 9, 11, dtype=dtype))
+            self.layers.append(blk)
+        self.proj = nn.Linear(9, 9, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.layers:
+            e = blk.mlp.experts
+            h = torch.einsum("bh,eih->bei", x, e.gate_up_proj)
+            h = torch.nn.functional.silu(h[..., :11]) * h[..., 11:]
+            x = torch.tanh(self.proj(torch.einsum("bei,ehi->beh", h, e.down_proj).mean(1)))
+        return x.float().pow(2).mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_bitwise_either_way(dtype: torch.dtype, zero_copy: bool) -> None:
+    """Zero copy and the ring give torch's bits, with accumulation (k=2) and several steps."""
+    torch.manual_seed(1)
+    model = TinyMoE(dtype)
+    ref = copy.deepcopy(model)
+    opt = sonar_moe.SonarAdamW(model, lr=3e-3, weight_decay=0.05, grad_accumulation_steps=2, zero_copy=zero_copy)
+    topt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05)
+    try:
+        st = opt.stats()
+        assert st["zero_copy"] is zero_copy
+        assert (st["ring_bytes"] == 0) is zero_copy  # zero copy makes no ring
+        for _ in range(3):
+            for _ in range(2):
+                x = torch.randn(5, 9, dtype=dtype)
+                model(x).backward()
+                ref(x).backward()
+            opt.step()
+            opt.zero_grad()
+            topt.step()
+            topt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), name
+        assert opt.stats()["held_grad_bytes"] == 0  # everything given back after step()
+    finally:
+        opt.close()
+
+
+def test_held_bytes_within_budget() -> None:
+    """Held gradients wait within ring_layers of the largest layer, as the ring's would."""
+    torch.manual_seed(2)
+    model = TinyMoE(torch.float32)
+    opt = sonar_moe.SonarAdamW(model, lr=1e-3)
+    layer = sum(p.numel() * 4 for n, p in model.named_parameters() if "layers.0.mlp.experts" in n)
+    try:
+        for _ in range(3):
+            model(torch.randn(5, 9)).backward()
+            opt.step()
+            opt.zero_grad()
+        st = opt.stats()
+        assert st["zero_copy"] and 0 < st["peak_expert_grad_bytes"] <= layer
+    finally:
+        opt.close()
+
+
+@pytest.fixture()
+def rig() -> Iterator[tuple[sonar_moe.Connection, Segment, int, int]]:
+    """A raw session: one float32 tensor in shared memory, stepped once."""
+    conn = start_private_server(timeout=10.0)
+    conn.call("hello", {"client": "test", "pid": 0, "torch": torch.__version__, "threads": 1, "capability": ""})
+    params = Segment(8192, "p")
+    params.tensor(0, torch.float32, (N,)).copy_(torch.randn(N))
+    pseg = conn.call("attach", {"shm": params.name, "size": params.size})["seg"]
+    tid = conn.call("register", {"tensors": [{"name": "w", "shape": [N], "dtype": "float32",
+                                              "param": {"seg": pseg, "off": 0, "nbytes": 4 * N}, "hyper": HYPER}]})["ids"][0]
+    yield conn, params, pseg, tid
+    conn.shutdown()
+
+
+def probe_call(conn: sonar_moe.Connection, probe: bytes, addr: int) -> dict:
+    return conn.call("attach_process", {"probe_addr": addr, "probe": probe})
+
+
+def mapped_page_then_hole() -> int:
+    """An address 100 bytes before the end of a mapped page whose next page is unmapped."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = 4096
+    base = libc.mmap(None, 2 * page, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+    assert base not in (None, ctypes.c_void_p(-1).value)
+    assert libc.munmap(base + page, page) == 0
+    ctypes.memset(base, 1, page)
+    return base + page - 100
+
+
+def test_bad_addresses_change_nothing(rig: tuple[sonar_moe.Connection, Segment, int, int]) -> None:
+    """A gradient at an unmapped address, or running past a mapping, is refused before the
+    update: the parameter and the step count are untouched and the tensor stays usable."""
+    conn, params, _, tid = rig
+    probe = secrets.token_bytes(64)
+    buf = ctypes.create_string_buffer(probe, len(probe))
+    seg = probe_call(conn, probe, ctypes.addressof(buf))["seg"]
+    grad = torch.randn(N)
+
+    def step(addr: int, step: int) -> None:
+        conn.call("step", {"items": [{"tensor": tid, "grad": {"seg": seg, "off": addr, "nbytes": 4 * N}, "apply": True,
+                                      "step": step, "scalars": torch_scalars(GROUP, float(step))}]})
+
+    step(grad.data_ptr(), 1)  # a good one first
+    before = bytes(params.mm[: 4 * N])
+    edge = mapped_page_then_hole()  # the last 100 bytes of a mapped page; a hole after it
+    for addr, why in [(8, "not mapped"), (1 << 46, "not mapped"), (grad.data_ptr() + 2, "aligned"),
+                      (edge, "not mapped")]:
+        with pytest.raises(SonarError, match=why):
+            step(addr, 2)
+        assert bytes(params.mm[: 4 * N]) == before
+    step(grad.data_ptr(), 2)  # the tensor still takes updates
+    assert bytes(params.mm[: 4 * N]) != before
+
+
+def test_only_the_connected_process(rig: tuple[sonar_moe.Connection, Segment, int, int]) -> None:
+    """The server reads the process at the other end of the connection (SO_PEERCRED), not one
+    the client names: a probe that lives in another process is not found."""
+    conn, _, _, _ = rig
+    code = textwrap.dedent("""
+        import ctypes, secrets, sys, time
+        p = secrets.token_bytes(64)
+        b = ctypes.create_string_buffer(p, 64)
+        print(ctypes.addressof(b), p.hex(), flush=True)
+        sys.stdin.readline()
+    """)
+    other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        addr, hexprobe = other.stdout.readline().split()
+        with pytest.raises(SonarError, match="does not hold the probe|not mapped"):
+            probe_call(conn, bytes.fromhex(hexprobe), int(addr))
+    finally:
+        other.communicate("\n")
+    with pytest.raises(SonarError, match="probe of 3 bytes"):
+        probe_call(conn, b"abc", 4096)
