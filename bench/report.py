@@ -237,7 +237,7 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
                  "ring + server state) | median step ms | vs (a) | step ms min-max | CPU ms / step (trainer + sonard) | "
                  "CPU vs (a) | held-out loss | train loss (last) |")
         L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for k in "abcde":
+        for k in "abcdef":
             m = ms.get(k)
             if m is None:
                 continue
@@ -321,19 +321,21 @@ def depth_section(res: dict) -> tuple[list[str], list[dict]]:
          "layer, and Sonar holds the one-layer gradient ring plus the layer autograd is still accumulating. "
          "These extra runs measure memory only (methods a, c, d; two warm-up steps, then the profiled step) "
          "at the real models' depths.\n",
-         "| model | layers | params | (a) MiB | (c) MiB | (d) MiB | (d) vs (a) | saving / theoretical | (d) vs (c) |",
-         "|---|---|---|---|---|---|---|---|---|"]
+         "| model | layers | params | (a) MiB | (c) MiB | (d) MiB | (d) vs (a) | saving / theoretical | (d) vs (c) | "
+         "(f) ring MiB | (f) saving / theoretical |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
     targets = []
     for r in sorted(rows, key=lambda r: (r["model"], r["shape"]["layers"])):
         ms = r["methods"]
-        a, c, d = ms.get("a"), ms.get("c"), ms.get("d")
+        a, c, d, f = ms.get("a"), ms.get("c"), ms.get("d"), ms.get("f")
         if not (a and c and d):
             continue
         theo = r["expert_grad_bytes"] - r["expert_grad_bytes_per_layer"]
         got = _mem(a) - _mem(d)
         L.append(f"| {MODEL_NAME[r['model']]} | {r['shape']['layers']} | {r['counts']['total'] / 1e6:.1f} M | "
                  f"{_mem(a) / MiB:.1f} | {_mem(c) / MiB:.1f} | {_mem(d) / MiB:.1f} | {signed_pct(_mem(d) / _mem(a) - 1)} | "
-                 f"{pct(got / theo)} | {signed_pct(_mem(d) / _mem(c) - 1)} |")
+                 f"{pct(got / theo)} | {signed_pct(_mem(d) / _mem(c) - 1)} | "
+                 + (f"{_mem(f) / MiB:.1f} | {pct((_mem(a) - _mem(f)) / theo)} |" if f else "- | - |"))
         if r in res.get("depth", []):
             tag = f"{MODEL_NAME[r['model']]} grouped_mm, {r['shape']['layers']} layers (memory only)"
             saving = 1 - _mem(d) / _mem(a)

@@ -88,7 +88,7 @@ def run_all(cfg: dict, quick: bool, env: dict[str, str]) -> dict:
         print(f"memory at depth {layers}: {model} / {impl}", file=sys.stderr, flush=True)
         cmd = [PY, "bench/train.py", "--model", model, "--impl", impl, "--layers", str(layers),
                "--hidden", str(cfg["hidden"]), "--batch", str(cfg["batch"]), "--seq", str(cfg["seq"]),
-               "--warmup", "2", "--steps", "0", "--methods", "acd", "--timeline", ""]
+               "--warmup", "2", "--steps", "0", "--methods", "acdf", "--timeline", ""]
         res["depth"].append(common.run_json(cmd, env))
         cmds.append(cmd)
     res["machine"]["load_end"] = common.load_avg()

@@ -9,6 +9,8 @@ Methods:
      post-accumulate-grad hook (the PyTorch tutorial's method; no global clipping possible)
   d  SonarAdamW(max_grad_norm=1.0): batched expert tensors updated by sonard during backward
   e  SonarAdamW(max_grad_norm=1.0, split_experts=True): one request per expert slice
+  f  SonarAdamW(max_grad_norm=1.0, zero_copy=False): (d) with each gradient copied through the
+     shared-memory ring, as before zero copy (d reads gradients in place where the server can)
 
 Memory (per method, one extra profiled step after the timed ones): the trainer's tensor
 bytes are the bytes alive before the step (parameters outside shared memory, gradients,
@@ -43,6 +45,7 @@ METHODS = {
     "c": "optimizer-in-backward (all params)",
     "d": "SonarAdamW batched",
     "e": "SonarAdamW split_experts",
+    "f": "SonarAdamW batched, ring (zero_copy=False)",
 }
 LR, WD, CLIP = 1e-3, 0.01, 1.0
 
@@ -71,7 +74,7 @@ class Method:
                 p.register_post_accumulate_grad_hook(self._in_backward)
         else:
             self.sonar = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
-                                              split_experts=(key == "e"))
+                                              split_experts=(key == "e"), zero_copy=False if key == "f" else None)
             self.opt = self.sonar
         self.times: list[float] = []
         self.losses: list[float] = []
@@ -224,7 +227,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
-    ap.add_argument("--methods", default="abcde")
+    ap.add_argument("--methods", default="abcdef")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--timeline", default="ad", help="methods whose profiled-step timeline is kept")
     ap.add_argument("--seed", type=int, default=0)
