@@ -574,9 +574,10 @@ def analysis(res: dict) -> list[str]:
             txt += (f"Its rate on a {size_name(small['numel'])} tensor (working set in cache) is "
                     f"{small['elements_per_s'] / 1e9:.2f} G elem/s against {g['elements_per_s'] / 1e9:.2f} at "
                     f"{size_name(big)}, so at large sizes memory, not arithmetic, sets its speed. ")
-        txt += ("Where the Go kernel trails fused, the likely causes (not verified with hardware counters) are: "
-                "torch's fused CPU kernel makes one pass with AVX-512 vectors (capability AVX512 here) while the Go "
-                "kernel is AVX2 and makes two passes per 512-element block (p and m are loaded twice and p stored "
+        cap = res["torch"].get("capability", "")
+        txt += ("Where the single-tensor Go kernel trails fused, the likely causes (not verified with hardware "
+                f"counters) are: torch's fused CPU kernel makes one pass (capability {cap} here) while the Go "
+                "single-tensor kernel makes two passes per 512-element block (p and m are loaded twice and p stored "
                 "twice, from L1), i.e. more load/store operations per element competing with the memory streams. ")
         if single:
             txt += (f"torch's default single-tensor path (and foreach) makes one pass over memory per op, about "
@@ -606,8 +607,11 @@ def analysis(res: dict) -> list[str]:
                  "bit-for-bit reference); fused computes in float32 and rounds once per state, so it does less "
                  "work per element (and gives different bits). The Go bf16 kernel is 8-wide AVX2 and compute "
                  f"bound: its rate hardly changes with size ({bf_rates} "
-                 "G elem/s from the smallest to the largest tensor), so its speed is set by the per-op "
-                 "rounding it must do to be bit-exact; an AVX-512 version of it would be the next step.")
+                 "G elem/s from the smallest to the largest tensor). Every element of every AdamW variant needs one "
+                 "square root and two divisions, which run on the core's one divider and cannot be replaced "
+                 "without changing the bits; the fused kernels (Go and torch) issue exactly the same ones, so in "
+                 "bfloat16 and in cache both are divider-bound and their ratio moves with the machine. This "
+                 "machine has no AVX-512: an AVX-512 kernel could not be verified here and was not written.")
     fused_parts = []
     for dt in ("float32", "bfloat16"):
         per = ", ".join(f"{size_name(n)} {by[('torch-fused', dt, n)]['median_s'] / by[('go-fused', dt, n)]['median_s']:.2f}x"
@@ -655,18 +659,17 @@ def analysis(res: dict) -> list[str]:
     if mem_lines:
         L.append("- **Peak memory.** Standard training peaks at the end of backward with every gradient alive: "
                  "parameters + gradients + two AdamW states, four copies of the model (fp32). Sonar removes the "
-                 "expert gradients except the one-layer shared-memory ring and the layer autograd is still "
-                 "producing, so the saving relative to (a) is bounded by expert share x (1 - 1/L) / 4 (about 20% "
-                 "at L = 8, 21.8% at L = 16 for OLMoE's share) and shrinks by the activations, which are in both "
-                 "peaks (gradient checkpointing keeps them to about one layer here). The 19% target therefore "
-                 "needs depth: the bound is within about 1.5 points of 19% at 8 layers and activations take more "
-                 "than that, while the real models' 16 and 32 layers leave room. The 90%-of-theoretical target needs the layer "
-                 "autograd is accumulating to be small next to the rest: with the eager backend autograd builds "
-                 "each batched expert gradient from per-expert `select_backward` pieces (a full-size zero "
-                 "tensor per expert, summed), which holds up to two full copies of `gate_up_proj`'s gradient at "
-                 "once in every method; grouped_mm produces it in one piece. Relative to optimizer-in-backward "
-                 "(c), which frees every gradient at once, Sonar holds about one more layer (the ring), so about "
-                 "(L - 2)/(L - 1) of the theoretical saving is expected: 86% at L = 8, 93% at 16, 97% at 32. "
+                 "expert gradients except those waiting for the server (at most `ring_layers` = one layer) and the "
+                 "layer autograd is still producing, so the saving relative to (a) is bounded by expert share x "
+                 "(1 - 1/L) / 4 (about 20% at L = 8, 21.8% at L = 16 for OLMoE's share) and shrinks by the "
+                 "activations, which are in both peaks (gradient checkpointing keeps them to about one layer here). "
+                 "With zero copy (d) the gradients that wait are autograd's own, freed as the server answers, so "
+                 "(d) holds about what optimizer-in-backward (c) holds. With the ring (f) the ring's one layer is "
+                 "reserved for the whole run on top of the gradient autograd is producing, so (f) holds about one "
+                 "layer more: about (L - 2)/(L - 1) of the theoretical saving, 86% at L = 8, 93% at 16, 97% at 32. "
+                 "The eager backend builds each batched expert gradient from per-expert `select_backward` pieces "
+                 "(a full-size zero tensor per expert, summed), which holds up to two full copies of "
+                 "`gate_up_proj`'s gradient at once in every method; grouped_mm produces it in one piece. "
                  "Measured: " + "; ".join(mem_lines) + ".")
         if rss_note:
             L.append("- **sonard's own memory.** " + rss_note[0] + ".")
