@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import sonar_moe
 import tiny_moe as tm
 
 
-def test_peak_expert_gradient_bytes_is_one_layer() -> None:
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_peak_expert_gradient_bytes_is_one_layer(zero_copy: bool) -> None:
     layers = 6
     cfg = tm.MoEConfig(num_layers=layers, num_experts=8, hidden=64, intermediate=128)
     ref, mine = tm.build(cfg, 2), tm.build(cfg, 2)
@@ -24,7 +26,7 @@ def test_peak_expert_gradient_bytes_is_one_layer() -> None:
     ref_alive = sum(by_name[n].grad.numel() * 4 for n in experts)  # noqa: all held until step()
     assert ref_alive == layers * layer_bytes
 
-    with sonar_moe.SonarAdamW(mine) as opt:
+    with sonar_moe.SonarAdamW(mine, zero_copy=zero_copy) as opt:
         for _ in range(3):
             loss, _ = mine(x, labels=x)
             loss.backward()
@@ -33,6 +35,11 @@ def test_peak_expert_gradient_bytes_is_one_layer() -> None:
             opt.zero_grad()
         st = opt.stats()
     ring = st["ring_bytes"]
+    if zero_copy:
+        # No ring: autograd's gradients wait for the server, one layer of them at most.
+        assert ring == 0 and st["zero_copy"]
+        assert biggest <= st["peak_expert_grad_bytes"] <= layer_bytes
+        return
     # The ring is sized to one layer of expert gradients (plus page padding per slot).
     assert layer_bytes <= ring <= layer_bytes + 2 * 8192
     # Alive at once: the gradient autograd just produced plus what waits in the ring.
