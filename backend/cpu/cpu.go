@@ -195,7 +195,11 @@ func (s *session) Step(items []backend.Item, waitEvent bool) error {
 	for i, w := range ws {
 		var err error
 		if w.it.Apply {
-			err = s.engine.Apply(w.t, w.grad, w.it.Scalars)
+			var sq float64
+			sq, err = s.engine.ApplyScaled(w.t, w.grad, w.it.Scalars, w.it.Prep)
+			if w.it.SqNorm != nil {
+				*w.it.SqNorm = sq
+			}
 		} else {
 			err = s.engine.Accumulate(w.t, w.grad)
 		}
