@@ -72,6 +72,11 @@ class ExpertClipper:
         self.scale = clip_coef(self.max_norm, estimate) if math.isfinite(estimate) else 1.0
         return global_norm
 
+    def skip_step(self) -> None:
+        """The step was skipped (an overflow, a non-finite gradient): forget its expert norms,
+        keep the estimate and the factor."""
+        self._expert_sq = 0.0
+
     def state(self) -> dict[str, Any]:
         return {"mode": self.mode, "scale": self.scale, "ema": self._ema, "steps": self._steps,
                 "last_global_norm": self.last_global_norm}

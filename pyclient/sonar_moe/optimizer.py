@@ -361,6 +361,10 @@ class SonarAdamW(torch.optim.AdamW):
         self._server = server
         self._started = True
         self._adopt(self.param_groups)
+        if self._clipper is not None and any(p.device.type != "cpu" for _, p in self._experts.values()):
+            self.close()
+            raise NotImplementedError("expert_clipping scales expert gradients on the server's CPU path only; "
+                                      "these expert tensors are on CUDA")
         if not self._experts:
             warnings.warn(NoExpertsWarning(
                 "SonarAdamW found no expert tensors, so it is plain torch.optim.AdamW here: no sonard, no update "
@@ -664,6 +668,8 @@ class SonarAdamW(torch.optim.AdamW):
         dense = self.dense_parameters()
         if found_inf is not None and bool(found_inf.item()):
             log.warning("skipping the dense step: a gradient overflowed (GradScaler)")
+            if self._clipper is not None:
+                self._clipper.skip_step()
             return
         with_grad = [p for p in dense if p.grad is not None]
         if grad_scale is not None and not any(g["fused"] for g in self.param_groups):
@@ -674,6 +680,8 @@ class SonarAdamW(torch.optim.AdamW):
         if self.nonfinite == "skip" and not all(bool(torch.isfinite(p.grad).all()) for p in with_grad):
             self._skipped_nonfinite += 1
             log.warning("skipping the dense step: a dense gradient is not finite")
+            if self._clipper is not None:
+                self._clipper.skip_step()
             return
         if self._clipper is not None:
             self._clip_globally(dense, with_grad)
