@@ -100,6 +100,11 @@ type Item struct {
 	Grad    *Ref
 	Apply   bool
 	Scalars optimizer.Scalars
+	// Prep (with Apply) asks for the applied gradient's squared norm and
+	// scales it before the AdamW arithmetic; the zero value does nothing.
+	// SqNorm receives the norm when Prep.Norm is set.
+	Prep   optimizer.GradPrep
+	SqNorm *float64
 }
 
 // Client is what a backend needs to know of a session's client.

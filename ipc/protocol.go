@@ -98,6 +98,10 @@ type HelloReply struct {
 	// ReconnectGraceMillis is how long the server keeps a session after its
 	// connection closed, for the client to reconnect with the same routing id.
 	ReconnectGraceMillis int64 `msgpack:"reconnect_grace_ms,omitempty"`
+	// Features names the optional parts of the protocol this server
+	// implements (FeatureGradScale), so a client can refuse to run an option
+	// an older server would ignore.
+	Features []string `msgpack:"features,omitempty"`
 }
 
 // Attach asks the server to map a shared-memory segment the client created.
@@ -205,6 +209,11 @@ type StepItem struct {
 	Apply   bool       `msgpack:"apply"`
 	Step    int64      `msgpack:"step"`
 	Scalars ScalarsMsg `msgpack:"scalars"`
+	// GradScale (with Apply, CPU tensors) multiplies the gradient being
+	// applied (the accumulated sum with accumulation), rounded to float32,
+	// before the AdamW arithmetic, as grad.mul_(scale) does in torch: the
+	// client's expert clipping. 0 (absent) leaves the gradient as it is.
+	GradScale float64 `msgpack:"grad_scale,omitempty"`
 }
 
 // Step carries the gradients of one group of tensors (a layer's experts).
@@ -213,6 +222,9 @@ type Step struct {
 	// WaitEvent (CUDA tensors only) makes the server's kernels wait for the
 	// latest record of the session's event (CUDAEvent) before they start.
 	WaitEvent bool `msgpack:"wait_event,omitempty"`
+	// Norms asks for the squared L2 norm of each applied gradient (before
+	// GradScale), in the reply's SqNorms.
+	Norms bool `msgpack:"norms,omitempty"`
 }
 
 // StepReply says the gradients' memory may be reused.
@@ -221,7 +233,15 @@ type StepReply struct {
 	Accumulated int   `msgpack:"accumulated"`
 	Bytes       int64 `msgpack:"bytes"`
 	Micros      int64 `msgpack:"micros"`
+	// SqNorms (when the request set Norms) has one entry per item, in
+	// request order: the squared L2 norm of the gradient it applied, summed
+	// in float64; 0 for an item that only accumulated.
+	SqNorms []float64 `msgpack:"sq_norms,omitempty"`
 }
+
+// FeatureGradScale is named in HelloReply.Features by a server that
+// implements StepItem.GradScale and Step.Norms.
+const FeatureGradScale = "grad_scale"
 
 // StateXfer moves one tensor's optimizer state through shared memory, in
 // the tensor's dtype: export copies the server's state into the referenced
@@ -400,6 +420,10 @@ func (s *Step) Validate() error {
 		seen[it.Tensor] = true
 		if it.Grad.Seg == 0 && !it.Apply {
 			return fmt.Errorf("item %d: no gradient and nothing to apply", i)
+		}
+		if it.GradScale != 0 && (!it.Apply || !finite(it.GradScale) || it.GradScale < 0 ||
+			float32(it.GradScale) == 0 || math.IsInf(float64(float32(it.GradScale)), 0)) {
+			return fmt.Errorf("item %d: grad_scale %g (want a positive finite float32, on an item that applies)", i, it.GradScale)
 		}
 		sc := it.Scalars
 		if sc.Lanes < 0 || sc.Lanes > 64 || sc.Lanes&(sc.Lanes-1) != 0 || (sc.Lanes != 0 && !sc.Fused) {

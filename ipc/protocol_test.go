@@ -202,6 +202,11 @@ func goodScalars() ScalarsMsg {
 		NegStepSize: -0.01, BC2Sqrt: 0.0316, Eps: 1e-8}
 }
 
+func withScale(it StepItem, s float64) StepItem {
+	it.GradScale = s
+	return it
+}
+
 func TestStepValidate(t *testing.T) {
 	item := func(tensor uint32, apply bool) StepItem {
 		return StepItem{Tensor: tensor, Grad: MemRef{Seg: 2, Offset: 512, Bytes: 64}, Apply: apply, Step: 1, Scalars: goodScalars()}
@@ -240,6 +245,12 @@ func TestStepValidate(t *testing.T) {
 		{"-inf step size", withScalar(true, func(s *ScalarsMsg) { s.NegStepSize = -inf }), "non-finite"},
 		{"nan bc2_sqrt", withScalar(true, func(s *ScalarsMsg) { s.BC2Sqrt = nan }), "non-finite"},
 		{"inf eps", withScalar(true, func(s *ScalarsMsg) { s.Eps = inf }), "non-finite"},
+		{"grad_scale", []StepItem{withScale(item(1, true), 0.25)}, ""},
+		{"grad_scale when accumulating", []StepItem{withScale(item(1, false), 0.25)}, "grad_scale"},
+		{"negative grad_scale", []StepItem{withScale(item(1, true), -0.5)}, "grad_scale"},
+		{"nan grad_scale", []StepItem{withScale(item(1, true), nan)}, "grad_scale"},
+		{"grad_scale zero in float32", []StepItem{withScale(item(1, true), 1e-50)}, "grad_scale"},
+		{"grad_scale inf in float32", []StepItem{withScale(item(1, true), 1e39)}, "grad_scale"},
 		// Scalars are ignored when accumulating.
 		{"nan scalars when accumulating", withScalar(false, func(s *ScalarsMsg) {
 			*s = ScalarsMsg{Decay: nan, Beta1W: nan, Beta2: inf, OneMinusB2: nan, NegStepSize: -inf, BC2Sqrt: nan, Eps: nan}

@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"sort"
 	"sync"
 	"unsafe"
 
@@ -303,37 +304,104 @@ func (t *Tensor) dropAccum() {
 // gradient; otherwise grad is first added to any accumulated gradient. The
 // accumulation buffer is released afterwards.
 func (e *Engine) Apply(t *Tensor, grad []byte, s Scalars) error {
+	_, err := e.ApplyScaled(t, grad, s, GradPrep{})
+	return err
+}
+
+// GradPrep asks ApplyScaled for work on the gradient before the AdamW
+// arithmetic: the squared L2 norm of the gradient as it arrives (the sum of
+// what was accumulated and grad), and a factor it is multiplied by (rounded
+// as torch's grad.mul_(scale) with a float32 scale: float32(g*s), and for
+// bfloat16 bf16(float32(g)*s)). Both happen in one pass over the gradient.
+type GradPrep struct {
+	// Scale multiplies the gradient; 0 and 1 leave it as it is.
+	Scale float32
+	// Norm asks for the squared L2 norm (summed in float64; the order of
+	// the sum follows the engine's split across workers).
+	Norm bool
+}
+
+// ApplyScaled is Apply with the gradient first measured and scaled as prep
+// says (in place: the gradient's memory is overwritten with the scaled
+// value). It returns the squared L2 norm of the gradient before scaling,
+// 0 unless prep.Norm.
+func (e *Engine) ApplyScaled(t *Tensor, grad []byte, s Scalars, prep GradPrep) (float64, error) {
 	if err := t.usable(); err != nil {
-		return err
+		return 0, err
 	}
 	if grad != nil && len(grad) != t.Bytes() {
-		return fmt.Errorf("tensor %q: gradient is %d bytes, want %d", t.Name, len(grad), t.Bytes())
+		return 0, fmt.Errorf("tensor %q: gradient is %d bytes, want %d", t.Name, len(grad), t.Bytes())
 	}
 	if s.Amsgrad != t.Hyper.Amsgrad {
-		return fmt.Errorf("tensor %q: amsgrad=%v in step but registered with amsgrad=%v", t.Name, s.Amsgrad, t.Hyper.Amsgrad)
+		return 0, fmt.Errorf("tensor %q: amsgrad=%v in step but registered with amsgrad=%v", t.Name, s.Amsgrad, t.Hyper.Amsgrad)
 	}
 	if grad == nil && t.accumCount == 0 {
-		return fmt.Errorf("tensor %q: no gradient to apply", t.Name)
+		return 0, fmt.Errorf("tensor %q: no gradient to apply", t.Name)
 	}
 	if grad != nil && t.accumCount > 0 {
 		if err := e.Accumulate(t, grad); err != nil {
-			return err
+			return 0, err
 		}
 		grad = nil
 	}
 	if grad == nil {
 		grad = t.accum
 	}
+	var sqnorm float64
+	if prep.Norm || (prep.Scale != 0 && prep.Scale != 1) {
+		var err error
+		if sqnorm, err = e.prepare(t, grad, prep); err != nil {
+			return 0, t.faulted("scale gradient", false, err)
+		}
+	}
 	err := e.parallel(t.Numel, func(lo, hi int) {
 		sz := t.DType.Size()
 		e.kernel(t, grad[lo*sz:hi*sz], s, lo, hi)
 	})
 	if err != nil {
-		return t.faulted("apply", true, err)
+		return 0, t.faulted("apply", true, err)
 	}
 	t.Step++
 	t.dropAccum()
-	return nil
+	return sqnorm, nil
+}
+
+// prepare measures and scales grad (t's gradient) in one parallel pass.
+func (e *Engine) prepare(t *Tensor, grad []byte, prep GradPrep) (float64, error) {
+	scale := prep.Scale
+	if scale == 0 {
+		scale = 1
+	}
+	parts := make([]float64, 0, 64)
+	var mu sync.Mutex
+	err := e.parallel(t.Numel, func(lo, hi int) {
+		var sum float64
+		switch t.DType {
+		case Float32:
+			sum = ScaleF32(f32s(grad)[lo:hi], scale, prep.Norm)
+		default:
+			sum = ScaleBF16(u16s(grad)[lo:hi], scale, prep.Norm)
+		}
+		mu.Lock()
+		parts = append(parts, float64(lo), sum)
+		mu.Unlock()
+	})
+	if err != nil {
+		return 0, err
+	}
+	// Sum the chunks in order of their position, so the result does not
+	// depend on which worker finished first.
+	type part struct{ lo, sum float64 }
+	ps := make([]part, 0, len(parts)/2)
+	for i := 0; i < len(parts); i += 2 {
+		ps = append(ps, part{parts[i], parts[i+1]})
+	}
+	sort.Slice(ps, func(i, j int) bool { return ps[i].lo < ps[j].lo })
+	var total float64
+	for _, p := range ps {
+		total += p.sum
+	}
+	return total, nil
 }
 
 // kernel runs the AdamW arithmetic s selects over elements [lo, hi) of t,

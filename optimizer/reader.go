@@ -2,6 +2,7 @@ package optimizer
 
 import (
 	"fmt"
+	"slices"
 	"sync"
 )
 
@@ -41,28 +42,66 @@ func (e *ReadError) Unwrap() error { return e.Err }
 // client unmapped its memory during the request) leaves the tensor damaged,
 // as a memory fault does.
 func (e *Engine) ApplyFrom(t *Tensor, r GradReader, s Scalars) error {
+	_, err := e.ApplyFromScaled(t, r, s, GradPrep{})
+	return err
+}
+
+// ApplyFromScaled is ApplyScaled with the gradient read from r: each piece
+// is measured and scaled in the worker's buffer (the client's memory is
+// only read). The squared norm is summed in float64 piece by piece, in the
+// order of the pieces.
+func (e *Engine) ApplyFromScaled(t *Tensor, r GradReader, s Scalars, prep GradPrep) (float64, error) {
 	if err := t.usable(); err != nil {
-		return err
+		return 0, err
 	}
 	if s.Amsgrad != t.Hyper.Amsgrad {
-		return fmt.Errorf("tensor %q: amsgrad=%v in step but registered with amsgrad=%v", t.Name, s.Amsgrad, t.Hyper.Amsgrad)
+		return 0, fmt.Errorf("tensor %q: amsgrad=%v in step but registered with amsgrad=%v", t.Name, s.Amsgrad, t.Hyper.Amsgrad)
 	}
 	if t.accumCount > 0 {
 		if err := e.AccumulateFrom(t, r); err != nil {
-			return err
+			return 0, err
 		}
-		return e.Apply(t, nil, s)
+		return e.ApplyScaled(t, nil, s, prep)
 	}
-	failed, err := e.pieces(t, r, func(lo, hi int, g []byte) { e.kernel(t, g, s, lo, hi) })
+	scale, measure := prep.Scale, prep.Norm
+	if scale == 0 {
+		scale = 1
+	}
+	var mu sync.Mutex
+	sums := map[int]float64{}
+	failed, err := e.pieces(t, r, func(lo, hi int, g []byte) {
+		if measure || scale != 1 {
+			var sum float64
+			switch t.DType {
+			case Float32:
+				sum = ScaleF32(f32s(g), scale, measure)
+			default:
+				sum = ScaleBF16(u16s(g), scale, measure)
+			}
+			mu.Lock()
+			sums[lo] = sum
+			mu.Unlock()
+		}
+		e.kernel(t, g, s, lo, hi)
+	})
 	if err != nil {
-		return t.faulted("apply", true, err)
+		return 0, t.faulted("apply", true, err)
 	}
 	if failed != nil {
 		t.damage = &ReadError{Tensor: t.Name, Op: "apply", Err: failed}
-		return t.damage
+		return 0, t.damage
 	}
 	t.Step++
-	return nil
+	starts := make([]int, 0, len(sums))
+	for lo := range sums {
+		starts = append(starts, lo)
+	}
+	slices.Sort(starts)
+	var total float64
+	for _, lo := range starts {
+		total += sums[lo]
+	}
+	return total, nil
 }
 
 // AccumulateFrom is Accumulate with the gradient read from r.

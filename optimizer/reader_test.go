@@ -1,8 +1,10 @@
 package optimizer
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"strings"
 	"testing"
@@ -134,6 +136,45 @@ func TestApplyFromReadFailure(t *testing.T) {
 		}
 		if err := e.Apply(tt, g, ScalarsFor(h, 6)); err == nil || !strings.Contains(err.Error(), "damaged") {
 			t.Fatalf("%s: a damaged tensor took an update: %v", tc.name, err)
+		}
+	}
+}
+
+// TestApplyFromScaledMatchesApplyScaled: measuring and scaling the gradient
+// piece by piece in the workers' buffers gives the update ApplyScaled gives
+// (bit for bit) and the same squared norm (up to the order of the float64
+// sum), without writing the source.
+func TestApplyFromScaledMatchesApplyScaled(t *testing.T) {
+	for _, d := range []DType{Float32, BFloat16} {
+		for _, prep := range []GradPrep{{Scale: 0.37, Norm: true}, {Scale: 1, Norm: true}, {Scale: 2.5}} {
+			for _, n := range []int{5, readChunk + 3, 4*readChunk + 100} {
+				name := fmt.Sprintf("%v/%+v/n=%d", d, prep, n)
+				h := Hyper{LR: 1e-2, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 1e-2}
+				r := rand.New(rand.NewPCG(uint64(n), 51))
+				param := randBytes(r, d, n, 1, false)
+				g := randBytes(r, d, n, 1e-1, false)
+				e := &Engine{Workers: 3, MinChunk: 64}
+				want := newTestTensor(t, rand.New(rand.NewPCG(uint64(n), 52)), d, n, h, param)
+				got := newTestTensor(t, rand.New(rand.NewPCG(uint64(n), 52)), d, n, h, param)
+				wantSq, err := e.ApplyScaled(want, clone(g), ScalarsFor(h, 6), prep)
+				if err != nil {
+					t.Fatal(err)
+				}
+				src := clone(g)
+				gotSq, err := e.ApplyFromScaled(got, reader(src), ScalarsFor(h, 6), prep)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if diff := sameState(got, want); diff != "" {
+					t.Fatalf("%s: differs in %s", name, diff)
+				}
+				if math.Abs(gotSq-wantSq) > 1e-12*math.Abs(wantSq) || (prep.Norm && gotSq == 0) {
+					t.Fatalf("%s: squared norm %v, want %v", name, gotSq, wantSq)
+				}
+				if !bytes.Equal(src, g) {
+					t.Fatalf("%s: the source gradient was written", name)
+				}
+			}
 		}
 	}
 }

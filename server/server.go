@@ -283,7 +283,7 @@ func (s *Server) hello(ss *session, h ipc.Hello) (any, error) {
 	s.log.Info("client connected", zap.String("client", ss.client), zap.String("name", h.Client), zap.Int("pid", h.PID),
 		zap.String("torch", h.Torch), zap.Int("threads", h.Threads), zap.String("capability", h.Capability), zap.String("sqrt", name))
 	rep := ipc.HelloReply{Server: Version, Protocol: ipc.Version, PID: os.Getpid(), Workers: s.Workers, Sqrt: name,
-		ReconnectGraceMillis: s.ReconnectGrace.Milliseconds()}
+		ReconnectGraceMillis: s.ReconnectGrace.Milliseconds(), Features: []string{ipc.FeatureGradScale}}
 	if b := s.backends["cuda"]; b != nil {
 		rep.CUDA = b.Describe()
 	}
@@ -483,6 +483,9 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 	var first *tensor
 	var accum int64
 	v := verifier{}
+	if st.Norms {
+		rep.SqNorms = make([]float64, len(st.Items))
+	}
 	for i, it := range st.Items {
 		t := ss.tensors[it.Tensor]
 		if t == nil {
@@ -508,7 +511,11 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 		if !it.Apply && t.state.Pending() == 0 && t.backend == "cpu" {
 			accum += t.bytes() // the accumulation buffer the first micro-batch allocates
 		}
-		item := backend.Item{Tensor: t.state, Apply: it.Apply, Scalars: scalarsOf(it.Scalars)}
+		item := backend.Item{Tensor: t.state, Apply: it.Apply, Scalars: scalarsOf(it.Scalars),
+			Prep: optimizer.GradPrep{Scale: float32(it.GradScale), Norm: st.Norms && it.Apply}}
+		if st.Norms && it.Apply {
+			item.SqNorm = &rep.SqNorms[i]
+		}
 		if it.Grad.Seg != 0 {
 			g, err := ss.resolveFor(t, it.Grad, v)
 			if err != nil {

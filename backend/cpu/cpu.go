@@ -252,11 +252,19 @@ func (s *session) Step(items []backend.Item, waitEvent bool) error {
 		var err error
 		switch {
 		case w.read != nil && w.it.Apply:
-			err = s.engine.ApplyFrom(w.t, w.read, w.it.Scalars)
+			var sq float64
+			sq, err = s.engine.ApplyFromScaled(w.t, w.read, w.it.Scalars, w.it.Prep)
+			if w.it.SqNorm != nil {
+				*w.it.SqNorm = sq
+			}
 		case w.read != nil:
 			err = s.engine.AccumulateFrom(w.t, w.read)
 		case w.it.Apply:
-			err = s.engine.Apply(w.t, w.grad, w.it.Scalars)
+			var sq float64
+			sq, err = s.engine.ApplyScaled(w.t, w.grad, w.it.Scalars, w.it.Prep)
+			if w.it.SqNorm != nil {
+				*w.it.SqNorm = sq
+			}
 		default:
 			err = s.engine.Accumulate(w.t, w.grad)
 		}

@@ -13,6 +13,7 @@ import (
 	"github.com/sonar-moe/sonar/backend"
 	"github.com/sonar-moe/sonar/cuda"
 	"github.com/sonar-moe/sonar/ipcbridge"
+	"github.com/sonar-moe/sonar/optimizer"
 	"github.com/sonar-moe/sonar/optimizer/device"
 )
 
@@ -211,6 +212,9 @@ func (s *session) Step(items []backend.Item, waitEvent bool) error {
 		t, err := own(it.Tensor)
 		if err != nil {
 			return err
+		}
+		if it.Prep != (optimizer.GradPrep{}) || it.SqNorm != nil {
+			return fmt.Errorf("tensor %s: gradient norms and scales (expert clipping) are not implemented for CUDA tensors", t.Name)
 		}
 		var grad cuda.DevicePtr
 		if it.Grad != nil {

@@ -31,7 +31,8 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from ._connection import Connection
+from ._clipping import ExpertClipper
+from ._connection import Connection, SonarError
 from ._detect import group_key, layer_key
 from ._launch import connect
 from ._steps import StepQueue
@@ -116,6 +117,9 @@ class BackendOptions:
     # CPU: sonard reads each gradient where autograd left it (None: when it can, else through
     # the shared-memory ring; True: required; False: always the ring).
     zero_copy: bool | None = None
+    # expert_clipping: the factor of each applied expert gradient and the sink of the norms the
+    # server measures (None: the gradients go unscaled and unmeasured, the default path)
+    clipper: ExpertClipper | None = None
 
 
 class Staged(NamedTuple):
@@ -222,6 +226,10 @@ class ServerBackend(ABC):
         conn = connect(server, options.timeout)
         try:
             rep = cls._hello(conn, named, options)
+            if options.clipper is not None and "grad_scale" not in (rep.get("features") or []):
+                raise SonarError("expert_clipping needs a sonard that scales gradients (feature 'grad_scale'); this "
+                                 f"one ({rep.get('server')}) does not: update sonard, or build SonarAdamW without "
+                                 "expert_clipping")
             backend = cls(conn, rep, named, options, counter, slices)
             backend._register(list(backend._experts.values()), hyper_of)
         except BaseException:
@@ -237,7 +245,11 @@ class ServerBackend(ABC):
         self._counter = counter
         self._experts = {id(p): Expert.of(name, p, slices) for name, p in named}
         self._by_tid: dict[int, Expert] = {}
-        self._steps = StepQueue(conn, self._release, self._step_body, self._refused)
+        body = dict(self._step_body)
+        if options.clipper is not None:
+            body["norms"] = True
+        self._steps = StepQueue(conn, self._release, body, self._refused,
+                                options.clipper.add_expert_sq_norms if options.clipper is not None else None)
         self._peak = 0
         self._room_wait_s = 0.0  # time the gradient hooks waited for room in the ring
 
@@ -340,10 +352,19 @@ class ServerBackend(ABC):
         step, scalars = self._next_step(e) if apply else (0, {})
         items = [{"tensor": tid, "grad": {"seg": staged.seg, "off": staged.off + i * e.part_bytes, "nbytes": e.part_bytes},
                   "apply": apply, "step": step, "scalars": scalars} for i, tid in enumerate(e.tids)]
+        if apply:
+            self._scale(items)
         if e.parts > 1:
             self._steps.send_each(items, staged.token)
         else:
             self._steps.add(e.key, items[0], staged.token)
+
+    def _scale(self, items: list[dict[str, Any]]) -> None:
+        """expert_clipping: the factor of this step's applied gradients goes with each item."""
+        clipper = self._options.clipper
+        if clipper is not None and clipper.scale != 1.0:
+            for it in items:
+                it["grad_scale"] = clipper.scale
 
     def _next_step(self, e: Expert) -> tuple[int, dict[str, Any]]:
         e.micro = 0
@@ -367,6 +388,7 @@ class ServerBackend(ABC):
                 step, sc = self._next_step(e)
                 items += [{"tensor": tid, "grad": no_ref(), "apply": True, "step": step, "scalars": sc}
                           for tid in e.tids]
+            self._scale(items)
             self._steps.send(items, [])
         self._steps.wait()
 

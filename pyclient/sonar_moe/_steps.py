@@ -28,8 +28,10 @@ class StepQueue:
     """Groups step items per layer and sends them; counts requests; collects refused updates."""
 
     def __init__(self, conn: Connection, release: Callable[[Any], None], body: Mapping[str, Any],
-                 refused: Callable[[list[Item]], None]) -> None:
+                 refused: Callable[[list[Item]], None],
+                 norms: Callable[[list[float]], None] | None = None) -> None:
         self._conn = conn
+        self._norms = norms  # told the squared gradient norms of each answered request (body "norms")
         self._release = release
         self._refused = refused  # told the items of every request the server refused
         self._body = dict(body)  # extra keys of every step request (CUDA: wait_event)
@@ -92,3 +94,5 @@ class StepQueue:
         if not rep.get("ok"):
             self._errors.append(str(rep.get("error")))
             self._refused(items)
+        elif self._norms is not None:
+            self._norms(list((rep.get("body") or {}).get("sq_norms") or []))

@@ -22,7 +22,10 @@ clips). Trainer's ``grad_norm`` (the norm over all gradients) is not logged: the
 gradients are applied and freed during backward, and with gradient accumulation only sonard
 holds their sum, so the global norm would cost an extra pass over every expert gradient and a
 reduction on the server. ``sonar_peak_expert_grad_bytes`` and ``sonar_update_ms_p50`` come
-from SonarAdamW's statistics.
+from SonarAdamW's statistics. With ``sonar_kwargs={"expert_clipping": "prev_global"}`` (or
+``"running"``) the server measures every expert gradient as it applies it, so ``grad_norm`` (the
+norm over all gradients, before clipping) is logged after all, with ``expert_grad_scale``, the
+factor the step's expert gradients got.
 
 Checkpoints: resuming and ``load_best_model_at_end`` load the model's weights in place with the
 checkpoint's layout converted back (``load_weights_in_place``): Trainer 5.23 loads them with
@@ -66,8 +69,8 @@ def unwrap_sonar(optimizer: Any) -> SonarAdamW | None:
 class SonarTrainer(Trainer):
     """``transformers.Trainer`` whose optimizer is SonarAdamW (see the module docstring).
 
-    ``sonar_kwargs`` are passed on to SonarAdamW (e.g. ``server=``, ``max_expert_grad_norm=``,
-    ``expert_params=``).
+    ``sonar_kwargs`` are passed on to SonarAdamW (e.g. ``server=``, ``expert_clipping=``,
+    ``max_expert_grad_norm=``, ``expert_params=``).
     """
 
     def __init__(self, *args: Any, sonar_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -132,6 +135,9 @@ class SonarTrainer(Trainer):
                 logs["dense_grad_norm"] = float(opt.last_dense_grad_norm)
             elif opt.max_grad_norm is None and self._unclipped_dense_norm is not None:
                 logs["dense_grad_norm"] = self._unclipped_dense_norm
+            if opt.last_global_grad_norm is not None:  # expert_clipping: the server measured the experts' norms
+                logs["grad_norm"] = opt.last_global_grad_norm
+                logs["expert_grad_scale"] = opt.last_expert_grad_scale
             st = opt.stats(server=False)
             logs["sonar_peak_expert_grad_bytes"] = st["peak_expert_grad_bytes"]
             logs["sonar_update_ms_p50"] = round(st["latency_ms_p50"], 3)

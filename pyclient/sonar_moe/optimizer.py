@@ -31,6 +31,8 @@ from torch import nn
 from torch.optim.adam import adam
 
 from ._backend import DTYPES, STATE_KEYS, BackendOptions, ExpertBackend, NoExperts
+from ._clipping import MODES as EXPERT_CLIPPING_MODES
+from ._clipping import ExpertClipper
 from ._connection import SonarError
 from ._cuda_backend import CudaBackend
 from ._params import ExpertPredicate, expert_slices, group_names, is_expert, module_experts, torch_params
@@ -186,7 +188,15 @@ def open_backend(named: list[tuple[str, nn.Parameter]], server: str | None, opti
 
 
 def _check_options(grad_accumulation_steps: int, max_grad_norm: float | None, max_expert_grad_norm: float | None,
-                   nonfinite: str, ring_layers: int, grad_scaler: Any) -> None:
+                   nonfinite: str, ring_layers: int, grad_scaler: Any, expert_clipping: str | None = None) -> None:
+    if expert_clipping is not None:
+        if expert_clipping not in EXPERT_CLIPPING_MODES:
+            raise ValueError(f"expert_clipping must be None or one of {', '.join(map(repr, EXPERT_CLIPPING_MODES))}, "
+                             f"got {expert_clipping!r}")
+        if max_grad_norm is None:
+            raise ValueError("expert_clipping brings the expert gradients under max_grad_norm: set max_grad_norm")
+        if max_expert_grad_norm is not None:
+            raise ValueError("expert_clipping and max_expert_grad_norm both scale the expert gradients: choose one")
     if grad_accumulation_steps < 1:
         raise ValueError(f"grad_accumulation_steps must be >= 1, got {grad_accumulation_steps}")
     if max_grad_norm is not None and not max_grad_norm > 0:
@@ -290,6 +300,7 @@ class SonarAdamW(torch.optim.AdamW):
         model: nn.Module | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         max_expert_grad_norm: float | None = None,
+        expert_clipping: str | None = None,
         split_experts: bool = False,
         nonfinite: str = "propagate",
         timeout: float = 10.0,
@@ -298,7 +309,7 @@ class SonarAdamW(torch.optim.AdamW):
         zero_copy: bool | None = None,
     ) -> None:
         _check_options(grad_accumulation_steps, max_grad_norm, max_expert_grad_norm, nonfinite, ring_layers,
-                       grad_scaler)
+                       grad_scaler, expert_clipping)
         if params is None:
             if model is None:
                 raise TypeError("SonarAdamW needs the parameters to optimize (a module, parameters or groups)")
@@ -334,6 +345,11 @@ class SonarAdamW(torch.optim.AdamW):
         # sent in hello, shown in logs and stats(). Isolation needs no label.
         self.namespace = namespace
         self.last_dense_grad_norm: torch.Tensor | None = None
+        # expert_clipping (off by default): global-norm clipping of the expert gradients with a factor
+        # fixed before each step from the norms of earlier steps (see sonar_moe/_clipping.py)
+        self.expert_clipping = expert_clipping
+        self._clipper = ExpertClipper(expert_clipping, float(max_grad_norm)) \
+            if expert_clipping is not None and max_grad_norm is not None else None
         self._skipped_nonfinite = 0
         self._hand_over_s = 0.0
         self._wait_s = 0.0
@@ -342,10 +358,14 @@ class SonarAdamW(torch.optim.AdamW):
         self._options = BackendOptions(timeout=timeout, split_experts=split_experts,
                                        grad_accumulation_steps=grad_accumulation_steps,
                                        max_expert_grad_norm=max_expert_grad_norm, ring_layers=ring_layers,
-                                       namespace=namespace, zero_copy=zero_copy)
+                                       namespace=namespace, zero_copy=zero_copy, clipper=self._clipper)
         self._server = server
         self._started = True
         self._adopt(self.param_groups)
+        if self._clipper is not None and any(p.device.type != "cpu" for _, p in self._experts.values()):
+            self.close()
+            raise NotImplementedError("expert_clipping scales expert gradients on the server's CPU path only; "
+                                      "these expert tensors are on CUDA")
         if not self._experts:
             warnings.warn(NoExpertsWarning(
                 "SonarAdamW found no expert tensors, so it is plain torch.optim.AdamW here: no sonard, no update "
@@ -649,6 +669,8 @@ class SonarAdamW(torch.optim.AdamW):
         dense = self.dense_parameters()
         if found_inf is not None and bool(found_inf.item()):
             log.warning("skipping the dense step: a gradient overflowed (GradScaler)")
+            if self._clipper is not None:
+                self._clipper.skip_step()
             return
         with_grad = [p for p in dense if p.grad is not None]
         if grad_scale is not None and not any(g["fused"] for g in self.param_groups):
@@ -659,8 +681,12 @@ class SonarAdamW(torch.optim.AdamW):
         if self.nonfinite == "skip" and not all(bool(torch.isfinite(p.grad).all()) for p in with_grad):
             self._skipped_nonfinite += 1
             log.warning("skipping the dense step: a dense gradient is not finite")
+            if self._clipper is not None:
+                self._clipper.skip_step()
             return
-        if self.max_grad_norm is not None and with_grad:
+        if self._clipper is not None:
+            self._clip_globally(dense, with_grad)
+        elif self.max_grad_norm is not None and with_grad:
             self.last_dense_grad_norm = torch.nn.utils.clip_grad_norm_(dense, self.max_grad_norm)
         for group in self.param_groups:
             sub = dict(group, params=[p for p in group["params"] if id(p) not in self._experts])
@@ -679,6 +705,34 @@ class SonarAdamW(torch.optim.AdamW):
                  fused=group["fused"], grad_scale=grad_scale if group["fused"] else None,
                  found_inf=found_inf if group["fused"] else None,
                  decoupled_weight_decay=group["decoupled_weight_decay"])
+
+    def _clip_globally(self, dense: list[nn.Parameter], with_grad: list[nn.Parameter]) -> None:
+        """expert_clipping: this step's global norm (the server's expert norms and the dense
+        norm); the dense gradients are clipped by it as clip_grad_norm_(all params) would, and
+        it fixes the factor of the next step's expert gradients."""
+        assert self._clipper is not None and self.max_grad_norm is not None
+        dense_norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad]) if with_grad else torch.tensor(0.0)
+        self.last_dense_grad_norm = dense_norm
+        global_norm = self._clipper.finish_step(float(dense_norm) ** 2)
+        if with_grad:
+            torch.nn.utils.clip_grads_with_norm_(dense, self.max_grad_norm,
+                                                 torch.tensor(global_norm, dtype=torch.float32))
+
+    @property
+    def last_global_grad_norm(self) -> float | None:
+        """expert_clipping: the last step's norm over all gradients (experts measured by the
+        server before scaling); None without expert_clipping or before the first step."""
+        return self._clipper.last_global_norm if self._clipper is not None else None
+
+    @property
+    def last_expert_grad_scale(self) -> float | None:
+        """expert_clipping: the factor the last step's expert gradients were multiplied by."""
+        return self._clipper.last_scale if self._clipper is not None else None
+
+    @property
+    def next_expert_grad_scale(self) -> float | None:
+        """expert_clipping: the factor the coming step's expert gradients will be multiplied by."""
+        return self._clipper.scale if self._clipper is not None else None
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -701,6 +755,8 @@ class SonarAdamW(torch.optim.AdamW):
                     entry: dict[str, Any] = {"step": self.state[p]["step"].clone()}
                     entry.update((k, v) for k, v in moments.items() if amsgrad or k != "max_exp_avg_sq")
                     sd["state"][index[id(p)]] = entry
+        if self._clipper is not None:
+            sd["sonar_expert_clipping"] = self._clipper.state()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -711,6 +767,9 @@ class SonarAdamW(torch.optim.AdamW):
         self._drain()
         old_state, old_groups = self.state, self.param_groups
         try:
+            clipping = state_dict.get("sonar_expert_clipping")
+            if clipping is not None and self._clipper is not None:
+                self._clipper.load(clipping)
             super().load_state_dict(state_dict)
             loaded = {id(p): self.state.get(p) for _, p in self._experts.values()}
             for name, p in self._experts.values():
