@@ -116,25 +116,7 @@ func attentionForward[F Float](o, p, q, k, v []F, a attnShape) {
 		kb := k[b*s*kw+g*d:]
 		vb := v[b*s*kw+g*d:]
 		gemm(false, true, s, s, d, qb, hw, kb, kw, 0, pb, s)
-		for r := range s {
-			row := pb[r*s : (r+1)*s]
-			mx := math.Inf(-1)
-			for j := 0; j <= r; j++ {
-				row[j] *= F(a.scale)
-				mx = max(mx, float64(row[j]))
-			}
-			var sum float64
-			for j := 0; j <= r; j++ {
-				e := math.Exp(float64(row[j]) - mx)
-				row[j] = F(e)
-				sum += e
-			}
-			inv := 1 / sum
-			for j := 0; j <= r; j++ {
-				row[j] = F(float64(row[j]) * inv)
-			}
-			clear(row[r+1:])
-		}
+		causalSoftmax(pb, s, a.scale)
 		gemm(false, false, s, d, s, pb, s, vb, kw, 0, o[b*s*hw+h*d:], hw)
 	})
 }
@@ -175,6 +157,57 @@ func attentionBackward[F Float](dq, dk, dv, dp, do, p, q, k, v []F, a attnShape)
 	})
 }
 
+// causalSoftmax turns the scores p [s, s] of one head into probabilities:
+// row r is softmax(p[r, 0..r] * scale), zero past column r.
+func causalSoftmax[F Float](p []F, s int, scale float64) {
+	if p32, ok := any(p).([]float32); ok {
+		sc := float32(scale)
+		for r := range s {
+			row := p32[r*s : r*s+r+1]
+			mx := float32(math.Inf(-1))
+			for j := range row {
+				row[j] *= sc
+				mx = max(mx, row[j])
+			}
+			expShift(row, row, mx)
+			normalize(row)
+			clear(p32[r*s+r+1 : (r+1)*s])
+		}
+		return
+	}
+	for r := range s {
+		row := p[r*s : (r+1)*s]
+		mx := math.Inf(-1)
+		for j := 0; j <= r; j++ {
+			row[j] *= F(scale)
+			mx = max(mx, float64(row[j]))
+		}
+		var sum float64
+		for j := 0; j <= r; j++ {
+			e := math.Exp(float64(row[j]) - mx)
+			row[j] = F(e)
+			sum += e
+		}
+		inv := 1 / sum
+		for j := 0; j <= r; j++ {
+			row[j] = F(float64(row[j]) * inv)
+		}
+		clear(row[r+1:])
+	}
+}
+
+// normalize divides x by its sum (taken in float64).
+func normalize(x []float32) {
+	var sum float64
+	for _, v := range x {
+		sum += float64(v)
+	}
+	inv := 1 / sum
+	for j, v := range x {
+		x[j] = float32(float64(v) * inv)
+	}
+}
+
 func sigmoid[F Float](x F) F { return F(1 / (1 + math.Exp(-float64(x)))) }
 
 // crossEntropy returns the mean cross-entropy of logits [T, v] against
@@ -183,6 +216,11 @@ func sigmoid[F Float](x F) F { return F(1 / (1 + math.Exp(-float64(x)))) }
 func crossEntropy[F Float](logits []F, lse []float64, targets []int32, v int) (float64, int) {
 	var sum float64
 	n := 0
+	l32, fast := any(logits).([]float32)
+	var buf []float32
+	if fast {
+		buf = make([]float32, v)
+	}
 	for t, y := range targets {
 		row := logits[t*v : (t+1)*v]
 		mx := math.Inf(-1)
@@ -190,8 +228,15 @@ func crossEntropy[F Float](logits []F, lse []float64, targets []int32, v int) (f
 			mx = max(mx, float64(x))
 		}
 		var s float64
-		for _, x := range row {
-			s += math.Exp(float64(x) - mx)
+		if fast {
+			expShift(buf, l32[t*v:(t+1)*v], float32(mx))
+			for _, e := range buf {
+				s += float64(e)
+			}
+		} else {
+			for _, x := range row {
+				s += math.Exp(float64(x) - mx)
+			}
 		}
 		lse[t] = mx + math.Log(s)
 		if y >= 0 {
@@ -210,14 +255,23 @@ func crossEntropy[F Float](logits []F, lse []float64, targets []int32, v int) (f
 // counted rows, zero on ignored ones.
 func crossEntropyBackward[F Float](logits []F, lse []float64, targets []int32, v, n int, scale float64) {
 	f := scale / float64(max(n, 1))
+	l32, fast := any(logits).([]float32)
 	for t, y := range targets {
 		row := logits[t*v : (t+1)*v]
 		if y < 0 {
 			clear(row)
 			continue
 		}
-		for j, x := range row {
-			row[j] = F(math.Exp(float64(x)-lse[t]) * f)
+		if fast {
+			r32 := l32[t*v : (t+1)*v]
+			expShift(r32, r32, float32(lse[t]))
+			for j, e := range r32 {
+				r32[j] = float32(float64(e) * f)
+			}
+		} else {
+			for j, x := range row {
+				row[j] = F(math.Exp(float64(x)-lse[t]) * f)
+			}
 		}
 		row[y] -= F(f)
 	}

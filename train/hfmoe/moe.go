@@ -178,13 +178,7 @@ func expertsForward[F Float](out, x []F, rt *routing[F], d *dispatch[F], gateUp,
 		xs, g, y := d.xs[r0*h:r1*h], d.g[r0*2*in:r1*2*in], d.y[r0*h:r1*h]
 		sg, a := d.sg[r0*in:r1*in], d.a[r0*in:r1*in]
 		gemm(false, true, n, 2*in, h, xs, h, gu, h, 0, g, 2*in)
-		for r := range n {
-			gr, sr, ar := g[r*2*in:(r+1)*2*in], sg[r*in:(r+1)*in], a[r*in:(r+1)*in]
-			for i := range ar {
-				sr[i] = sigmoid(gr[i])
-				ar[i] = gr[i] * sr[i] * gr[in+i]
-			}
-		}
+		siluGate(a, sg, g, n, in)
 		gemm(false, true, n, h, in, a, in, dn, in, 0, y, h)
 	})
 	k := rt.k
@@ -196,6 +190,33 @@ func expertsForward[F Float](out, x []F, rt *routing[F], d *dispatch[F], gateUp,
 			for i, v := range d.y[r*h : (r+1)*h] {
 				ot[i] += v * wt
 			}
+		}
+	}
+}
+
+// siluGate computes, for the n rows of g [n, 2I] (gate | up), sg =
+// sigmoid(gate) and a = silu(gate) * up, both [n, I].
+func siluGate[F Float](a, sg, g []F, n, in int) {
+	if s32, ok := any(sg).([]float32); ok {
+		g32, a32 := any(g).([]float32), any(a).([]float32)
+		for r := range n {
+			gr, sr, ar := g32[r*2*in:(r+1)*2*in], s32[r*in:(r+1)*in], a32[r*in:(r+1)*in]
+			for i := range sr {
+				sr[i] = -gr[i]
+			}
+			expShift(sr, sr, 0)
+			for i := range sr {
+				sr[i] = 1 / (1 + sr[i])
+				ar[i] = gr[i] * sr[i] * gr[in+i]
+			}
+		}
+		return
+	}
+	for r := range n {
+		gr, sr, ar := g[r*2*in:(r+1)*2*in], sg[r*in:(r+1)*in], a[r*in:(r+1)*in]
+		for i := range ar {
+			sr[i] = sigmoid(gr[i])
+			ar[i] = gr[i] * sr[i] * gr[in+i]
 		}
 	}
 }

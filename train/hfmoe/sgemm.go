@@ -5,9 +5,11 @@ import "sync"
 // sgemm is the float32 matrix product of the training path where the CPU
 // has AVX2 and FMA: C = op(A)·op(B) + beta·C, row-major, blocked as in the
 // GotoBLAS/BLIS scheme. Blocks of kc rows of op(B) and nc columns are packed
-// into panels of 16 columns, blocks of mc rows of op(A) into panels of 6
-// rows, and an assembly micro-kernel (kern6x16, sgemm_amd64.s) computes each
-// 6x16 tile of the block's product with one FMA chain per element. Every
+// into panels of 16 columns, blocks of mc rows of op(A) are split into
+// panels of 6 rows, and an assembly micro-kernel (kern6x16, sgemm_amd64.s) computes each
+// 6x16 tile of the block's product with one FMA chain per element, added
+// to C in place. Full panels of 6 rows of op(A) are read where they are (the
+// kernel takes a row and a column stride), which saves packing them. Every
 // element of C is summed in a fixed order (k blocks in order, p in order
 // inside a block), so results do not depend on the schedule: row blocks run
 // in parallel but never share an element. gonum's pure-Go SGEMM, which this
@@ -44,6 +46,12 @@ func sgemmKernel(transA, transB bool, m, n, k int, a []float32, lda int, b []flo
 			}
 		}
 	}
+	// op(A)[i][p] sits at a[i*ars + p*aps]: full panels of 6 rows are read
+	// in place, only a last, partial one is packed (with zero rows).
+	ars, aps := lda, 1
+	if transA {
+		ars, aps = 1, lda
+	}
 	for jc := 0; jc < n; jc += ncBlock {
 		nb := min(ncBlock, n-jc)
 		npan := (nb + nr - 1) / nr
@@ -56,17 +64,30 @@ func sgemmKernel(transA, transB bool, m, n, k int, a []float32, lda int, b []flo
 				ic := ib * mcBlock
 				mb := min(mcBlock, m-ic)
 				mpan := (mb + mr - 1) / mr
-				ap := getBuf(mpan * mr * kb)
-				packA(*ap, transA, a, lda, ic, mb, pc, kb)
+				var edge *[]float32 // the packed partial panel, if any
+				if mb%mr != 0 {
+					edge = getBuf(mr * kb)
+					packA(*edge, transA, a, lda, ic+(mpan-1)*mr, mb%mr, pc, kb)
+				}
 				var tile [mr * nr]float32
 				for jp := range npan {
-					bpan := (*bp)[jp*nr*kb:]
+					bpan := &(*bp)[jp*nr*kb]
 					j0 := jc + jp*nr
 					nj := min(nr, jc+nb-j0)
 					for ip := range mpan {
-						kern6x16(kb, &(*ap)[ip*mr*kb], &bpan[0], &tile[0])
 						i0 := ic + ip*mr
-						for i := range min(mr, ic+mb-i0) {
+						rows := min(mr, ic+mb-i0)
+						pa, rs, ps := &a[i0*ars+pc*aps], ars, aps
+						if rows < mr {
+							pa, rs, ps = &(*edge)[0], 1, mr
+						}
+						if nj == nr && rows == mr { // a full tile: added to C in place
+							kern6x16(kb, pa, rs, ps, bpan, &c[i0*ldc+j0], ldc)
+							continue
+						}
+						tile = [mr * nr]float32{}
+						kern6x16(kb, pa, rs, ps, bpan, &tile[0], nr)
+						for i := range rows {
 							row := c[(i0+i)*ldc+j0 : (i0+i)*ldc+j0+nj]
 							t := tile[i*nr : i*nr+nj]
 							for j := range row {
@@ -75,35 +96,30 @@ func sgemmKernel(transA, transB bool, m, n, k int, a []float32, lda int, b []flo
 						}
 					}
 				}
-				packPool.Put(ap)
+				if edge != nil {
+					packPool.Put(edge)
+				}
 			})
 			packPool.Put(bp)
 		}
 	}
 }
 
-// packA copies rows ic..ic+mb of op(A), columns pc..pc+kb, into panels of
-// mr rows: panel ip holds, for each p, the mr values of rows ip*mr.. (zero
-// past the last row). Both loops read memory contiguously.
-func packA(dst []float32, trans bool, a []float32, lda, ic, mb, pc, kb int) {
-	for ip := 0; ip*mr < mb; ip++ {
-		pan := dst[ip*mr*kb : (ip+1)*mr*kb]
-		rows := min(mr, mb-ip*mr)
-		r0 := ic + ip*mr
-		if rows < mr {
-			clear(pan)
+// packA copies rows r0..r0+rows-1 (rows <= mr) of op(A), columns pc..pc+kb,
+// into one panel of mr rows: for each p, the mr values of those rows, zero
+// past the last one.
+func packA(pan []float32, trans bool, a []float32, lda, r0, rows, pc, kb int) {
+	pan = pan[:mr*kb]
+	clear(pan)
+	if trans { // op(A)[r][p] = a[p*lda+r]
+		for p := range kb {
+			copy(pan[p*mr:p*mr+rows], a[(pc+p)*lda+r0:(pc+p)*lda+r0+rows])
 		}
-		if trans { // op(A)[r][p] = a[p*lda+r]: row p of a holds the panel's values for p
-			for p := range kb {
-				copy(pan[p*mr:p*mr+rows], a[(pc+p)*lda+r0:(pc+p)*lda+r0+rows])
-			}
-			continue
-		}
-		for i := range rows {
-			src := a[(r0+i)*lda+pc : (r0+i)*lda+pc+kb]
-			for p, v := range src {
-				pan[p*mr+i] = v
-			}
+		return
+	}
+	for i := range rows {
+		for p, v := range a[(r0+i)*lda+pc : (r0+i)*lda+pc+kb] {
+			pan[p*mr+i] = v
 		}
 	}
 }
@@ -128,8 +144,21 @@ func packB(dst []float32, trans bool, b []float32, ldb, pc, kb, jc, nb int) {
 			}
 			continue
 		}
+		if cols == nr { // element by element: no call to memmove per 16 values
+			for p := range kb {
+				copy16((*[nr]float32)(pan[p*nr:]), (*[nr]float32)(b[(pc+p)*ldb+j0:]))
+			}
+			continue
+		}
 		for p := range kb {
 			copy(pan[p*nr:p*nr+cols], b[(pc+p)*ldb+j0:(pc+p)*ldb+j0+cols])
 		}
 	}
+}
+
+// copy16 copies 16 values element by element (an array assignment would
+// call memmove, which costs more than the copy at this size).
+func copy16(d, v *[nr]float32) {
+	d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7] = v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]
+	d[8], d[9], d[10], d[11], d[12], d[13], d[14], d[15] = v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]
 }

@@ -6,4 +6,7 @@ import "golang.org/x/sys/cpu"
 var useKernel = cpu.X86.HasAVX2 && cpu.X86.HasFMA
 
 //go:noescape
-func kern6x16(kc int, a, b, c *float32)
+func kern6x16(kc int, a *float32, ars, aps int, b, c *float32, ldc int)
+
+//go:noescape
+func expShift8(dst, src *float32, n int, shift float32)

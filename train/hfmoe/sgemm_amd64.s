@@ -1,15 +1,25 @@
 #include "textflag.h"
 
-// func kern6x16(kc int, a, b, c *float32)
+// func kern6x16(kc int, a *float32, ars, aps int, b, c *float32, ldc int)
 //
-// c[6][16] = sum over p < kc of a[p*6+i] * b[p*16+j]: one FMA chain per
-// element, p in order. a and b are packed panels (packA, packB); c is
-// overwritten.
-TEXT ·kern6x16(SB), NOSPLIT, $0-32
+// Adds to a 6x16 tile of C (row i at c + i*ldc elements) the sums over
+// p < kc of a[i*ars + p*aps] * b[p*16 + j]: one FMA chain per element, p in
+// order, from zero, then one addition to C. b is a packed panel (packB); a
+// is a panel of op(A) in place (ars = lda, aps = 1, or ars = 1, aps = lda)
+// or packed (ars = 1, aps = 6).
+TEXT ·kern6x16(SB), NOSPLIT, $0-56
 	MOVQ kc+0(FP), CX
 	MOVQ a+8(FP), SI
-	MOVQ b+16(FP), DI
-	MOVQ c+24(FP), DX
+	MOVQ ars+16(FP), R8
+	SHLQ $2, R8
+	MOVQ aps+24(FP), R9
+	SHLQ $2, R9
+	MOVQ b+32(FP), DI
+	MOVQ c+40(FP), DX
+	MOVQ ldc+48(FP), R11
+	SHLQ $2, R11
+	LEAQ (SI)(R8*2), R10
+	ADDQ R8, R10 // R10 = row 3
 	VXORPS Y4, Y4, Y4
 	VXORPS Y5, Y5, Y5
 	VXORPS Y6, Y6, Y6
@@ -31,38 +41,56 @@ loop:
 	VBROADCASTSS (SI), Y2
 	VFMADD231PS  Y0, Y2, Y4
 	VFMADD231PS  Y1, Y2, Y5
-	VBROADCASTSS 4(SI), Y3
+	VBROADCASTSS (SI)(R8*1), Y3
 	VFMADD231PS  Y0, Y3, Y6
 	VFMADD231PS  Y1, Y3, Y7
-	VBROADCASTSS 8(SI), Y2
+	VBROADCASTSS (SI)(R8*2), Y2
 	VFMADD231PS  Y0, Y2, Y8
 	VFMADD231PS  Y1, Y2, Y9
-	VBROADCASTSS 12(SI), Y3
+	VBROADCASTSS (R10), Y3
 	VFMADD231PS  Y0, Y3, Y10
 	VFMADD231PS  Y1, Y3, Y11
-	VBROADCASTSS 16(SI), Y2
+	VBROADCASTSS (R10)(R8*1), Y2
 	VFMADD231PS  Y0, Y2, Y12
 	VFMADD231PS  Y1, Y2, Y13
-	VBROADCASTSS 20(SI), Y3
+	VBROADCASTSS (R10)(R8*2), Y3
 	VFMADD231PS  Y0, Y3, Y14
 	VFMADD231PS  Y1, Y3, Y15
-	ADDQ         $24, SI
+	ADDQ         R9, SI
+	ADDQ         R9, R10
 	ADDQ         $64, DI
 	DECQ         CX
 	JNZ          loop
 
 done:
+	VADDPS  (DX), Y4, Y4
+	VADDPS  32(DX), Y5, Y5
 	VMOVUPS Y4, (DX)
 	VMOVUPS Y5, 32(DX)
-	VMOVUPS Y6, 64(DX)
-	VMOVUPS Y7, 96(DX)
-	VMOVUPS Y8, 128(DX)
-	VMOVUPS Y9, 160(DX)
-	VMOVUPS Y10, 192(DX)
-	VMOVUPS Y11, 224(DX)
-	VMOVUPS Y12, 256(DX)
-	VMOVUPS Y13, 288(DX)
-	VMOVUPS Y14, 320(DX)
-	VMOVUPS Y15, 352(DX)
+	ADDQ    R11, DX
+	VADDPS  (DX), Y6, Y6
+	VADDPS  32(DX), Y7, Y7
+	VMOVUPS Y6, (DX)
+	VMOVUPS Y7, 32(DX)
+	ADDQ    R11, DX
+	VADDPS  (DX), Y8, Y8
+	VADDPS  32(DX), Y9, Y9
+	VMOVUPS Y8, (DX)
+	VMOVUPS Y9, 32(DX)
+	ADDQ    R11, DX
+	VADDPS  (DX), Y10, Y10
+	VADDPS  32(DX), Y11, Y11
+	VMOVUPS Y10, (DX)
+	VMOVUPS Y11, 32(DX)
+	ADDQ    R11, DX
+	VADDPS  (DX), Y12, Y12
+	VADDPS  32(DX), Y13, Y13
+	VMOVUPS Y12, (DX)
+	VMOVUPS Y13, 32(DX)
+	ADDQ    R11, DX
+	VADDPS  (DX), Y14, Y14
+	VADDPS  32(DX), Y15, Y15
+	VMOVUPS Y14, (DX)
+	VMOVUPS Y15, 32(DX)
 	VZEROUPPER
 	RET

@@ -4,4 +4,10 @@ package hfmoe
 
 const useKernel = false
 
-func kern6x16(kc int, a, b, c *float32) { panic("hfmoe: no SGEMM micro-kernel on this architecture") }
+func kern6x16(kc int, a *float32, ars, aps int, b, c *float32, ldc int) {
+	panic("hfmoe: no SGEMM micro-kernel on this architecture")
+}
+
+func expShift8(dst, src *float32, n int, shift float32) {
+	panic("hfmoe: no vector exp on this architecture")
+}
