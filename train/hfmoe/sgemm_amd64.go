@@ -6,7 +6,7 @@ import "golang.org/x/sys/cpu"
 var useKernel = cpu.X86.HasAVX2 && cpu.X86.HasFMA
 
 //go:noescape
-func kern6x16(kc int, a *float32, ars, aps int, b, c *float32, ldc int)
+func kern6x16(kc int, a *float32, ars, aps int, b *float32, bps int, c *float32, ldc int, acc bool)
 
 //go:noescape
 func expShift8(dst, src *float32, n int, shift float32)

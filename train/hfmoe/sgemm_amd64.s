@@ -1,13 +1,14 @@
 #include "textflag.h"
 
-// func kern6x16(kc int, a *float32, ars, aps int, b, c *float32, ldc int)
+// func kern6x16(kc int, a *float32, ars, aps int, b *float32, bps int, c *float32, ldc int, acc bool)
 //
-// Adds to a 6x16 tile of C (row i at c + i*ldc elements) the sums over
-// p < kc of a[i*ars + p*aps] * b[p*16 + j]: one FMA chain per element, p in
-// order, from zero, then one addition to C. b is a packed panel (packB); a
-// is a panel of op(A) in place (ars = lda, aps = 1, or ars = 1, aps = lda)
-// or packed (ars = 1, aps = 6).
-TEXT ·kern6x16(SB), NOSPLIT, $0-56
+// Computes, for a 6x16 tile of C (row i at c + i*ldc elements), the sums
+// over p < kc of a[i*ars + p*aps] * b[p*bps + j]: one FMA chain per element,
+// p in order, from zero; then adds each sum to C (acc) or stores it. a is a
+// panel of op(A) in place (ars = lda, aps = 1, or ars = 1, aps = lda) or
+// packed (ars = 1, aps = 6); b a panel of op(B) in place (bps = ldb) or
+// packed (bps = 16).
+TEXT ·kern6x16(SB), NOSPLIT, $0-65
 	MOVQ kc+0(FP), CX
 	MOVQ a+8(FP), SI
 	MOVQ ars+16(FP), R8
@@ -15,8 +16,10 @@ TEXT ·kern6x16(SB), NOSPLIT, $0-56
 	MOVQ aps+24(FP), R9
 	SHLQ $2, R9
 	MOVQ b+32(FP), DI
-	MOVQ c+40(FP), DX
-	MOVQ ldc+48(FP), R11
+	MOVQ bps+40(FP), R12
+	SHLQ $2, R12
+	MOVQ c+48(FP), DX
+	MOVQ ldc+56(FP), R11
 	SHLQ $2, R11
 	LEAQ (SI)(R8*2), R10
 	ADDQ R8, R10 // R10 = row 3
@@ -58,11 +61,14 @@ loop:
 	VFMADD231PS  Y1, Y3, Y15
 	ADDQ         R9, SI
 	ADDQ         R9, R10
-	ADDQ         $64, DI
+	ADDQ         R12, DI
 	DECQ         CX
 	JNZ          loop
 
 done:
+	MOVBQZX acc+64(FP), AX
+	TESTQ   AX, AX
+	JZ      store
 	VADDPS  (DX), Y4, Y4
 	VADDPS  32(DX), Y5, Y5
 	VMOVUPS Y4, (DX)
@@ -90,6 +96,27 @@ done:
 	ADDQ    R11, DX
 	VADDPS  (DX), Y14, Y14
 	VADDPS  32(DX), Y15, Y15
+	VMOVUPS Y14, (DX)
+	VMOVUPS Y15, 32(DX)
+	VZEROUPPER
+	RET
+
+store:
+	VMOVUPS Y4, (DX)
+	VMOVUPS Y5, 32(DX)
+	ADDQ    R11, DX
+	VMOVUPS Y6, (DX)
+	VMOVUPS Y7, 32(DX)
+	ADDQ    R11, DX
+	VMOVUPS Y8, (DX)
+	VMOVUPS Y9, 32(DX)
+	ADDQ    R11, DX
+	VMOVUPS Y10, (DX)
+	VMOVUPS Y11, 32(DX)
+	ADDQ    R11, DX
+	VMOVUPS Y12, (DX)
+	VMOVUPS Y13, 32(DX)
+	ADDQ    R11, DX
 	VMOVUPS Y14, (DX)
 	VMOVUPS Y15, 32(DX)
 	VZEROUPPER

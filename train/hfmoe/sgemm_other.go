@@ -4,7 +4,7 @@ package hfmoe
 
 const useKernel = false
 
-func kern6x16(kc int, a *float32, ars, aps int, b, c *float32, ldc int) {
+func kern6x16(kc int, a *float32, ars, aps int, b *float32, bps int, c *float32, ldc int, acc bool) {
 	panic("hfmoe: no SGEMM micro-kernel on this architecture")
 }
 
