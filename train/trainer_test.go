@@ -10,6 +10,7 @@ import (
 	"unsafe"
 
 	"github.com/sonar-moe/sonar/optimizer"
+	"github.com/sonar-moe/sonar/train/kernels"
 	"github.com/sonar-moe/sonar/train/model"
 )
 
@@ -35,7 +36,7 @@ func batch(rng *rand.Rand, b, seq int) (in, tgt []int32) {
 func snapshot(m *model.Model, tr *Trainer) []byte {
 	var b bytes.Buffer
 	for _, p := range m.Params() {
-		b.Write(model.Bytes(p.W))
+		b.Write(kernels.Bytes(p.W))
 	}
 	for _, l := range tr.layers {
 		for _, x := range []*optimizer.Tensor{l.gateUp, l.down} {
@@ -156,7 +157,7 @@ func TestExpertsUpdatedDuringBackward(t *testing.T) {
 			t.Errorf("dense %s at step %d after one step", d.p.Name, d.t.Step)
 		}
 	}
-	if bytes.Equal(model.Bytes(before), model.Bytes(m.Blocks[layers-1].GateUp.W)) {
+	if bytes.Equal(kernels.Bytes(before), kernels.Bytes(m.Blocks[layers-1].GateUp.W)) {
 		t.Error("expert weights did not change")
 	}
 }

@@ -1,6 +1,10 @@
 package hfmoe
 
-import "math"
+import (
+	"math"
+
+	"github.com/sonar-moe/sonar/train/kernels"
+)
 
 // rmsNormForward computes, per row t of x [T, h], y[t] = (x[t] * r[t]) * g
 // with r[t] = 1/sqrt(mean(x[t]^2) + eps), as OlmoeRMSNorm, and keeps r.
@@ -108,16 +112,16 @@ func attentionForward[F Float](o, p, q, k, v []F, a attnShape) {
 	s, d := a.seq, a.d
 	hw, kw := a.heads*d, a.kvHeads*d
 	group := a.heads / a.kvHeads
-	parallelFor(a.batch*a.heads, func(i int) {
+	kernels.ParallelFor(a.batch*a.heads, func(i int) {
 		b, h := i/a.heads, i%a.heads
 		g := h / group
 		pb := p[i*s*s : (i+1)*s*s]
 		qb := q[b*s*hw+h*d:]
 		kb := k[b*s*kw+g*d:]
 		vb := v[b*s*kw+g*d:]
-		gemm(false, true, s, s, d, qb, hw, kb, kw, 0, pb, s)
+		kernels.Gemm(false, true, s, s, d, qb, hw, kb, kw, 0, pb, s)
 		causalSoftmax(pb, s, a.scale)
-		gemm(false, false, s, d, s, pb, s, vb, kw, 0, o[b*s*hw+h*d:], hw)
+		kernels.Gemm(false, false, s, d, s, pb, s, vb, kw, 0, o[b*s*hw+h*d:], hw)
 	})
 }
 
@@ -130,7 +134,7 @@ func attentionBackward[F Float](dq, dk, dv, dp, do, p, q, k, v []F, a attnShape)
 	group := a.heads / a.kvHeads
 	// One task per (sequence, key/value head): the heads of a group add into
 	// the same dk and dv, one after the other.
-	parallelFor(a.batch*a.kvHeads, func(i int) {
+	kernels.ParallelFor(a.batch*a.kvHeads, func(i int) {
 		b, g := i/a.kvHeads, i%a.kvHeads
 		kb, vb := k[b*s*kw+g*d:], v[b*s*kw+g*d:]
 		dkb, dvb := dk[b*s*kw+g*d:], dv[b*s*kw+g*d:]
@@ -138,8 +142,8 @@ func attentionBackward[F Float](dq, dk, dv, dp, do, p, q, k, v []F, a attnShape)
 			j := b*a.heads + h
 			pb, dpb := p[j*s*s:(j+1)*s*s], dp[j*s*s:(j+1)*s*s]
 			dob, qb, dqb := do[b*s*hw+h*d:], q[b*s*hw+h*d:], dq[b*s*hw+h*d:]
-			gemm(true, false, s, d, s, pb, s, dob, hw, 1, dvb, kw) // dv += p^T do
-			gemm(false, true, s, s, d, dob, hw, vb, kw, 0, dpb, s) // dp = do v^T
+			kernels.Gemm(true, false, s, d, s, pb, s, dob, hw, 1, dvb, kw) // dv += p^T do
+			kernels.Gemm(false, true, s, s, d, dob, hw, vb, kw, 0, dpb, s) // dp = do v^T
 			for r := range s {
 				pr, dr := pb[r*s:(r+1)*s], dpb[r*s:(r+1)*s]
 				var dot float64
@@ -151,8 +155,8 @@ func attentionBackward[F Float](dq, dk, dv, dp, do, p, q, k, v []F, a attnShape)
 				}
 				clear(dr[r+1:])
 			}
-			gemm(false, false, s, d, s, dpb, s, kb, kw, 0, dqb, hw) // dq = ds k
-			gemm(true, false, s, d, s, dpb, s, qb, hw, 1, dkb, kw)  // dk += ds^T q
+			kernels.Gemm(false, false, s, d, s, dpb, s, kb, kw, 0, dqb, hw) // dq = ds k
+			kernels.Gemm(true, false, s, d, s, dpb, s, qb, hw, 1, dkb, kw)  // dk += ds^T q
 		}
 	})
 }
@@ -169,7 +173,7 @@ func causalSoftmax[F Float](p []F, s int, scale float64) {
 				row[j] *= sc
 				mx = max(mx, row[j])
 			}
-			expShift(row, row, mx)
+			kernels.ExpShift(row, row, mx)
 			normalize(row)
 			clear(p32[r*s+r+1 : (r+1)*s])
 		}
@@ -208,8 +212,6 @@ func normalize(x []float32) {
 	}
 }
 
-func sigmoid[F Float](x F) F { return F(1 / (1 + math.Exp(-float64(x)))) }
-
 // crossEntropy returns the mean cross-entropy of logits [T, v] against
 // targets (negative: ignored, as labels of -100 in transformers), the number
 // of counted rows, and keeps each row's log-sum-exp in lse.
@@ -229,7 +231,7 @@ func crossEntropy[F Float](logits []F, lse []float64, targets []int32, v int) (f
 		}
 		var s float64
 		if fast {
-			expShift(buf, l32[t*v:(t+1)*v], float32(mx))
+			kernels.ExpShift(buf, l32[t*v:(t+1)*v], float32(mx))
 			for _, e := range buf {
 				s += float64(e)
 			}
@@ -264,7 +266,7 @@ func crossEntropyBackward[F Float](logits []F, lse []float64, targets []int32, v
 		}
 		if fast {
 			r32 := l32[t*v : (t+1)*v]
-			expShift(r32, r32, float32(lse[t]))
+			kernels.ExpShift(r32, r32, float32(lse[t]))
 			for j, e := range r32 {
 				r32[j] = float32(float64(e) * f)
 			}

@@ -1,6 +1,10 @@
 package model
 
-import "fmt"
+import (
+	"fmt"
+
+	"github.com/sonar-moe/sonar/train/moe"
+)
 
 // ExpertGrads receives one layer's expert gradients during Backward.
 type ExpertGrads interface {
@@ -22,8 +26,8 @@ type layerActs struct {
 	u      []float32 // mixing's convolution output [T, H]
 	x1     []float32 // x + mix [T, H]
 	out    []float32 // x1 + moe [T, H]
-	rt     routing
-	d      dispatch
+	rt     moe.Routing[float32]
+	d      moe.Dispatch[float32]
 }
 
 // Pass is the working memory of forward and backward for one batch shape,
@@ -39,7 +43,7 @@ type Pass struct {
 	// backward scratch
 	dx, dx1, dn, du []float32 // [T, H]
 	dw              []float32 // [T, k] gradient of routing weights
-	es              expertScratch
+	es              moe.ExpertScratch[float32]
 	forwarded       bool
 }
 
@@ -55,11 +59,11 @@ func (m *Model) NewPass(batch, seq int) (*Pass, error) {
 	p := &Pass{m: m, batch: batch, seq: seq, tok: make([]int32, T), tgt: make([]int32, T),
 		x0: f(T * h), rf: f(T), hf: f(T * h), logits: f(T * c.Vocab),
 		dx: f(T * h), dx1: f(T * h), dn: f(T * h), du: f(T * h), dw: f(T * c.TopK),
-		es: newExpertScratch(T, h, c.Intermediate, c.TopK)}
+		es: moe.NewExpertScratch[float32](T, h, c.Intermediate, c.TopK)}
 	prev := p.x0
 	for range c.Layers {
 		la := layerActs{x: prev, r1: f(T), r2: f(T), n1: f(T * h), n2: f(T * h), u: f(T * h), x1: f(T * h), out: f(T * h),
-			rt: newRouting(T, c.Experts, c.TopK), d: newDispatch(T, h, c.Intermediate, c.Experts, c.TopK)}
+			rt: moe.NewRouting[float32](T, c.Experts, c.TopK, true), d: moe.NewDispatch[float32](T, h, c.Intermediate, c.Experts, c.TopK)}
 		p.layers = append(p.layers, la)
 		prev = la.out
 	}
@@ -91,8 +95,8 @@ func (p *Pass) Forward(inputs, targets []int32) (float64, error) {
 		mixForward(la.x1, la.u, la.n1, b.MixConv.W, b.MixOut.W, p.batch, p.seq, h, c.MixWindow)
 		add(la.x1, la.x)
 		rmsNormForward(la.n2, la.r2, la.x1, b.MoENorm.W, h, c.NormEps)
-		routerForward(&la.rt, la.n2, b.Router.W, h)
-		expertsForward(la.out, la.n2, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
+		moe.RouterForward(&la.rt, la.n2, b.Router.W, h)
+		moe.ExpertsForward(la.out, la.n2, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
 		add(la.out, la.x1)
 	}
 	last := p.x0
@@ -139,11 +143,11 @@ func (p *Pass) Backward(eg ExpertGrads) error {
 				l, len(gu), len(dn), b.GateUp.Numel(), b.Down.Numel())
 		}
 		clear(p.dn)
-		expertsBackward(p.dn, p.dw, gu, dn, &p.es, p.dx, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
+		moe.ExpertsBackward(p.dn, p.dw, gu, dn, &p.es, p.dx, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
 		if err := eg.Ready(l, gu, dn); err != nil {
 			return fmt.Errorf("backward layer %d: expert gradients: %w", l, err)
 		}
-		routerBackward(p.dn, b.Router.G, &la.rt, p.dw, la.n2, b.Router.W, h)
+		moe.RouterBackward(p.dn, b.Router.G, &la.rt, p.dw, nil, la.n2, b.Router.W, h)
 		copy(p.dx1, p.dx)
 		rmsNormBackward(p.dx1, b.MoENorm.G, p.dn, la.x1, b.MoENorm.W, la.r2, h)
 		// x1 = x + mix(n1).

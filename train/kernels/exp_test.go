@@ -1,4 +1,4 @@
-package hfmoe
+package kernels
 
 import (
 	"math"
@@ -16,7 +16,7 @@ func ulps(a, b float32) int64 {
 	return d
 }
 
-// exp32 and its vector form against math.Exp rounded to float32, on
+// Exp32 and its vector form (ExpShift) against math.Exp rounded to float32, on
 // random arguments over the whole range a softmax sees, special points, and
 // lengths that leave scalar tails.
 func TestExp32(t *testing.T) {
@@ -32,27 +32,27 @@ func TestExp32(t *testing.T) {
 		src := xs[:n]
 		shift := float32(0.75)
 		got := make([]float32, n)
-		expShift(got, src, shift)
+		ExpShift(got, src, shift)
 		for i, x := range src {
 			want := float32(math.Exp(float64(x - shift)))
 			if x-shift < -87.33654 { // clamped: at most the smallest normal
-				if got[i] > 1.18e-38 || exp32(x-shift) > 1.18e-38 {
-					t.Fatalf("exp(%v) = %v, %v: want at most 1.18e-38", x-shift, got[i], exp32(x-shift))
+				if got[i] > 1.18e-38 || Exp32(x-shift) > 1.18e-38 {
+					t.Fatalf("exp(%v) = %v, %v: want at most 1.18e-38", x-shift, got[i], Exp32(x-shift))
 				}
 				continue
 			}
 			if u := ulps(got[i], want); u > 3 {
 				t.Fatalf("n=%d: exp(%v - %v) = %v, want %v (%d ulp)", n, x, shift, got[i], want, u)
 			}
-			if s := exp32(x - shift); ulps(s, want) > 3 {
-				t.Fatalf("exp32(%v) = %v, want %v", x-shift, s, want)
+			if s := Exp32(x - shift); ulps(s, want) > 3 {
+				t.Fatalf("Exp32(%v) = %v, want %v", x-shift, s, want)
 			}
 		}
 	}
-	if got := exp32(-200); got > 1.2e-38 {
-		t.Errorf("exp32(-200) = %v, want at most the smallest normal", got)
+	if got := Exp32(-200); got > 1.2e-38 {
+		t.Errorf("Exp32(-200) = %v, want at most the smallest normal", got)
 	}
-	if got := exp32(100); got < math.MaxFloat32 {
-		t.Errorf("exp32(100) = %v, want huge", got)
+	if got := Exp32(100); got < math.MaxFloat32 {
+		t.Errorf("Exp32(100) = %v, want huge", got)
 	}
 }

@@ -1,4 +1,4 @@
-package hfmoe
+package kernels
 
 import "sync"
 
@@ -66,7 +66,7 @@ func sgemmKernel(transA, transB bool, m, n, k int, a []float32, lda int, b []flo
 				packB((*bp)[(npan-1)*nr*kb:], false, b, ldb, pc, kb, jc+(npan-1)*nr, nb%nr)
 			}
 			blocks := (m + mcBlock - 1) / mcBlock
-			parallelFor(blocks, func(ib int) {
+			ParallelFor(blocks, func(ib int) {
 				ic := ib * mcBlock
 				mb := min(mcBlock, m-ic)
 				mpan := (mb + mr - 1) / mr

@@ -1,15 +1,15 @@
-package hfmoe
+package kernels
 
 import "math"
 
-// exp32 is e^x in float32 arithmetic, within a few ulp of the correctly
+// Exp32 is e^x in float32 arithmetic, within a few ulp of the correctly
 // rounded value (TestExp32), as Cephes' expf computes it: x clamped to
 // [-87.33654, 88.72283], Cody-Waite reduction x = n ln2 + r with |r| <=
 // ln2/2, a degree-7 polynomial for e^r, the exponent n put in by its bits.
-// The float32 training path uses it (expShift) in the softmaxes, the
+// The float32 training path uses it (ExpShift) in the softmaxes, the
 // cross-entropy and SiLU instead of math.Exp, which cost 13-15% of a step;
 // the float64 path (gradient checks) keeps math.Exp.
-func exp32(x float32) float32 {
+func Exp32(x float32) float32 {
 	const (
 		log2e = 1.44269504088896341
 		ln2hi = 0.693359375
@@ -29,10 +29,10 @@ func exp32(x float32) float32 {
 	return p * math.Float32frombits(uint32(int32(n)+127)<<23)
 }
 
-// expShift sets dst[i] = e^(src[i] - shift) (dst may be src): 8 at a time
-// with AVX2 and FMA where the CPU has them, the rest with exp32. The split
+// ExpShift sets dst[i] = e^(src[i] - shift) (dst may be src): 8 at a time
+// with AVX2 and FMA where the CPU has them, the rest with Exp32. The split
 // depends only on the length, so results do not depend on the schedule.
-func expShift(dst, src []float32, shift float32) {
+func ExpShift(dst, src []float32, shift float32) {
 	src = src[:len(dst)]
 	n := 0
 	if useKernel {
@@ -42,6 +42,6 @@ func expShift(dst, src []float32, shift float32) {
 		}
 	}
 	for i := n; i < len(dst); i++ {
-		dst[i] = exp32(src[i] - shift)
+		dst[i] = Exp32(src[i] - shift)
 	}
 }
