@@ -68,12 +68,16 @@ func readTokens(path string) ([]int32, error) {
 	return out, nil
 }
 
-// tokenSampler draws windows of seq+1 consecutive tokens at seeded random
-// offsets: inputs are the first seq, targets the next token of each.
+// tokenSampler draws windows of seq+1 consecutive tokens: inputs are the
+// first seq, targets the next token of each. Windows start at seeded random
+// offsets, or, when sequential, at 0, seq, 2*seq, ... as long as a whole
+// window fits, then from 0 again (window i at (i mod ((len-1)/seq))*seq).
 type tokenSampler struct {
-	toks []int32
-	seq  int
-	rng  *rand.Rand
+	toks       []int32
+	seq        int
+	rng        *rand.Rand
+	sequential bool
+	next       int // windows drawn so far (sequential)
 }
 
 func newTokenSampler(toks []int32, seq int, seed uint64) (*tokenSampler, error) {
@@ -85,7 +89,13 @@ func newTokenSampler(toks []int32, seq int, seed uint64) (*tokenSampler, error) 
 
 func (s *tokenSampler) Batch(in, tgt []int32) {
 	for b := range len(in) / s.seq {
-		o := s.rng.IntN(len(s.toks) - s.seq)
+		var o int
+		if s.sequential {
+			o = s.next % ((len(s.toks) - 1) / s.seq) * s.seq
+			s.next++
+		} else {
+			o = s.rng.IntN(len(s.toks) - s.seq)
+		}
 		copy(in[b*s.seq:(b+1)*s.seq], s.toks[o:o+s.seq])
 		copy(tgt[b*s.seq:(b+1)*s.seq], s.toks[o+1:o+s.seq+1])
 	}
@@ -157,6 +167,7 @@ func runHFMode(c *config, m *hfmoe.Model[float32], trainToks, heldToks []int32, 
 	if err != nil {
 		return nil, fmt.Errorf("--tokens: %w", err)
 	}
+	sampler.sequential = c.sample == "sequential"
 	r := &result{keepAll: keepAll}
 	r.totalParams, r.expertParam = m.Counts()
 	log.Info("fine-tuning", zap.String("mode", r.mode()), zap.String("model", c.hf), zap.Int("params", r.totalParams),
