@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/sonar-moe/sonar/train/internal/gradcheck"
+	"github.com/sonar-moe/sonar/train/kernels"
 )
 
 // Gradient checks in float64 (package gradcheck): every layer's backward
@@ -21,12 +22,12 @@ func TestRMSNormGrad(t *testing.T) {
 	dx, dg := make([]float64, T*h), make([]float64, h)
 	gradcheck.Check(t, gradcheck.Case{
 		Vars: []gradcheck.Var{gradcheck.V("x", x, dx), gradcheck.V("g", g, dg)},
-		Loss: func() float64 { rmsNormForward(y, r, x, g, h, 1e-5); return gradcheck.Dot(R, y) },
+		Loss: func() float64 { kernels.RMSNormForward(y, r, x, g, h, 1e-5); return gradcheck.Dot(R, y) },
 		Backward: func() {
-			rmsNormForward(y, r, x, g, h, 1e-5)
+			kernels.RMSNormForward(y, r, x, g, h, 1e-5)
 			clear(dx)
 			clear(dg)
-			rmsNormBackward(dx, dg, R, x, g, r, h)
+			kernels.RMSNormBackward(dx, dg, R, x, g, r, h)
 		},
 	}, rng, 12)
 }

@@ -134,13 +134,13 @@ func (p *Pass[F]) Forward(inputs, targets []int32) (Loss, error) {
 	eps := c.NormEps
 	for l := range p.layers {
 		la, b := &p.layers[l], &p.m.Layers[l]
-		rmsNormForward(la.n1, la.r1, la.x, b.InNorm.W, h, eps)
+		kernels.RMSNormForward(la.n1, la.r1, la.x, b.InNorm.W, h, eps)
 		kernels.Gemm(false, true, T, h, h, la.n1, h, b.Q.W, h, 0, la.q, h)
 		kernels.Gemm(false, true, T, kv, h, la.n1, h, b.K.W, h, 0, la.k, kv)
 		kernels.Gemm(false, true, T, kv, h, la.n1, h, b.V.W, h, 0, la.v, kv)
 		if c.QKNorm() {
-			rmsNormForward(la.qr, la.rq, la.q, b.QNorm.W, h, eps)
-			rmsNormForward(la.kr, la.rk, la.k, b.KNorm.W, kv, eps)
+			kernels.RMSNormForward(la.qr, la.rq, la.q, b.QNorm.W, h, eps)
+			kernels.RMSNormForward(la.kr, la.rk, la.k, b.KNorm.W, kv, eps)
 		} else {
 			copy(la.qr, la.q)
 			copy(la.kr, la.k)
@@ -151,7 +151,7 @@ func (p *Pass[F]) Forward(inputs, targets []int32) (Loss, error) {
 		kernels.Gemm(false, true, T, h, h, la.att, h, b.O.W, h, 0, la.x1, h)
 		scale(la.x1, c.ResidualMultiplier)
 		add(la.x1, la.x)
-		rmsNormForward(la.n2, la.r2, la.x1, b.PostNorm.W, h, eps)
+		kernels.RMSNormForward(la.n2, la.r2, la.x1, b.PostNorm.W, h, eps)
 		moe.RouterForward(&la.rt, la.n2, b.Router.W, h)
 		moe.ExpertsForward(la.out, la.n2, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
 		scale(la.out, c.ResidualMultiplier)
@@ -164,7 +164,7 @@ func (p *Pass[F]) Forward(inputs, targets []int32) (Loss, error) {
 	if n := len(p.layers); n > 0 {
 		last = p.layers[n-1].out
 	}
-	rmsNormForward(p.hf, p.rf, last, p.m.FinalNorm.W, h, eps)
+	kernels.RMSNormForward(p.hf, p.rf, last, p.m.FinalNorm.W, h, eps)
 	kernels.Gemm(false, true, T, c.Vocab, h, p.hf, h, p.m.Head.W, h, 0, p.logits, c.Vocab)
 	if ls := c.LogitsScaling; ls != 0 && ls != 1 {
 		for i := range p.logits {
@@ -240,7 +240,7 @@ func (p *Pass[F]) Backward(eg ExpertGrads[F]) error {
 	kernels.Gemm(true, false, v, h, T, p.logits, v, p.hf, h, 1, p.m.Head.G, h)  // dHead += dlogits^T hf
 	kernels.Gemm(false, false, T, h, v, p.logits, v, p.m.Head.W, h, 0, p.dn, h) // dhf = dlogits Head
 	clear(p.dx)
-	rmsNormBackward(p.dx, p.m.FinalNorm.G, p.dn, last, p.m.FinalNorm.W, p.rf, h)
+	kernels.RMSNormBackward(p.dx, p.m.FinalNorm.G, p.dn, last, p.m.FinalNorm.W, p.rf, h)
 	for l := len(p.layers) - 1; l >= 0; l-- {
 		la, b := &p.layers[l], &p.m.Layers[l]
 		// out = x1 + MoE(n2).
@@ -260,7 +260,7 @@ func (p *Pass[F]) Backward(eg ExpertGrads[F]) error {
 		}
 		moe.RouterBackward(p.dn, b.Router.G, &la.rt, p.dw, aux, la.n2, b.Router.W, h)
 		copy(p.dx1, p.dx)
-		rmsNormBackward(p.dx1, b.PostNorm.G, p.dn, la.x1, b.PostNorm.W, la.r2, h)
+		kernels.RMSNormBackward(p.dx1, b.PostNorm.G, p.dn, la.x1, b.PostNorm.W, la.r2, h)
 		// x1 = x + o_proj(attention(n1)).
 		do := scaled(p.dres, p.dx1, c.ResidualMultiplier)
 		kernels.Gemm(true, false, h, h, T, do, h, la.att, h, 1, b.O.G, h)  // dWo += do^T att
@@ -272,9 +272,9 @@ func (p *Pass[F]) Backward(eg ExpertGrads[F]) error {
 		ropeBackward(p.dk, p.cos, p.sin, p.seq, kv, p.attn.d)
 		if c.QKNorm() {
 			clear(p.dqp)
-			rmsNormBackward(p.dqp, b.QNorm.G, p.dq, la.q, b.QNorm.W, la.rq, h)
+			kernels.RMSNormBackward(p.dqp, b.QNorm.G, p.dq, la.q, b.QNorm.W, la.rq, h)
 			clear(p.dkp)
-			rmsNormBackward(p.dkp, b.KNorm.G, p.dk, la.k, b.KNorm.W, la.rk, kv)
+			kernels.RMSNormBackward(p.dkp, b.KNorm.G, p.dk, la.k, b.KNorm.W, la.rk, kv)
 		} else {
 			copy(p.dqp, p.dq)
 			copy(p.dkp, p.dk)
@@ -286,7 +286,7 @@ func (p *Pass[F]) Backward(eg ExpertGrads[F]) error {
 		kernels.Gemm(false, false, T, h, kv, p.dkp, kv, b.K.W, h, 1, p.dn, h)
 		kernels.Gemm(false, false, T, h, kv, p.dv, kv, b.V.W, h, 1, p.dn, h)
 		copy(p.dx, p.dx1)
-		rmsNormBackward(p.dx, b.InNorm.G, p.dn, la.x, b.InNorm.W, la.r1, h)
+		kernels.RMSNormBackward(p.dx, b.InNorm.G, p.dn, la.x, b.InNorm.W, la.r1, h)
 	}
 	g := p.m.Embed.G
 	scale(p.dx, c.EmbeddingMultiplier)

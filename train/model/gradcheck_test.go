@@ -7,6 +7,7 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/sonar-moe/sonar/train/kernels"
 	"github.com/sonar-moe/sonar/train/moe"
 )
 
@@ -148,8 +149,8 @@ func normCase(rng *rand.Rand, tokens, h int) gcase {
 	dx, dw := make([]float32, tokens*h), make([]float32, h)
 	return gcase{
 		vars:     []gvar{{"x", x, dx}, {"weight", w, dw}},
-		loss:     func() float64 { rmsNormForward(y, scale, x, w, h, 1e-6); return project(r, y) },
-		backward: func() { rmsNormBackward(dx, dw, r, x, w, scale, h) },
+		loss:     func() float64 { kernels.RMSNormForward(y, scale, x, w, h, 1e-6); return project(r, y) },
+		backward: func() { kernels.RMSNormBackward(dx, dw, r, x, w, scale, h) },
 	}
 }
 

@@ -3,6 +3,7 @@ package model
 import (
 	"fmt"
 
+	"github.com/sonar-moe/sonar/train/kernels"
 	"github.com/sonar-moe/sonar/train/moe"
 )
 
@@ -91,10 +92,10 @@ func (p *Pass) Forward(inputs, targets []int32) (float64, error) {
 	embedForward(p.x0, p.m.Embed.W, p.tok, h)
 	for l := range p.layers {
 		la, b := &p.layers[l], &p.m.Blocks[l]
-		rmsNormForward(la.n1, la.r1, la.x, b.MixNorm.W, h, c.NormEps)
+		kernels.RMSNormForward(la.n1, la.r1, la.x, b.MixNorm.W, h, float64(c.NormEps))
 		mixForward(la.x1, la.u, la.n1, b.MixConv.W, b.MixOut.W, p.batch, p.seq, h, c.MixWindow)
 		add(la.x1, la.x)
-		rmsNormForward(la.n2, la.r2, la.x1, b.MoENorm.W, h, c.NormEps)
+		kernels.RMSNormForward(la.n2, la.r2, la.x1, b.MoENorm.W, h, float64(c.NormEps))
 		moe.RouterForward(&la.rt, la.n2, b.Router.W, h)
 		moe.ExpertsForward(la.out, la.n2, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
 		add(la.out, la.x1)
@@ -103,7 +104,7 @@ func (p *Pass) Forward(inputs, targets []int32) (float64, error) {
 	if n := len(p.layers); n > 0 {
 		last = p.layers[n-1].out
 	}
-	rmsNormForward(p.hf, p.rf, last, p.m.FinalNorm.W, h, c.NormEps)
+	kernels.RMSNormForward(p.hf, p.rf, last, p.m.FinalNorm.W, h, float64(c.NormEps))
 	headForward(p.logits, p.hf, p.m.Head.W, h, c.Vocab)
 	p.forwarded = true
 	return crossEntropy(p.logits, p.tgt, c.Vocab), nil
@@ -130,7 +131,7 @@ func (p *Pass) Backward(eg ExpertGrads) error {
 	clear(p.dn)
 	headBackward(p.dn, p.m.Head.G, p.logits, p.hf, p.m.Head.W, h, c.Vocab)
 	clear(p.dx)
-	rmsNormBackward(p.dx, p.m.FinalNorm.G, p.dn, last, p.m.FinalNorm.W, p.rf, h)
+	kernels.RMSNormBackward(p.dx, p.m.FinalNorm.G, p.dn, last, p.m.FinalNorm.W, p.rf, h)
 	for l := len(p.layers) - 1; l >= 0; l-- {
 		la, b := &p.layers[l], &p.m.Blocks[l]
 		// out = x1 + experts(n2): dx flows to x1 unchanged and through the experts.
@@ -149,12 +150,12 @@ func (p *Pass) Backward(eg ExpertGrads) error {
 		}
 		moe.RouterBackward(p.dn, b.Router.G, &la.rt, p.dw, nil, la.n2, b.Router.W, h)
 		copy(p.dx1, p.dx)
-		rmsNormBackward(p.dx1, b.MoENorm.G, p.dn, la.x1, b.MoENorm.W, la.r2, h)
+		kernels.RMSNormBackward(p.dx1, b.MoENorm.G, p.dn, la.x1, b.MoENorm.W, la.r2, h)
 		// x1 = x + mix(n1).
 		clear(p.dn)
 		mixBackward(p.dn, b.MixConv.G, b.MixOut.G, p.du, p.dx1, la.n1, la.u, b.MixConv.W, b.MixOut.W, p.batch, p.seq, h, c.MixWindow)
 		copy(p.dx, p.dx1)
-		rmsNormBackward(p.dx, b.MixNorm.G, p.dn, la.x, b.MixNorm.W, la.r1, h)
+		kernels.RMSNormBackward(p.dx, b.MixNorm.G, p.dn, la.x, b.MixNorm.W, la.r1, h)
 	}
 	embedBackward(p.m.Embed.G, p.dx, p.tok, h)
 	return nil
