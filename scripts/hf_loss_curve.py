@@ -25,6 +25,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -94,13 +95,22 @@ def main() -> int:
     args = ap.parse_args()
 
     import torch
+
+    torch.set_num_threads(args.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="hf-loss-curve-"))
+    try:
+        return run(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, tmp: Path) -> int:
+    import torch
     from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, AutoTokenizer, OlmoeConfig, OlmoeForCausalLM, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
-    torch.set_num_threads(args.threads)
-    tmp = Path(tempfile.mkdtemp(prefix="hf-loss-curve-"))
     subprocess.run([str(ROOT / "scripts" / "build-go"), "-o", str(tmp), "sonar-train"], cwd=ROOT, check=True)
 
     # Tokenizer, checkpoint, token ids.

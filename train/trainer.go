@@ -84,6 +84,7 @@ type Trainer struct {
 	experts *optimizer.Engine // expert tensors, stepped during backward
 	dense   *optimizer.Engine // dense tensors, stepped after backward
 	layers  []layerTensors
+	expertW [][2]Tensor // each layer's expert tensors (weights only)
 	denseT  []denseTensor
 	mem     Memory
 	lr      float64 // LR of the step in progress
@@ -113,7 +114,7 @@ func NewTrainer(net Network, o Options) (*Trainer, error) {
 	if len(experts) == 0 {
 		return nil, fmt.Errorf("trainer: the model has no expert layer")
 	}
-	t := &Trainer{net: net, opts: o, experts: optimizer.NewEngine(), dense: optimizer.NewEngine()}
+	t := &Trainer{net: net, opts: o, experts: optimizer.NewEngine(), dense: optimizer.NewEngine(), expertW: experts}
 	for _, p := range net.Dense() {
 		ot, err := optimizer.NewTensor(p.Name, optimizer.Float32, len(p.W), o.Hyper, kernels.Bytes(p.W))
 		if err != nil {
@@ -146,6 +147,19 @@ func NewTrainer(net Network, o Options) (*Trainer, error) {
 	}
 	t.pending = make([]bool, len(experts))
 	return t, nil
+}
+
+// Weights lists the weights of every tensor the trainer steps: the dense
+// ones, then each layer's gate_up and down.
+func (t *Trainer) Weights() [][]float32 {
+	var out [][]float32
+	for _, d := range t.denseT {
+		out = append(out, d.p.W)
+	}
+	for _, pair := range t.expertW {
+		out = append(out, pair[0].W, pair[1].W)
+	}
+	return out
 }
 
 // Memory returns the expert-gradient accounting.

@@ -178,6 +178,19 @@ func TestExpertTensorsAliasWeights(t *testing.T) {
 			t.Errorf("dense %s: Param is not the weight memory", d.p.Name)
 		}
 	}
+	// Weights covers every parameter of the model once.
+	seen := map[*float32]bool{}
+	for _, w := range tr.Weights() {
+		seen[&w[0]] = true
+	}
+	for _, p := range m.Params() {
+		if !seen[&p.W[0]] {
+			t.Errorf("Weights lacks %s", p.Name)
+		}
+	}
+	if len(seen) != len(m.Params()) {
+		t.Errorf("Weights has %d tensors, the model %d", len(seen), len(m.Params()))
+	}
 }
 
 func TestClipGlobalNorm(t *testing.T) {

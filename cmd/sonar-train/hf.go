@@ -179,11 +179,7 @@ func runHFMode(c *config, m *hfmoe.Model[float32], trainToks, heldToks []int32, 
 			return nil, err
 		}
 	}
-	var weights [][]float32
-	for _, p := range m.Params() {
-		weights = append(weights, p.W)
-	}
-	if err := loop(c, tr, sampler, held, weights, r, log, out, prog); err != nil {
+	if err := loop(c, tr, sampler, held, r, log, out, prog); err != nil {
 		return nil, err
 	}
 	return r, nil

@@ -23,8 +23,7 @@ import (
 type result struct {
 	keepAll     bool
 	firstLoss   float64
-	lastLoss    float64   // mean of the last steps
-	losses      []float64 // every step's loss
+	lastLoss    float64 // mean of the last steps
 	heldOut     float64
 	tokens      int
 	elapsed     time.Duration
@@ -73,11 +72,7 @@ func runMode(c *config, corp *corpus.Corpus, keepAll bool, log *zap.Logger, out 
 			return nil, err
 		}
 	}
-	var weights [][]float32
-	for _, p := range m.Params() {
-		weights = append(weights, p.W)
-	}
-	if err := loop(c, tr, sampler, held, weights, r, log, out, prog); err != nil {
+	if err := loop(c, tr, sampler, held, r, log, out, prog); err != nil {
 		return nil, err
 	}
 	return r, nil
@@ -89,8 +84,8 @@ type batcher interface{ Batch(inputs, targets []int32) }
 // loop runs c.steps training steps of tr on batches from data, then the
 // held-out loss (cross-entropy) on c.evalBatches batches from held (NaN
 // without), and fills r: losses, times, memory and, for --compare, the bytes
-// of weights at the end.
-func loop(c *config, tr *train.Trainer, data, held batcher, weights [][]float32, r *result, log *zap.Logger, out io.Writer, prog *progress) error {
+// of every weight at the end.
+func loop(c *config, tr *train.Trainer, data, held batcher, r *result, log *zap.Logger, out io.Writer, prog *progress) error {
 	fmt.Fprintf(out, "\n== %s ==\n", r.mode())
 	sched := train.Schedule{Peak: c.lr, Warmup: c.warmup, Total: c.steps, MinFrac: c.minLRFrac}
 	every := c.logEvery
@@ -122,7 +117,6 @@ func loop(c *config, tr *train.Trainer, data, held batcher, weights [][]float32,
 		if step == 1 {
 			r.firstLoss = st.Loss
 		}
-		r.losses = append(r.losses, st.Loss)
 		recent = append(recent, st.Loss)
 		if len(recent) > 10 {
 			recent = recent[1:]
@@ -158,7 +152,7 @@ func loop(c *config, tr *train.Trainer, data, held batcher, weights [][]float32,
 		}
 	}
 	var buf bytes.Buffer
-	for _, w := range weights {
+	for _, w := range tr.Weights() {
 		buf.Write(kernels.Bytes(w))
 	}
 	r.params = buf.Bytes()
