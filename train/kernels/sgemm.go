@@ -10,7 +10,7 @@ import "sync"
 // 6x16 tile of the block's product with one FMA chain per element, added
 // to C in place (or stored, for beta 0). Full panels are read where they are
 // (the kernel takes strides): only a transposed op(B) and partial panels are
-// packed, which saved a fifth of a training step. Every
+// packed (packing every panel had cost a fifth of a training step). Every
 // element of C is summed in a fixed order (k blocks in order, p in order
 // inside a block), so results do not depend on the schedule: row blocks run
 // in parallel but never share an element. gonum's pure-Go SGEMM, which this
@@ -161,21 +161,8 @@ func packB(dst []float32, trans bool, b []float32, ldb, pc, kb, jc, nb int) {
 			}
 			continue
 		}
-		if cols == nr { // element by element: no call to memmove per 16 values
-			for p := range kb {
-				copy16((*[nr]float32)(pan[p*nr:]), (*[nr]float32)(b[(pc+p)*ldb+j0:]))
-			}
-			continue
-		}
 		for p := range kb {
 			copy(pan[p*nr:p*nr+cols], b[(pc+p)*ldb+j0:(pc+p)*ldb+j0+cols])
 		}
 	}
-}
-
-// copy16 copies 16 values element by element (an array assignment would
-// call memmove, which costs more than the copy at this size).
-func copy16(d, v *[nr]float32) {
-	d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7] = v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]
-	d[8], d[9], d[10], d[11], d[12], d[13], d[14], d[15] = v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]
 }
