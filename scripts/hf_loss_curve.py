@@ -63,6 +63,53 @@ def windows(ids, seq: int, first: int, count: int):
     return torch.stack([ids[(i % n) * seq:(i % n) * seq + seq + 1] for i in range(first, first + count)])
 
 
+def go_args(steps: int, batch: int, seq: int, lr: float, warmup: int, min_frac: float, weight_decay: float,
+            max_grad_norm: float) -> list[str]:
+    """sonar-train flags for train_torch's run: sequential windows, every step's loss printed."""
+    return ["--steps", str(steps), "--batch", str(batch), "--seq-len", str(seq), "--lr", str(lr), "--warmup", str(warmup),
+            "--min-lr-frac", str(min_frac), "--weight-decay", str(weight_decay), "--max-grad-norm", str(max_grad_norm),
+            "--sample", "sequential", "--log-every", "1", "--held-out", "0", "--eval-batches", "0", "--progress", "off",
+            "--log-level", "warn"]
+
+
+def step_losses(stdout: str) -> list[float]:
+    """Every step's loss from sonar-train --log-every 1 output (four decimals)."""
+    return [float(m.group(1)) for m in re.finditer(r"^step +\d+/\d+ +loss ([0-9.]+) \(mean of +1 steps\)", stdout, re.M)]
+
+
+def train_torch(model, ids, steps: int, batch: int, seq: int, lr: float, warmup: int, min_frac: float,
+                weight_decay: float, max_grad_norm: float) -> tuple[list[float], list[float]]:
+    """What sonar-train --hf does with go_args, in torch: the same windows in the same order, the same
+    LR schedule, clip_grad_norm_ over the dense (non-expert) parameters, then torch.optim.AdamW over all.
+    The loss is the mean next-token cross-entropy over every position (no auxiliary loss). Returns
+    every step's loss and time."""
+    import torch
+
+    model.train()
+    dense = [p for n, p in model.named_parameters() if not is_expert(n)]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    losses, times = [], []
+    for step in range(1, steps + 1):
+        w = windows(ids, seq, (step - 1) * batch, batch)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, lr, warmup, steps, min_frac)
+        t1 = time.perf_counter()
+        logits = model(input_ids=w[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), w[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(dense, max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t1)
+        losses.append(loss.item())
+    return losses, times
+
+
+def is_expert(name: str) -> bool:
+    """The batched expert tensors the Go trainer steps in backward (OLMoE, GraniteMoe)."""
+    return ".experts." in name or ".input_linear." in name or ".output_linear." in name
+
+
 def make_corpus(tmp: Path) -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = []
@@ -140,38 +187,21 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     # Go.
     tuned = tmp / "tuned"
     cmd = [str(tmp / "sonar-train"), "--hf", str(ck), "--tokens", str(tmp / "train.safetensors"), "--out", str(tuned),
-           "--steps", str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq), "--lr", str(args.lr),
-           "--warmup", str(args.warmup), "--min-lr-frac", str(args.min_lr_frac), "--weight-decay", str(args.weight_decay),
-           "--max-grad-norm", str(args.max_grad_norm), "--sample", "sequential", "--log-every", "1", "--held-out", "0",
-           "--eval-batches", "0", "--procs", str(args.threads), "--progress", "off", "--log-level", "warn"]
+           "--procs", str(args.threads), *go_args(args.steps, args.batch, args.seq, args.lr, args.warmup, args.min_lr_frac,
+                                                 args.weight_decay, args.max_grad_norm)]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, check=True, capture_output=True, text=True)
     go_wall = time.perf_counter() - t0
-    go_loss = [float(m.group(1)) for m in re.finditer(r"^step +\d+/\d+ +loss ([0-9.]+) \(mean of +1 steps\)", res.stdout, re.M)]
+    go_loss = step_losses(res.stdout)
     assert len(go_loss) == args.steps, res.stdout
     row = re.search(r"\| per-layer[^|]*\|[^|]*\|[^|]*\|[^|]*\| ([0-9.]+) \| ([0-9.]+) \|", res.stdout)
     go_step_ms, go_cpu = float(row.group(1)), float(row.group(2))
 
     # torch, same weights, windows, schedule.
     model = AutoModelForCausalLM.from_pretrained(ck)
-    model.train()
-    dense = [p for n, p in model.named_parameters() if ".experts." not in n]
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    torch_loss, times = [], []
     c0 = cpu_s()
-    for step in range(1, args.steps + 1):
-        w = windows(train_ids, args.seq, (step - 1) * args.batch, args.batch)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.lr, args.warmup, args.steps, args.min_lr_frac)
-        t1 = time.perf_counter()
-        logits = model(input_ids=w[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(dense, args.max_grad_norm)
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t1)
-        torch_loss.append(loss.item())
+    torch_loss, times = train_torch(model, train_ids, args.steps, args.batch, args.seq, args.lr, args.warmup,
+                                    args.min_lr_frac, args.weight_decay, args.max_grad_norm)
     torch_cpu = cpu_s() - c0
 
     # The Go checkpoint in transformers: load (counting warnings), evaluate, generate.
