@@ -33,6 +33,10 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["argparse.py", "textwrap.py", "logging/__init__.py", "json/decoder.py", "json/encoder.py",
@@ -55,7 +59,7 @@ def lr_at(step: int, peak: float, warmup: int, total: int, min_frac: float) -> f
     return lo + (peak - lo) * 0.5 * (1 + math.cos(math.pi * p))
 
 
-def windows(ids, seq: int, first: int, count: int):
+def windows(ids: torch.Tensor, seq: int, first: int, count: int) -> torch.Tensor:
     """Windows first..first+count-1 of sonar-train's --sample sequential order, [count, seq+1]."""
     import torch
 
@@ -77,7 +81,7 @@ def step_losses(stdout: str) -> list[float]:
     return [float(m.group(1)) for m in re.finditer(r"^step +\d+/\d+ +loss ([0-9.]+) \(mean of +1 steps\)", stdout, re.M)]
 
 
-def train_torch(model, ids, steps: int, batch: int, seq: int, lr: float, warmup: int, min_frac: float,
+def train_torch(model: torch.nn.Module, ids: torch.Tensor, steps: int, batch: int, seq: int, lr: float, warmup: int, min_frac: float,
                 weight_decay: float, max_grad_norm: float) -> tuple[list[float], list[float]]:
     """What sonar-train --hf does with go_args, in torch: the same windows in the same order, the same
     LR schedule, clip_grad_norm_ over the dense (non-expert) parameters, then torch.optim.AdamW over all.
@@ -219,7 +223,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     orig = AutoModelForCausalLM.from_pretrained(ck)
     held = windows(held_ids, args.seq, 0, (len(held_ids) - 1) // args.seq)
 
-    def held_loss(m) -> float:
+    def held_loss(m: torch.nn.Module) -> float:
         m.eval()
         with torch.no_grad():
             logits = m(input_ids=held[:, :-1]).logits

@@ -238,9 +238,9 @@ def test_tokenize_finetune_generate(go_bin: Path, tmp_path: Path, caplog: pytest
 @pytest.mark.parametrize("arch", ["olmoe", "granitemoe"])
 def test_go_training_tracks_torch(arch: str, go_bin: Path, tmp_path: Path) -> None:
     """sonar-train --hf and torch (scripts/hf_loss_curve.py's loop: the same windows, LR schedule,
-    dense-only clipping and AdamW) from one checkpoint: every step's loss agrees to the printed
-    four decimals, over enough steps at a high LR that a wrong optimizer, schedule, clipping or
-    batch order would show."""
+    dense-only clipping and AdamW) from one checkpoint: every step's loss agrees within 2e-4
+    (sonar-train prints four decimals), over enough steps at a high LR that a wrong optimizer,
+    schedule, clipping or batch order would show."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         from hf_loss_curve import go_args, step_losses, train_torch
