@@ -3,7 +3,7 @@
 // GraniteMoe), forward and backward, generic over float32 (training) and
 // float64 (gradient checks): a softmax router with top-k choice (the chosen
 // probabilities renormalized when norm_topk_prob is set) and an optional
-// load-balancing gradient, the Dispatch of (token, slot) pairs to experts,
+// load-balancing gradient, the dispatch of (token, slot) pairs to experts,
 // and SiLU-gated experts in the batched layout of transformers 5.x OLMoE
 // (gate_up [E, 2I, H], gate rows first; down [E, H, I]), each expert's rows
 // as dense matrix products (package kernels), the experts in parallel.
@@ -91,7 +91,7 @@ func TopK[F Float](idx []int32, p []F) {
 	}
 }
 
-// RouterBackward takes the gradient of the Routing weights dw [T, k] and,
+// RouterBackward takes the gradient of the routing weights dw [T, k] and,
 // when aux is not nil, a gradient aux [E] added to every token's
 // probabilities (the load-balancing loss's), back through the top-k
 // (renormalization) and the softmax, and adds the gradients of the router's
@@ -148,7 +148,7 @@ type Dispatch[F Float] struct {
 	g     []F     // [R, 2I] gate | up pre-activations
 	sg    []F     // [R, I] sigmoid(gate)
 	a     []F     // [R, I] silu(gate) * up
-	y     []F     // [R, H] expert outputs, before the Routing weight
+	y     []F     // [R, H] expert outputs, before the routing weight
 	count []int   // [E] scratch
 }
 
@@ -256,7 +256,7 @@ func NewExpertScratch[F Float](tokens, h, in, k int) ExpertScratch[F] {
 	return ExpertScratch[F]{dy: make([]F, r*h), dg: make([]F, r*2*in), dxs: make([]F, r*h)}
 }
 
-// ExpertsBackward computes, from dout [T, h], the gradients of the Routing
+// ExpertsBackward computes, from dout [T, h], the gradients of the routing
 // weights into dw [T, k] and of the expert weights into dGateUp and dDown
 // (overwritten; zero for experts without tokens), and adds the input's
 // gradient to dx. It reads gateUp and down and never again once it returns,
