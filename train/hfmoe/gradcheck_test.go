@@ -2,6 +2,7 @@ package hfmoe
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -49,10 +50,11 @@ func TestRopeGrad(t *testing.T) {
 }
 
 func TestAttentionGrad(t *testing.T) {
-	for _, kvHeads := range []int{4, 2, 1} {
-		t.Run(fmt.Sprintf("kv%d", kvHeads), func(t *testing.T) {
-			rng := rand.New(rand.NewPCG(5, uint64(kvHeads)))
-			a := attnShape{batch: 2, seq: 5, heads: 4, kvHeads: kvHeads, d: 4, scale: 0.5}
+	for _, c := range []struct{ kvHeads, seq int }{{4, 5}, {2, 5}, {1, 5}, {2, 80}} {
+		kvHeads := c.kvHeads
+		t.Run(fmt.Sprintf("kv%d_seq%d", kvHeads, c.seq), func(t *testing.T) {
+			rng := rand.New(rand.NewPCG(5, uint64(kvHeads*c.seq)))
+			a := attnShape{batch: 2, seq: c.seq, heads: 4, kvHeads: kvHeads, d: 4, scale: 0.5}
 			T := a.batch * a.seq
 			q, k, v := gradcheck.Randn(rng, T*a.heads*a.d, 1), gradcheck.Randn(rng, T*kvHeads*a.d, 1), gradcheck.Randn(rng, T*kvHeads*a.d, 1)
 			R := gradcheck.Randn(rng, T*a.heads*a.d, 1)
@@ -72,8 +74,50 @@ func TestAttentionGrad(t *testing.T) {
 			if p[1] != 0 || p[a.seq-1] != 0 || p[0] != 1 {
 				t.Errorf("first row of probabilities %v: want [1 0 ...]", p[:a.seq])
 			}
+			// The forward itself, against attention written out.
+			attentionForward(o, p, q, k, v, a)
+			want := naiveAttention(q, k, v, a)
+			for i := range want {
+				if math.Abs(o[i]-want[i]) > 1e-12*max(1, math.Abs(want[i])) {
+					t.Fatalf("output %d: %v, want %v", i, o[i], want[i])
+				}
+			}
 		})
 	}
+}
+
+// naiveAttention is causal softmax attention by its definition, for
+// TestAttentionGrad.
+func naiveAttention(q, k, v []float64, a attnShape) []float64 {
+	s, d, hw, kw := a.seq, a.d, a.heads*a.d, a.kvHeads*a.d
+	out := make([]float64, len(q))
+	for b := range a.batch {
+		for h := range a.heads {
+			g := h / (a.heads / a.kvHeads)
+			for r := range s {
+				sc := make([]float64, r+1)
+				mx := math.Inf(-1)
+				for c := range sc {
+					for i := range d {
+						sc[c] += q[(b*s+r)*hw+h*d+i] * k[(b*s+c)*kw+g*d+i]
+					}
+					sc[c] *= a.scale
+					mx = max(mx, sc[c])
+				}
+				var sum float64
+				for c := range sc {
+					sc[c] = math.Exp(sc[c] - mx)
+					sum += sc[c]
+				}
+				for c := range sc {
+					for i := range d {
+						out[(b*s+r)*hw+h*d+i] += sc[c] / sum * v[(b*s+c)*kw+g*d+i]
+					}
+				}
+			}
+		}
+	}
+	return out
 }
 
 func TestCrossEntropyGrad(t *testing.T) {
