@@ -7,8 +7,10 @@ Builds an OlmoeForCausalLM from a config (nothing is downloaded), saves it, and 
 - torch: fp32, `clip_grad_norm_` over the dense parameters then `torch.optim.AdamW` over all,
   `torch.set_num_threads(T)`, for each attention/experts implementation in --torch-impls;
 - Go: `sonar-train --hf --procs T` (per-layer run only; expert updates in backward, dense AdamW).
-Prints a markdown table: median step ms, tokens/s from the median step, CPU seconds per step
-(process user+system time; on a shared machine it is the steadier figure).
+--torch-bf16 adds torch rows with bfloat16 weights (and AdamW states). --repeats R runs every row
+R times, interleaved, and reports medians over the runs. Prints a markdown table: median step ms,
+tokens/s from the median step, CPU seconds per step (process user+system time; on a shared
+machine it is the steadier figure).
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def torch_run(ck: Path, ids, batch: int, seq: int, steps: int, threads: int, impl: str) -> dict:
+def torch_run(ck: Path, ids, batch: int, seq: int, steps: int, threads: int, impl: str, bf16: bool = False) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
     attn, experts = impl.split("/")
-    model = AutoModelForCausalLM.from_pretrained(ck, attn_implementation=attn, experts_implementation=experts)
+    model = AutoModelForCausalLM.from_pretrained(ck, attn_implementation=attn, experts_implementation=experts,
+                                                 dtype=torch.bfloat16 if bf16 else torch.float32)
     model.train()
     dense = [p for n, p in model.named_parameters() if ".experts." not in n]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
@@ -81,6 +84,9 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--torch-impls", nargs="+", default=["sdpa/grouped_mm", "eager/eager"])
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every row (medians are reported)")
+    ap.add_argument("--torch-bf16", action="store_true",
+                    help="also time torch with bfloat16 weights (the Go trainer computes in float32 either way)")
     args = ap.parse_args()
 
     import torch
@@ -106,13 +112,18 @@ def main() -> int:
     print("| trainer | threads | median step ms | tokens/s | CPU s / step |")
     print("|---|---|---|---|---|")
     for th in args.threads:
-        rows = [("Go sonar-train --hf", go_run(tmp / "sonar-train", ck, tmp / "ids.safetensors", args.batch,
-                                                args.seq, args.steps, th))]
-        for impl in args.torch_impls:
-            rows.append((f"torch AdamW ({impl})", torch_run(ck, ids, args.batch, args.seq, args.steps, th, impl)))
-        for name, r in rows:
-            print(f"| {name} | {th} | {r['median_ms']:.1f} | {n / r['median_ms'] * 1000:.0f} | {r['cpu_s']:.3f} |",
-                  flush=True)
+        runs: dict[str, list[dict]] = {}
+        for _ in range(args.repeats):
+            runs.setdefault("Go sonar-train --hf", []).append(
+                go_run(tmp / "sonar-train", ck, tmp / "ids.safetensors", args.batch, args.seq, args.steps, th))
+            for impl in args.torch_impls:
+                for bf16 in [False, True] if args.torch_bf16 else [False]:
+                    name = f"torch AdamW ({impl}{', bf16' if bf16 else ''})"
+                    runs.setdefault(name, []).append(torch_run(ck, ids, args.batch, args.seq, args.steps, th, impl, bf16))
+        for name, rs in runs.items():
+            ms = statistics.median(r["median_ms"] for r in rs)
+            cpu = statistics.median(r["cpu_s"] for r in rs)
+            print(f"| {name} | {th} | {ms:.1f} | {n / ms * 1000:.0f} | {cpu:.3f} |", flush=True)
     return 0
 
 

@@ -6,7 +6,7 @@ import (
 	"testing"
 
 	"github.com/sonar-moe/sonar/train/hfmoe"
-	"github.com/sonar-moe/sonar/train/model"
+	"github.com/sonar-moe/sonar/train/kernels"
 )
 
 func tinyHF(t *testing.T, aux bool) *hfmoe.Model[float32] {
@@ -37,7 +37,7 @@ func patternBatch(rng *rand.Rand, batch, seq, vocab int) (in, tg []int32) {
 func hfBytes(m *hfmoe.Model[float32]) []byte {
 	var b bytes.Buffer
 	for _, p := range m.Params() {
-		b.Write(model.Bytes(p.W))
+		b.Write(kernels.Bytes(p.W))
 	}
 	return b.Bytes()
 }

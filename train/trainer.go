@@ -1,5 +1,7 @@
-// Package train is the Go-native trainer of Sonar-MoE: it binds the model of
-// package model to the same AdamW engine sonard runs (package optimizer).
+// Package train is the Go-native trainer of Sonar-MoE: it binds a model
+// (a Network: the byte-level model of package model, or an OLMoE or
+// GraniteMoe model of package hfmoe) to the same AdamW engine sonard runs
+// (package optimizer).
 // Expert tensors are optimizer.Tensors over the model's weight memory; each
 // layer's expert gradients are applied the moment backward has made them
 // final, last layer first, and their buffer is reused for the next layer, so
@@ -16,7 +18,7 @@ import (
 	"time"
 
 	"github.com/sonar-moe/sonar/optimizer"
-	"github.com/sonar-moe/sonar/train/model"
+	"github.com/sonar-moe/sonar/train/kernels"
 )
 
 // Options configure a Trainer.
@@ -72,17 +74,17 @@ type layerTensors struct {
 
 type denseTensor struct {
 	t *optimizer.Tensor
-	p *model.Param
+	p Tensor
 }
 
-// Trainer trains a model with per-layer expert updates in backward.
+// Trainer trains a Network with per-layer expert updates in backward.
 type Trainer struct {
-	m       *model.Model
-	pass    *model.Pass
+	net     Network
 	opts    Options
 	experts *optimizer.Engine // expert tensors, stepped during backward
 	dense   *optimizer.Engine // dense tensors, stepped after backward
 	layers  []layerTensors
+	expertW [][2]Tensor // each layer's expert tensors (weights only)
 	denseT  []denseTensor
 	mem     Memory
 	lr      float64 // LR of the step in progress
@@ -95,9 +97,10 @@ type Trainer struct {
 	onBuffers func(l int) // test hook: called when backward asks for layer l's buffers
 }
 
-// New registers the model's tensors with two engines and allocates the
-// working memory for batches of batch sequences of seq tokens.
-func New(m *model.Model, batch, seq int, o Options) (*Trainer, error) {
+// NewTrainer registers the network's tensors with two engines: the expert
+// tensors with one stepped during backward, the dense ones with one stepped
+// after it.
+func NewTrainer(net Network, o Options) (*Trainer, error) {
 	if err := o.Hyper.Validate(); err != nil {
 		return nil, fmt.Errorf("trainer: %w", err)
 	}
@@ -107,46 +110,56 @@ func New(m *model.Model, batch, seq int, o Options) (*Trainer, error) {
 	if o.MaxGradNorm < 0 || math.IsNaN(o.MaxGradNorm) {
 		return nil, fmt.Errorf("trainer: max grad norm %v: want >= 0", o.MaxGradNorm)
 	}
-	pass, err := m.NewPass(batch, seq)
-	if err != nil {
-		return nil, fmt.Errorf("trainer: %w", err)
+	experts := net.Experts()
+	if len(experts) == 0 {
+		return nil, fmt.Errorf("trainer: the model has no expert layer")
 	}
-	t := &Trainer{m: m, pass: pass, opts: o, experts: optimizer.NewEngine(), dense: optimizer.NewEngine()}
-	for _, p := range m.Params() {
-		if p.Expert {
-			continue
-		}
-		ot, err := optimizer.NewTensor(p.Name, optimizer.Float32, p.Numel(), o.Hyper, model.Bytes(p.W))
+	t := &Trainer{net: net, opts: o, experts: optimizer.NewEngine(), dense: optimizer.NewEngine(), expertW: experts}
+	for _, p := range net.Dense() {
+		ot, err := optimizer.NewTensor(p.Name, optimizer.Float32, len(p.W), o.Hyper, kernels.Bytes(p.W))
 		if err != nil {
 			return nil, fmt.Errorf("trainer: register %s: %w", p.Name, err)
 		}
 		t.denseT = append(t.denseT, denseTensor{t: ot, p: p})
 	}
-	for l, b := range m.Blocks {
-		gu, err := optimizer.NewTensor(b.GateUp.Name, optimizer.Float32, b.GateUp.Numel(), o.Hyper, model.Bytes(b.GateUp.W))
-		if err != nil {
-			return nil, fmt.Errorf("trainer: register layer %d experts: %w", l, err)
+	for l, pair := range experts {
+		var lt [2]*optimizer.Tensor
+		for i, x := range pair {
+			ot, err := optimizer.NewTensor(x.Name, optimizer.Float32, len(x.W), o.Hyper, kernels.Bytes(x.W))
+			if err != nil {
+				return nil, fmt.Errorf("trainer: register layer %d experts: %w", l, err)
+			}
+			lt[i] = ot
 		}
-		dn, err := optimizer.NewTensor(b.Down.Name, optimizer.Float32, b.Down.Numel(), o.Hyper, model.Bytes(b.Down.W))
-		if err != nil {
-			return nil, fmt.Errorf("trainer: register layer %d experts: %w", l, err)
-		}
-		t.layers = append(t.layers, layerTensors{gateUp: gu, down: dn})
+		t.layers = append(t.layers, layerTensors{gateUp: lt[0], down: lt[1]})
 	}
-	t.mem.LayerBytes = m.ExpertBytes()
-	t.mem.AllBytes = t.mem.LayerBytes * int64(len(m.Blocks))
+	gu, dn := len(experts[0][0].W), len(experts[0][1].W)
+	t.mem.LayerBytes = 4 * int64(gu+dn)
+	t.mem.AllBytes = t.mem.LayerBytes * int64(len(experts))
 	bufs := 1
 	if o.KeepAllGrads {
-		bufs = len(m.Blocks)
+		bufs = len(experts)
 	}
-	b := m.Blocks[0]
 	for range bufs {
-		// Offsets apart from the weights' and the optimizer state's (see model.AllocAt).
-		t.gradGU = append(t.gradGU, model.AllocAt(b.GateUp.Numel(), 3072))
-		t.gradDown = append(t.gradDown, model.AllocAt(b.Down.Numel(), 3328))
+		// Offsets apart from the weights' and the optimizer state's (see kernels.AllocAt).
+		t.gradGU = append(t.gradGU, kernels.AllocAt[float32](gu, 3072))
+		t.gradDown = append(t.gradDown, kernels.AllocAt[float32](dn, 3328))
 	}
-	t.pending = make([]bool, len(m.Blocks))
+	t.pending = make([]bool, len(experts))
 	return t, nil
+}
+
+// Weights lists the weights of every tensor the trainer steps: the dense
+// ones, then each layer's gate_up and down.
+func (t *Trainer) Weights() [][]float32 {
+	var out [][]float32
+	for _, d := range t.denseT {
+		out = append(out, d.p.W)
+	}
+	for _, pair := range t.expertW {
+		out = append(out, pair[0].W, pair[1].W)
+	}
+	return out
 }
 
 // Memory returns the expert-gradient accounting.
@@ -169,7 +182,7 @@ func (t *Trainer) scalars(x *optimizer.Tensor) optimizer.Scalars {
 	return optimizer.ScalarsFor(h, x.Step+1)
 }
 
-// sink is the trainer as backward's model.ExpertGrads.
+// sink is the trainer as backward's ExpertGrads.
 type sink struct{ t *Trainer }
 
 func (s sink) Buffers(l int) ([]float32, []float32, error) { return s.t.buffers(l) }
@@ -180,6 +193,9 @@ func (t *Trainer) buffers(l int) ([]float32, []float32, error) {
 	i := 0
 	if t.opts.KeepAllGrads {
 		i = l
+	}
+	if l < 0 || l >= len(t.layers) {
+		return nil, nil, fmt.Errorf("layer %d: the model has %d expert layers", l, len(t.layers))
 	}
 	if t.mem.Live > 0 && !t.opts.KeepAllGrads {
 		return nil, nil, fmt.Errorf("layer %d: the previous layer's expert gradients were not applied", l)
@@ -195,6 +211,9 @@ func (t *Trainer) buffers(l int) ([]float32, []float32, error) {
 // AdamW to the layer's expert tensors at once and frees the gradients; with
 // KeepAllGrads it keeps them for after backward.
 func (t *Trainer) ready(l int, gu, down []float32) error {
+	if l < 0 || l >= len(t.layers) {
+		return fmt.Errorf("layer %d: the model has %d expert layers", l, len(t.layers))
+	}
 	if t.opts.KeepAllGrads {
 		t.pending[l] = true
 		return nil
@@ -208,17 +227,19 @@ func (t *Trainer) ready(l int, gu, down []float32) error {
 
 func (t *Trainer) applyLayer(l int, gu, down []float32) error {
 	lt := t.layers[l]
-	if err := t.experts.Apply(lt.gateUp, model.Bytes(gu), t.scalars(lt.gateUp)); err != nil {
+	if err := t.experts.Apply(lt.gateUp, kernels.Bytes(gu), t.scalars(lt.gateUp)); err != nil {
 		return fmt.Errorf("apply %s: %w", lt.gateUp.Name, err)
 	}
-	if err := t.experts.Apply(lt.down, model.Bytes(down), t.scalars(lt.down)); err != nil {
+	if err := t.experts.Apply(lt.down, kernels.Bytes(down), t.scalars(lt.down)); err != nil {
 		return fmt.Errorf("apply %s: %w", lt.down.Name, err)
 	}
 	return nil
 }
 
 // Step runs forward, backward (with the expert updates) and the dense
-// update at learning rate lr, on inputs and targets of batch*seq tokens.
+// update at learning rate lr, on inputs and targets of batch*seq tokens
+// (negative targets are not counted). StepStats.Loss is the total loss
+// (with the auxiliary loss when the model has one).
 func (t *Trainer) Step(inputs, targets []int32, lr float64) (StepStats, error) {
 	st := StepStats{LR: lr}
 	if !(lr >= 0) || math.IsInf(lr, 0) {
@@ -228,14 +249,14 @@ func (t *Trainer) Step(inputs, targets []int32, lr float64) (StepStats, error) {
 	t.mem.Live = 0 // nothing is alive between steps (a failed step's buffers are reused)
 	clear(t.pending)
 	start := time.Now()
-	loss, err := t.pass.Forward(inputs, targets)
+	loss, err := t.net.Forward(inputs, targets)
 	if err != nil {
 		return st, fmt.Errorf("step: %w", err)
 	}
-	st.Loss = loss
+	st.Loss = loss.Total
 	fwd := time.Now()
 	st.Forward = fwd.Sub(start)
-	if err := t.pass.Backward(sink{t}); err != nil {
+	if err := t.net.Backward(sink{t}); err != nil {
 		return st, fmt.Errorf("step: %w", err)
 	}
 	bwd := time.Now()
@@ -254,7 +275,7 @@ func (t *Trainer) Step(inputs, targets []int32, lr float64) (StepStats, error) {
 	}
 	st.DenseGradNorm, st.ClipScale = t.clipDense()
 	for _, d := range t.denseT {
-		if err := t.dense.Apply(d.t, model.Bytes(d.p.G), t.scalars(d.t)); err != nil {
+		if err := t.dense.Apply(d.t, kernels.Bytes(d.p.G), t.scalars(d.t)); err != nil {
 			return st, fmt.Errorf("step: apply %s: %w", d.p.Name, err)
 		}
 	}
@@ -303,10 +324,10 @@ func ClipGlobalNorm(grads [][]float32, maxNorm float64) (norm, scale float64) {
 }
 
 // Eval returns the loss on one batch without changing anything.
-func (t *Trainer) Eval(inputs, targets []int32) (float64, error) {
-	loss, err := t.pass.Forward(inputs, targets)
+func (t *Trainer) Eval(inputs, targets []int32) (Loss, error) {
+	loss, err := t.net.Forward(inputs, targets)
 	if err != nil {
-		return 0, fmt.Errorf("eval: %w", err)
+		return loss, fmt.Errorf("eval: %w", err)
 	}
 	return loss, nil
 }

@@ -10,6 +10,7 @@ import (
 	"unsafe"
 
 	"github.com/sonar-moe/sonar/optimizer"
+	"github.com/sonar-moe/sonar/train/kernels"
 	"github.com/sonar-moe/sonar/train/model"
 )
 
@@ -35,7 +36,7 @@ func batch(rng *rand.Rand, b, seq int) (in, tgt []int32) {
 func snapshot(m *model.Model, tr *Trainer) []byte {
 	var b bytes.Buffer
 	for _, p := range m.Params() {
-		b.Write(model.Bytes(p.W))
+		b.Write(kernels.Bytes(p.W))
 	}
 	for _, l := range tr.layers {
 		for _, x := range []*optimizer.Tensor{l.gateUp, l.down} {
@@ -156,7 +157,7 @@ func TestExpertsUpdatedDuringBackward(t *testing.T) {
 			t.Errorf("dense %s at step %d after one step", d.p.Name, d.t.Step)
 		}
 	}
-	if bytes.Equal(model.Bytes(before), model.Bytes(m.Blocks[layers-1].GateUp.W)) {
+	if bytes.Equal(kernels.Bytes(before), kernels.Bytes(m.Blocks[layers-1].GateUp.W)) {
 		t.Error("expert weights did not change")
 	}
 }
@@ -176,6 +177,19 @@ func TestExpertTensorsAliasWeights(t *testing.T) {
 		if unsafe.Pointer(&d.t.Param[0]) != unsafe.Pointer(&d.p.W[0]) {
 			t.Errorf("dense %s: Param is not the weight memory", d.p.Name)
 		}
+	}
+	// Weights covers every parameter of the model once.
+	seen := map[*float32]bool{}
+	for _, w := range tr.Weights() {
+		seen[&w[0]] = true
+	}
+	for _, p := range m.Params() {
+		if !seen[&p.W[0]] {
+			t.Errorf("Weights lacks %s", p.Name)
+		}
+	}
+	if len(seen) != len(m.Params()) {
+		t.Errorf("Weights has %d tensors, the model %d", len(seen), len(m.Params()))
 	}
 }
 

@@ -2,7 +2,6 @@ package main
 
 import (
 	"bufio"
-	"bytes"
 	"fmt"
 	"io"
 	"math"
@@ -10,12 +9,10 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"time"
 
 	"github.com/sonar-moe/sonar/safetensors"
 	"github.com/sonar-moe/sonar/train"
 	"github.com/sonar-moe/sonar/train/hfmoe"
-	"github.com/sonar-moe/sonar/train/model"
 	"go.uber.org/zap"
 )
 
@@ -71,12 +68,16 @@ func readTokens(path string) ([]int32, error) {
 	return out, nil
 }
 
-// tokenSampler draws windows of seq+1 consecutive tokens at seeded random
-// offsets: inputs are the first seq, targets the next token of each.
+// tokenSampler draws windows of seq+1 consecutive tokens: inputs are the
+// first seq, targets the next token of each. Windows start at seeded random
+// offsets, or, when sequential, at 0, seq, 2*seq, ... as long as a whole
+// window fits, then from 0 again (window i at (i mod ((len-1)/seq))*seq).
 type tokenSampler struct {
-	toks []int32
-	seq  int
-	rng  *rand.Rand
+	toks       []int32
+	seq        int
+	rng        *rand.Rand
+	sequential bool
+	next       int // windows drawn so far (sequential)
 }
 
 func newTokenSampler(toks []int32, seq int, seed uint64) (*tokenSampler, error) {
@@ -88,7 +89,13 @@ func newTokenSampler(toks []int32, seq int, seed uint64) (*tokenSampler, error) 
 
 func (s *tokenSampler) Batch(in, tgt []int32) {
 	for b := range len(in) / s.seq {
-		o := s.rng.IntN(len(s.toks) - s.seq)
+		var o int
+		if s.sequential {
+			o = s.next % ((len(s.toks) - 1) / s.seq) * s.seq
+			s.next++
+		} else {
+			o = s.rng.IntN(len(s.toks) - s.seq)
+		}
 		copy(in[b*s.seq:(b+1)*s.seq], s.toks[o:o+s.seq])
 		copy(tgt[b*s.seq:(b+1)*s.seq], s.toks[o+1:o+s.seq+1])
 	}
@@ -160,89 +167,20 @@ func runHFMode(c *config, m *hfmoe.Model[float32], trainToks, heldToks []int32, 
 	if err != nil {
 		return nil, fmt.Errorf("--tokens: %w", err)
 	}
+	sampler.sequential = c.sample == "sequential"
 	r := &result{keepAll: keepAll}
 	r.totalParams, r.expertParam = m.Counts()
 	log.Info("fine-tuning", zap.String("mode", r.mode()), zap.String("model", c.hf), zap.Int("params", r.totalParams),
 		zap.Int("expert_params", r.expertParam), zap.Int("batch", c.batch), zap.Int("seq_len", c.seq), zap.Int("steps", c.steps),
 		zap.Int("gomaxprocs", runtimeProcs()))
-	fmt.Fprintf(out, "\n== %s ==\n", r.mode())
-	sched := train.Schedule{Peak: c.lr, Warmup: c.warmup, Total: c.steps, MinFrac: c.minLRFrac}
-	every := c.logEvery
-	if every == 0 {
-		every = max(1, c.steps/10)
-	}
-	n := c.batch * c.seq
-	in, tgt := make([]int32, n), make([]int32, n)
-	var recent []float64
-	var sinceSum float64
-	sinceN := 0
-	cpu0 := cpuTime()
-	start := time.Now()
-	prog.start(c.steps)
-	for step := 1; step <= c.steps; step++ {
-		sampler.Batch(in, tgt)
-		t0 := time.Now()
-		st, err := tr.Step(in, tgt, sched.LR(step))
-		if err != nil {
-			prog.clear()
-			return nil, fmt.Errorf("step %d: %w", step, err)
-		}
-		r.stepTimes = append(r.stepTimes, time.Since(t0))
-		r.optTime += st.Optimizer
-		if math.IsNaN(st.Loss) || math.IsInf(st.Loss, 0) {
-			prog.clear()
-			return nil, fmt.Errorf("step %d: loss is %v", step, st.Loss)
-		}
-		if step == 1 {
-			r.firstLoss = st.Loss
-		}
-		recent = append(recent, st.Loss)
-		if len(recent) > 10 {
-			recent = recent[1:]
-		}
-		r.tokens += n
-		sinceSum += st.Loss
-		sinceN++
-		prog.update(step, st.Loss)
-		if step == 1 || step%every == 0 || step == c.steps {
-			prog.clear()
-			fmt.Fprintf(out, "step %5d/%d  loss %.4f (mean of %3d steps)  lr %.2e  dense grad norm %6.3f  %6.0f tokens/s\n",
-				step, c.steps, sinceSum/float64(sinceN), sinceN, st.LR, st.DenseGradNorm, float64(r.tokens)/time.Since(start).Seconds())
-			sinceSum, sinceN = 0, 0
-		}
-	}
-	r.elapsed = time.Since(start)
-	r.cpu = cpuTime() - cpu0
-	prog.clear()
-	for _, v := range recent {
-		r.lastLoss += v / float64(len(recent))
-	}
-	r.mem = tr.Memory()
-	r.heldOut = math.NaN()
+	var held batcher
 	if c.evalBatches > 0 && len(heldToks) > c.seq {
-		hs, err := newTokenSampler(heldToks, c.seq, c.seed+1)
-		if err != nil {
+		if held, err = newTokenSampler(heldToks, c.seq, c.seed+1); err != nil {
 			return nil, err
 		}
-		r.heldOut = 0
-		for range c.evalBatches {
-			hs.Batch(in, tgt)
-			l, err := tr.Eval(in, tgt)
-			if err != nil {
-				return nil, err
-			}
-			r.heldOut += l.CE / float64(c.evalBatches)
-		}
 	}
-	var buf bytes.Buffer
-	for _, p := range m.Params() {
-		buf.Write(model.Bytes(p.W))
+	if err := loop(c, tr, sampler, held, r, log, out, prog); err != nil {
+		return nil, err
 	}
-	r.params = buf.Bytes()
-	fmt.Fprintf(out, "loss %.4f -> %.4f (mean of last %d steps), held-out %.4f, %.0f tokens/s (%.1f s, %.1f CPU s), peak expert-grad bytes %s\n",
-		r.firstLoss, r.lastLoss, len(recent), r.heldOut, r.tokensPerSec(), r.elapsed.Seconds(), r.cpu.Seconds(), layers(r.mem.Peak, r.mem.LayerBytes))
-	log.Info("done", zap.String("mode", r.mode()), zap.Float64("first_loss", r.firstLoss), zap.Float64("last_loss", r.lastLoss),
-		zap.Float64("held_out_loss", r.heldOut), zap.Float64("tokens_per_s", r.tokensPerSec()),
-		zap.Int64("peak_expert_grad_bytes", r.mem.Peak), zap.Duration("elapsed", r.elapsed))
 	return r, nil
 }

@@ -61,3 +61,32 @@ func TestTrainHF(t *testing.T) {
 		t.Errorf("exit %d, stderr:\n%s", code, stderr.String())
 	}
 }
+
+// Sequential windows: seq apart from the start, wrapping once no whole
+// window of seq+1 tokens is left; targets are the inputs shifted by one.
+func TestTokenSamplerSequential(t *testing.T) {
+	toks := make([]int32, 23)
+	for i := range toks {
+		toks[i] = int32(i)
+	}
+	s, err := newTokenSampler(toks, 5, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.sequential = true
+	in, tgt := make([]int32, 10), make([]int32, 10)
+	var starts []int32
+	for range 3 {
+		s.Batch(in, tgt)
+		starts = append(starts, in[0], in[5])
+		for i := range in {
+			if tgt[i] != in[i]+1 {
+				t.Fatalf("target %d after input %d", tgt[i], in[i])
+			}
+		}
+	}
+	// (23-1)/5 = 4 windows: 0, 5, 10, 15 (15..20 fits; 20..25 does not).
+	if want := []int32{0, 5, 10, 15, 0, 5}; !slices.Equal(starts, want) {
+		t.Errorf("window starts %v, want %v", starts, want)
+	}
+}

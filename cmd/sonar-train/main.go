@@ -85,6 +85,7 @@ type config struct {
 	tokens       string // token ids to fine-tune it on
 	out          string // where to save the fine-tuned checkpoint
 	outBF16      bool
+	sample       string // with --hf: random or sequential training windows
 }
 
 func parseFlags(args []string, stderr io.Writer) (*config, error) {
@@ -122,6 +123,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.tokens, "tokens", "", "with --hf: token ids to train on (.safetensors with input_ids, or a text file of ids; see scripts/tokenize_hf.py)")
 	fs.StringVar(&c.out, "out", "", "with --hf: save the fine-tuned checkpoint (of the per-layer run) to this directory")
 	fs.BoolVar(&c.outBF16, "out-bf16", false, "with --out: store the weights as bfloat16 (default float32)")
+	fs.StringVar(&c.sample, "sample", "random", "with --hf: training windows at seeded random offsets (random), or one after the other from the start, seq-len apart, wrapping around (sequential: another trainer can see the same batches)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -167,6 +169,10 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		return nil, errors.New("--tokens, --out and --out-bf16 go with --hf")
 	case c.hf != "" && len(c.data) > 0:
 		return nil, errors.New("--hf trains on --tokens, not --data")
+	case c.sample != "random" && c.sample != "sequential":
+		return nil, fmt.Errorf("--sample %q: want random or sequential", c.sample)
+	case c.hf == "" && c.sample != "random":
+		return nil, errors.New("--sample goes with --hf")
 	}
 	return c, nil
 }

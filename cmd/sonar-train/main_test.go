@@ -26,6 +26,8 @@ func TestFlagErrors(t *testing.T) {
 		{"hf without tokens", []string{"--hf", "x"}, "--tokens"},
 		{"tokens without hf", []string{"--tokens", "x"}, "go with --hf"},
 		{"hf with data", []string{"--hf", "x", "--tokens", "y", "--data", "z"}, "not --data"},
+		{"bad sample", []string{"--hf", "x", "--tokens", "y", "--sample", "shuffled"}, "--sample"},
+		{"sample without hf", []string{"--sample", "sequential"}, "goes with --hf"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

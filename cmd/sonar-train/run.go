@@ -14,6 +14,7 @@ import (
 
 	"github.com/sonar-moe/sonar/train"
 	"github.com/sonar-moe/sonar/train/corpus"
+	"github.com/sonar-moe/sonar/train/kernels"
 	"github.com/sonar-moe/sonar/train/model"
 	"go.uber.org/zap"
 )
@@ -65,6 +66,26 @@ func runMode(c *config, corp *corpus.Corpus, keepAll bool, log *zap.Logger, out 
 		zap.Int("top_k", c.model.TopK), zap.Int("hidden", c.model.Hidden), zap.Int("intermediate", c.model.Intermediate),
 		zap.Int("params", r.totalParams), zap.Int("expert_params", r.expertParam), zap.Int("batch", c.batch),
 		zap.Int("seq_len", c.seq), zap.Int("steps", c.steps), zap.Int("gomaxprocs", runtimeProcs()))
+	var held batcher
+	if c.evalBatches > 0 && len(corp.Held) > c.seq {
+		if held, err = corpus.NewSampler(corp.Held, c.seq, c.seed+1); err != nil {
+			return nil, err
+		}
+	}
+	if err := loop(c, tr, sampler, held, r, log, out, prog); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// batcher fills a batch of inputs and their next-token targets.
+type batcher interface{ Batch(inputs, targets []int32) }
+
+// loop runs c.steps training steps of tr on batches from data, then the
+// held-out loss (cross-entropy) on c.evalBatches batches from held (NaN
+// without), and fills r: losses, times, memory and, for --compare, the bytes
+// of every weight at the end.
+func loop(c *config, tr *train.Trainer, data, held batcher, r *result, log *zap.Logger, out io.Writer, prog *progress) error {
 	fmt.Fprintf(out, "\n== %s ==\n", r.mode())
 	sched := train.Schedule{Peak: c.lr, Warmup: c.warmup, Total: c.steps, MinFrac: c.minLRFrac}
 	every := c.logEvery
@@ -80,18 +101,18 @@ func runMode(c *config, corp *corpus.Corpus, keepAll bool, log *zap.Logger, out 
 	start := time.Now()
 	prog.start(c.steps)
 	for step := 1; step <= c.steps; step++ {
-		sampler.Batch(in, tgt)
+		data.Batch(in, tgt)
 		t0 := time.Now()
 		st, err := tr.Step(in, tgt, sched.LR(step))
 		if err != nil {
 			prog.clear()
-			return nil, fmt.Errorf("step %d: %w", step, err)
+			return fmt.Errorf("step %d: %w", step, err)
 		}
 		r.stepTimes = append(r.stepTimes, time.Since(t0))
 		r.optTime += st.Optimizer
 		if math.IsNaN(st.Loss) || math.IsInf(st.Loss, 0) {
 			prog.clear()
-			return nil, fmt.Errorf("step %d: loss is %v", step, st.Loss)
+			return fmt.Errorf("step %d: loss is %v", step, st.Loss)
 		}
 		if step == 1 {
 			r.firstLoss = st.Loss
@@ -118,25 +139,21 @@ func runMode(c *config, corp *corpus.Corpus, keepAll bool, log *zap.Logger, out 
 		r.lastLoss += v / float64(len(recent))
 	}
 	r.mem = tr.Memory()
-	if c.evalBatches > 0 && len(corp.Held) > c.seq {
-		hs, err := corpus.NewSampler(corp.Held, c.seq, c.seed+1)
-		if err != nil {
-			return nil, err
-		}
+	r.heldOut = math.NaN()
+	if held != nil {
+		r.heldOut = 0
 		for range c.evalBatches {
-			hs.Batch(in, tgt)
+			held.Batch(in, tgt)
 			l, err := tr.Eval(in, tgt)
 			if err != nil {
-				return nil, err
+				return err
 			}
-			r.heldOut += l / float64(c.evalBatches)
+			r.heldOut += l.CE / float64(c.evalBatches)
 		}
-	} else {
-		r.heldOut = math.NaN()
 	}
 	var buf bytes.Buffer
-	for _, p := range m.Params() {
-		buf.Write(model.Bytes(p.W))
+	for _, w := range tr.Weights() {
+		buf.Write(kernels.Bytes(w))
 	}
 	r.params = buf.Bytes()
 	fmt.Fprintf(out, "loss %.4f -> %.4f (mean of last %d steps), held-out %.4f, %.0f tokens/s (%.1f s, %.1f CPU s), peak expert-grad bytes %s\n",
@@ -144,7 +161,7 @@ func runMode(c *config, corp *corpus.Corpus, keepAll bool, log *zap.Logger, out 
 	log.Info("done", zap.String("mode", r.mode()), zap.Float64("first_loss", r.firstLoss), zap.Float64("last_loss", r.lastLoss),
 		zap.Float64("held_out_loss", r.heldOut), zap.Float64("tokens_per_s", r.tokensPerSec()),
 		zap.Int64("peak_expert_grad_bytes", r.mem.Peak), zap.Duration("elapsed", r.elapsed))
-	return r, nil
+	return nil
 }
 
 func median(d []time.Duration) time.Duration {

@@ -6,105 +6,29 @@ import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+
+	"github.com/sonar-moe/sonar/train/internal/gradcheck"
+	"github.com/sonar-moe/sonar/train/kernels"
 )
 
-// Gradient checks in float64: every layer's backward against central finite
-// differences of its forward, on random coordinates of every input. Layers
-// whose output is a tensor are reduced to a scalar with a fixed random
-// projection, L = sum(R * out).
-
-type gvar struct {
-	name string
-	x    []float64
-	grad []float64
-}
-
-type gcase struct {
-	vars     []gvar
-	loss     func() float64
-	backward func()
-	branch   func() string // piecewise-constant choices (top-k); coordinates that change it are skipped
-	// skip, when set, names coordinates whose gradient is not the
-	// derivative by design (the padding row of the embedding).
-	skip func(name string, i int) bool
-}
-
-func randn(rng *rand.Rand, n int, std float64) []float64 {
-	x := make([]float64, n)
-	for i := range x {
-		x[i] = rng.NormFloat64() * std
-	}
-	return x
-}
-
-func dot(a, b []float64) float64 {
-	var s float64
-	for i := range a {
-		s += a[i] * b[i]
-	}
-	return s
-}
-
-func checkGrad(t *testing.T, c gcase, rng *rand.Rand, coords int) {
-	t.Helper()
-	c.backward()
-	const eps = 1e-6
-	for _, v := range c.vars {
-		grad := slices.Clone(v.grad)
-		checked := 0
-		for range coords {
-			i := rng.IntN(len(v.x))
-			if c.skip != nil && c.skip(v.name, i) {
-				continue
-			}
-			old := v.x[i]
-			var before string
-			if c.branch != nil {
-				before = c.branch()
-			}
-			v.x[i] = old + eps
-			lp := c.loss()
-			bp := ""
-			if c.branch != nil {
-				bp = c.branch()
-			}
-			v.x[i] = old - eps
-			lm := c.loss()
-			bm := ""
-			if c.branch != nil {
-				bm = c.branch()
-			}
-			v.x[i] = old
-			if c.branch != nil && (bp != before || bm != before) {
-				continue
-			}
-			num := (lp - lm) / (2 * eps)
-			if d := math.Abs(num - grad[i]); d > 1e-6*max(1, math.Abs(num)) {
-				t.Errorf("%s[%d]: analytic %.10g, numeric %.10g", v.name, i, grad[i], num)
-			}
-			checked++
-		}
-		if checked == 0 {
-			t.Errorf("%s: no coordinate checked", v.name)
-		}
-	}
-	c.loss() // leave the forward state at the unperturbed values
-}
+// Gradient checks in float64 (package gradcheck): every layer's backward
+// against central finite differences of its forward, on random coordinates
+// of every input. The router and the experts are checked in package moe.
 
 func TestRMSNormGrad(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	T, h := 3, 8
-	x, g, R := randn(rng, T*h, 1), randn(rng, h, 1), randn(rng, T*h, 1)
+	x, g, R := gradcheck.Randn(rng, T*h, 1), gradcheck.Randn(rng, h, 1), gradcheck.Randn(rng, T*h, 1)
 	y, r := make([]float64, T*h), make([]float64, T)
 	dx, dg := make([]float64, T*h), make([]float64, h)
-	checkGrad(t, gcase{
-		vars: []gvar{{"x", x, dx}, {"g", g, dg}},
-		loss: func() float64 { rmsNormForward(y, r, x, g, h, 1e-5); return dot(R, y) },
-		backward: func() {
-			rmsNormForward(y, r, x, g, h, 1e-5)
+	gradcheck.Check(t, gradcheck.Case{
+		Vars: []gradcheck.Var{gradcheck.V("x", x, dx), gradcheck.V("g", g, dg)},
+		Loss: func() float64 { kernels.RMSNormForward(y, r, x, g, h, 1e-5); return gradcheck.Dot(R, y) },
+		Backward: func() {
+			kernels.RMSNormForward(y, r, x, g, h, 1e-5)
 			clear(dx)
 			clear(dg)
-			rmsNormBackward(dx, dg, R, x, g, r, h)
+			kernels.RMSNormBackward(dx, dg, R, x, g, r, h)
 		},
 	}, rng, 12)
 }
@@ -113,12 +37,12 @@ func TestRopeGrad(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 4))
 	seq, w, d := 5, 12, 6
 	cos, sin := ropeTables[float64](seq, d, 10000)
-	x, R := randn(rng, 2*seq*w, 1), randn(rng, 2*seq*w, 1)
+	x, R := gradcheck.Randn(rng, 2*seq*w, 1), gradcheck.Randn(rng, 2*seq*w, 1)
 	y, dx := make([]float64, len(x)), make([]float64, len(x))
-	checkGrad(t, gcase{
-		vars: []gvar{{"x", x, dx}},
-		loss: func() float64 { copy(y, x); ropeForward(y, cos, sin, seq, w, d); return dot(R, y) },
-		backward: func() {
+	gradcheck.Check(t, gradcheck.Case{
+		Vars: []gradcheck.Var{gradcheck.V("x", x, dx)},
+		Loss: func() float64 { copy(y, x); ropeForward(y, cos, sin, seq, w, d); return gradcheck.Dot(R, y) },
+		Backward: func() {
 			copy(dx, R)
 			ropeBackward(dx, cos, sin, seq, w, d)
 		},
@@ -126,19 +50,20 @@ func TestRopeGrad(t *testing.T) {
 }
 
 func TestAttentionGrad(t *testing.T) {
-	for _, kvHeads := range []int{4, 2, 1} {
-		t.Run(fmt.Sprintf("kv%d", kvHeads), func(t *testing.T) {
-			rng := rand.New(rand.NewPCG(5, uint64(kvHeads)))
-			a := attnShape{batch: 2, seq: 5, heads: 4, kvHeads: kvHeads, d: 4, scale: 0.5}
+	for _, c := range []struct{ kvHeads, seq int }{{4, 5}, {2, 5}, {1, 5}, {2, 80}} {
+		kvHeads := c.kvHeads
+		t.Run(fmt.Sprintf("kv%d_seq%d", kvHeads, c.seq), func(t *testing.T) {
+			rng := rand.New(rand.NewPCG(5, uint64(kvHeads*c.seq)))
+			a := attnShape{batch: 2, seq: c.seq, heads: 4, kvHeads: kvHeads, d: 4, scale: 0.5}
 			T := a.batch * a.seq
-			q, k, v := randn(rng, T*a.heads*a.d, 1), randn(rng, T*kvHeads*a.d, 1), randn(rng, T*kvHeads*a.d, 1)
-			R := randn(rng, T*a.heads*a.d, 1)
+			q, k, v := gradcheck.Randn(rng, T*a.heads*a.d, 1), gradcheck.Randn(rng, T*kvHeads*a.d, 1), gradcheck.Randn(rng, T*kvHeads*a.d, 1)
+			R := gradcheck.Randn(rng, T*a.heads*a.d, 1)
 			o, p, dp := make([]float64, len(q)), make([]float64, a.batch*a.heads*a.seq*a.seq), make([]float64, a.batch*a.heads*a.seq*a.seq)
 			dq, dk, dv := make([]float64, len(q)), make([]float64, len(k)), make([]float64, len(v))
-			checkGrad(t, gcase{
-				vars: []gvar{{"q", q, dq}, {"k", k, dk}, {"v", v, dv}},
-				loss: func() float64 { attentionForward(o, p, q, k, v, a); return dot(R, o) },
-				backward: func() {
+			gradcheck.Check(t, gradcheck.Case{
+				Vars: []gradcheck.Var{gradcheck.V("q", q, dq), gradcheck.V("k", k, dk), gradcheck.V("v", v, dv)},
+				Loss: func() float64 { attentionForward(o, p, q, k, v, a); return gradcheck.Dot(R, o) },
+				Backward: func() {
 					attentionForward(o, p, q, k, v, a)
 					clear(dk)
 					clear(dv)
@@ -149,101 +74,62 @@ func TestAttentionGrad(t *testing.T) {
 			if p[1] != 0 || p[a.seq-1] != 0 || p[0] != 1 {
 				t.Errorf("first row of probabilities %v: want [1 0 ...]", p[:a.seq])
 			}
+			// The forward itself, against attention written out.
+			attentionForward(o, p, q, k, v, a)
+			want := naiveAttention(q, k, v, a)
+			for i := range want {
+				if math.Abs(o[i]-want[i]) > 1e-12*max(1, math.Abs(want[i])) {
+					t.Fatalf("output %d: %v, want %v", i, o[i], want[i])
+				}
+			}
 		})
 	}
 }
 
-func TestRouterGrad(t *testing.T) {
-	for _, tc := range []struct {
-		k         int
-		norm, aux bool
-	}{{1, false, false}, {2, false, true}, {2, true, false}, {3, true, true}} {
-		t.Run(fmt.Sprintf("k%d_norm%v_aux%v", tc.k, tc.norm, tc.aux), func(t *testing.T) {
-			rng := rand.New(rand.NewPCG(7, uint64(tc.k)))
-			T, h, e := 6, 5, 4
-			x, wr := randn(rng, T*h, 1), randn(rng, e*h, 1)
-			Rw := randn(rng, T*tc.k, 1)
-			var aux []float64
-			if tc.aux {
-				aux = randn(rng, e, 1)
-			}
-			rt := newRouting[float64](T, e, tc.k, tc.norm)
-			dx, dwr := make([]float64, T*h), make([]float64, e*h)
-			loss := func() float64 {
-				routerForward(&rt, x, wr, h)
-				l := dot(Rw, rt.w)
-				for i, pv := range rt.probs {
-					if aux != nil {
-						l += aux[i%e] * pv
+// naiveAttention is causal softmax attention by its definition, for
+// TestAttentionGrad.
+func naiveAttention(q, k, v []float64, a attnShape) []float64 {
+	s, d, hw, kw := a.seq, a.d, a.heads*a.d, a.kvHeads*a.d
+	out := make([]float64, len(q))
+	for b := range a.batch {
+		for h := range a.heads {
+			g := h / (a.heads / a.kvHeads)
+			for r := range s {
+				sc := make([]float64, r+1)
+				mx := math.Inf(-1)
+				for c := range sc {
+					for i := range d {
+						sc[c] += q[(b*s+r)*hw+h*d+i] * k[(b*s+c)*kw+g*d+i]
+					}
+					sc[c] *= a.scale
+					mx = max(mx, sc[c])
+				}
+				var sum float64
+				for c := range sc {
+					sc[c] = math.Exp(sc[c] - mx)
+					sum += sc[c]
+				}
+				for c := range sc {
+					for i := range d {
+						out[(b*s+r)*hw+h*d+i] += sc[c] / sum * v[(b*s+c)*kw+g*d+i]
 					}
 				}
-				return l
 			}
-			checkGrad(t, gcase{
-				vars: []gvar{{"x", x, dx}, {"router", wr, dwr}},
-				loss: loss,
-				backward: func() {
-					loss()
-					clear(dx)
-					clear(dwr)
-					routerBackward(dx, dwr, &rt, Rw, aux, x, wr, h)
-				},
-				branch: func() string { return fmt.Sprint(rt.idx) },
-			}, rng, 20)
-		})
-	}
-}
-
-func TestExpertsGrad(t *testing.T) {
-	rng := rand.New(rand.NewPCG(9, 10))
-	T, h, in, e, k := 7, 6, 5, 4, 2
-	x, gu, dn := randn(rng, T*h, 1), randn(rng, e*2*in*h, 0.5), randn(rng, e*h*in, 0.5)
-	R := randn(rng, T*h, 1)
-	rt := newRouting[float64](T, e, k, true)
-	// Fixed routing that leaves expert 3 idle; weights are inputs too.
-	for t := range T {
-		rt.idx[t*k], rt.idx[t*k+1] = int32(t%3), int32((t+1)%3)
-	}
-	w := randn(rng, T*k, 1)
-	d := newDispatch[float64](T, h, in, e, k)
-	s := newExpertScratch[float64](T, h, in, k)
-	out := make([]float64, T*h)
-	dx, dw, dgu, ddn := make([]float64, T*h), make([]float64, T*k), make([]float64, len(gu)), make([]float64, len(dn))
-	loss := func() float64 {
-		copy(rt.w, w)
-		expertsForward(out, x, &rt, &d, gu, dn, h, in)
-		return dot(R, out)
-	}
-	checkGrad(t, gcase{
-		vars: []gvar{{"x", x, dx}, {"w", w, dw}, {"gate_up", gu, dgu}, {"down", dn, ddn}},
-		loss: loss,
-		backward: func() {
-			loss()
-			clear(dx)
-			for i := range ddn {
-				ddn[i] = 7 // must be overwritten
-			}
-			expertsBackward(dx, dw, dgu, ddn, &s, R, &rt, &d, gu, dn, h, in)
-		},
-	}, rng, 30)
-	idle := 3
-	for i := idle * 2 * in * h; i < (idle+1)*2*in*h; i++ {
-		if dgu[i] != 0 {
-			t.Fatalf("idle expert's gate_up gradient %v at %d: want 0", dgu[i], i)
 		}
 	}
+	return out
 }
 
 func TestCrossEntropyGrad(t *testing.T) {
 	rng := rand.New(rand.NewPCG(11, 12))
 	T, v := 5, 7
-	logits := randn(rng, T*v, 2)
+	logits := gradcheck.Randn(rng, T*v, 2)
 	tgt := []int32{3, -100, 0, 6, -1}
 	lse, g := make([]float64, T), make([]float64, T*v)
-	checkGrad(t, gcase{
-		vars: []gvar{{"logits", logits, g}},
-		loss: func() float64 { l, _ := crossEntropy(logits, lse, tgt, v); return l },
-		backward: func() {
+	gradcheck.Check(t, gradcheck.Case{
+		Vars: []gradcheck.Var{gradcheck.V("logits", logits, g)},
+		Loss: func() float64 { l, _ := crossEntropy(logits, lse, tgt, v); return l },
+		Backward: func() {
 			_, n := crossEntropy(logits, lse, tgt, v)
 			copy(g, logits)
 			crossEntropyBackward(g, lse, tgt, v, n, 1)
@@ -326,7 +212,7 @@ func TestModelGrad(t *testing.T) {
 			in[3] = 1 // the pad token, whose embedding gets no gradient
 			tg[4] = -100
 			kg := newKeepGrads(m)
-			var c gcase
+			var c gradcheck.Case
 			for _, p := range m.Params() {
 				g := p.G
 				if p.Expert {
@@ -338,32 +224,32 @@ func TestModelGrad(t *testing.T) {
 						}
 					}
 				}
-				c.vars = append(c.vars, gvar{p.Name, p.W, g})
+				c.Vars = append(c.Vars, gradcheck.V(p.Name, p.W, g))
 			}
-			c.loss = func() float64 {
+			c.Loss = func() float64 {
 				l, err := pass.Forward(in, tg)
 				if err != nil {
 					t.Fatal(err)
 				}
 				return l.Total
 			}
-			c.backward = func() {
-				c.loss()
+			c.Backward = func() {
+				c.Loss()
 				if err := pass.Backward(kg); err != nil {
 					t.Fatal(err)
 				}
 			}
-			c.skip = func(name string, i int) bool {
+			c.Skip = func(name string, i int) bool {
 				return name == m.Embed.Name && i/cfg.Hidden == cfg.PadTokenID
 			}
-			c.branch = func() string {
+			c.Branch = func() string {
 				var s string
 				for _, la := range pass.layers {
-					s += fmt.Sprint(la.rt.idx)
+					s += fmt.Sprint(la.rt.Idx)
 				}
 				return s
 			}
-			checkGrad(t, c, rng, 6)
+			gradcheck.Check(t, c, rng, 6)
 			want := []string{"buffers 1", "ready 1", "buffers 0", "ready 0"}[4-2*cfg.Layers:]
 			if !slices.Equal(kg.order, want) {
 				t.Errorf("expert hand-over order %v, want %v", kg.order, want)

@@ -1,42 +1,10 @@
 package hfmoe
 
-import "math"
+import (
+	"math"
 
-// rmsNormForward computes, per row t of x [T, h], y[t] = (x[t] * r[t]) * g
-// with r[t] = 1/sqrt(mean(x[t]^2) + eps), as OlmoeRMSNorm, and keeps r.
-func rmsNormForward[F Float](y, r, x, g []F, h int, eps float64) {
-	for t := range r {
-		xt, yt := x[t*h:(t+1)*h], y[t*h:(t+1)*h]
-		var ss float64
-		for _, v := range xt {
-			ss += float64(v) * float64(v)
-		}
-		rt := F(1 / math.Sqrt(ss/float64(h)+eps))
-		r[t] = rt
-		for j, v := range xt {
-			yt[j] = v * rt * g[j]
-		}
-	}
-}
-
-// rmsNormBackward adds the gradients of rmsNormForward to dx and dg:
-// with u = dy*g, dx += r*u - x * r^3 * sum(u*x)/h and dg += dy*x*r.
-func rmsNormBackward[F Float](dx, dg, dy, x, g, r []F, h int) {
-	for t, rt := range r {
-		xt, dyt, dxt := x[t*h:(t+1)*h], dy[t*h:(t+1)*h], dx[t*h:(t+1)*h]
-		var dot float64
-		for j, v := range xt {
-			u := dyt[j] * g[j]
-			dot += float64(u) * float64(v)
-			dg[j] += dyt[j] * v * rt
-		}
-		r64 := float64(rt)
-		c := F(dot / float64(h) * r64 * r64 * r64)
-		for j, v := range xt {
-			dxt[j] += rt*dyt[j]*g[j] - c*v
-		}
-	}
-}
+	"github.com/sonar-moe/sonar/train/kernels"
+)
 
 // ropeTables returns cos and sin [seq, d] of the default rotary embedding,
 // computed in float32 as OlmoeRotaryEmbedding does: inv_freq[i] =
@@ -108,34 +76,16 @@ func attentionForward[F Float](o, p, q, k, v []F, a attnShape) {
 	s, d := a.seq, a.d
 	hw, kw := a.heads*d, a.kvHeads*d
 	group := a.heads / a.kvHeads
-	parallelFor(a.batch*a.heads, func(i int) {
+	kernels.ParallelFor(a.batch*a.heads, func(i int) {
 		b, h := i/a.heads, i%a.heads
 		g := h / group
 		pb := p[i*s*s : (i+1)*s*s]
 		qb := q[b*s*hw+h*d:]
 		kb := k[b*s*kw+g*d:]
 		vb := v[b*s*kw+g*d:]
-		gemm(false, true, s, s, d, qb, hw, kb, kw, 0, pb, s)
-		for r := range s {
-			row := pb[r*s : (r+1)*s]
-			mx := math.Inf(-1)
-			for j := 0; j <= r; j++ {
-				row[j] *= F(a.scale)
-				mx = max(mx, float64(row[j]))
-			}
-			var sum float64
-			for j := 0; j <= r; j++ {
-				e := math.Exp(float64(row[j]) - mx)
-				row[j] = F(e)
-				sum += e
-			}
-			inv := 1 / sum
-			for j := 0; j <= r; j++ {
-				row[j] = F(float64(row[j]) * inv)
-			}
-			clear(row[r+1:])
-		}
-		gemm(false, false, s, d, s, pb, s, vb, kw, 0, o[b*s*hw+h*d:], hw)
+		kernels.Gemm(false, true, s, s, d, qb, hw, kb, kw, 0, pb, s)
+		causalSoftmax(pb, s, a.scale)
+		kernels.Gemm(false, false, s, d, s, pb, s, vb, kw, 0, o[b*s*hw+h*d:], hw)
 	})
 }
 
@@ -148,7 +98,7 @@ func attentionBackward[F Float](dq, dk, dv, dp, do, p, q, k, v []F, a attnShape)
 	group := a.heads / a.kvHeads
 	// One task per (sequence, key/value head): the heads of a group add into
 	// the same dk and dv, one after the other.
-	parallelFor(a.batch*a.kvHeads, func(i int) {
+	kernels.ParallelFor(a.batch*a.kvHeads, func(i int) {
 		b, g := i/a.kvHeads, i%a.kvHeads
 		kb, vb := k[b*s*kw+g*d:], v[b*s*kw+g*d:]
 		dkb, dvb := dk[b*s*kw+g*d:], dv[b*s*kw+g*d:]
@@ -156,8 +106,8 @@ func attentionBackward[F Float](dq, dk, dv, dp, do, p, q, k, v []F, a attnShape)
 			j := b*a.heads + h
 			pb, dpb := p[j*s*s:(j+1)*s*s], dp[j*s*s:(j+1)*s*s]
 			dob, qb, dqb := do[b*s*hw+h*d:], q[b*s*hw+h*d:], dq[b*s*hw+h*d:]
-			gemm(true, false, s, d, s, pb, s, dob, hw, 1, dvb, kw) // dv += p^T do
-			gemm(false, true, s, s, d, dob, hw, vb, kw, 0, dpb, s) // dp = do v^T
+			kernels.Gemm(true, false, s, d, s, pb, s, dob, hw, 1, dvb, kw) // dv += p^T do
+			kernels.Gemm(false, true, s, s, d, dob, hw, vb, kw, 0, dpb, s) // dp = do v^T
 			for r := range s {
 				pr, dr := pb[r*s:(r+1)*s], dpb[r*s:(r+1)*s]
 				var dot float64
@@ -169,13 +119,62 @@ func attentionBackward[F Float](dq, dk, dv, dp, do, p, q, k, v []F, a attnShape)
 				}
 				clear(dr[r+1:])
 			}
-			gemm(false, false, s, d, s, dpb, s, kb, kw, 0, dqb, hw) // dq = ds k
-			gemm(true, false, s, d, s, dpb, s, qb, hw, 1, dkb, kw)  // dk += ds^T q
+			kernels.Gemm(false, false, s, d, s, dpb, s, kb, kw, 0, dqb, hw) // dq = ds k
+			kernels.Gemm(true, false, s, d, s, dpb, s, qb, hw, 1, dkb, kw)  // dk += ds^T q
 		}
 	})
 }
 
-func sigmoid[F Float](x F) F { return F(1 / (1 + math.Exp(-float64(x)))) }
+// causalSoftmax turns the scores p [s, s] of one head into probabilities:
+// row r is softmax(p[r, 0..r] * scale), zero past column r.
+func causalSoftmax[F Float](p []F, s int, scale float64) {
+	if p32, ok := any(p).([]float32); ok {
+		sc := float32(scale)
+		for r := range s {
+			row := p32[r*s : r*s+r+1]
+			mx := float32(math.Inf(-1))
+			for j := range row {
+				row[j] *= sc
+				mx = max(mx, row[j])
+			}
+			kernels.ExpShift(row, row, mx)
+			normalize(row)
+			clear(p32[r*s+r+1 : (r+1)*s])
+		}
+		return
+	}
+	for r := range s {
+		row := p[r*s : (r+1)*s]
+		mx := math.Inf(-1)
+		for j := 0; j <= r; j++ {
+			row[j] *= F(scale)
+			mx = max(mx, float64(row[j]))
+		}
+		var sum float64
+		for j := 0; j <= r; j++ {
+			e := math.Exp(float64(row[j]) - mx)
+			row[j] = F(e)
+			sum += e
+		}
+		inv := 1 / sum
+		for j := 0; j <= r; j++ {
+			row[j] = F(float64(row[j]) * inv)
+		}
+		clear(row[r+1:])
+	}
+}
+
+// normalize divides x by its sum (taken in float64).
+func normalize(x []float32) {
+	var sum float64
+	for _, v := range x {
+		sum += float64(v)
+	}
+	inv := 1 / sum
+	for j, v := range x {
+		x[j] = float32(float64(v) * inv)
+	}
+}
 
 // crossEntropy returns the mean cross-entropy of logits [T, v] against
 // targets (negative: ignored, as labels of -100 in transformers), the number
@@ -183,6 +182,11 @@ func sigmoid[F Float](x F) F { return F(1 / (1 + math.Exp(-float64(x)))) }
 func crossEntropy[F Float](logits []F, lse []float64, targets []int32, v int) (float64, int) {
 	var sum float64
 	n := 0
+	l32, fast := any(logits).([]float32)
+	var buf []float32
+	if fast {
+		buf = make([]float32, v)
+	}
 	for t, y := range targets {
 		row := logits[t*v : (t+1)*v]
 		mx := math.Inf(-1)
@@ -190,8 +194,15 @@ func crossEntropy[F Float](logits []F, lse []float64, targets []int32, v int) (f
 			mx = max(mx, float64(x))
 		}
 		var s float64
-		for _, x := range row {
-			s += math.Exp(float64(x) - mx)
+		if fast {
+			kernels.ExpShift(buf, l32[t*v:(t+1)*v], float32(mx))
+			for _, e := range buf {
+				s += float64(e)
+			}
+		} else {
+			for _, x := range row {
+				s += math.Exp(float64(x) - mx)
+			}
 		}
 		lse[t] = mx + math.Log(s)
 		if y >= 0 {
@@ -210,14 +221,23 @@ func crossEntropy[F Float](logits []F, lse []float64, targets []int32, v int) (f
 // counted rows, zero on ignored ones.
 func crossEntropyBackward[F Float](logits []F, lse []float64, targets []int32, v, n int, scale float64) {
 	f := scale / float64(max(n, 1))
+	l32, fast := any(logits).([]float32)
 	for t, y := range targets {
 		row := logits[t*v : (t+1)*v]
 		if y < 0 {
 			clear(row)
 			continue
 		}
-		for j, x := range row {
-			row[j] = F(math.Exp(float64(x)-lse[t]) * f)
+		if fast {
+			r32 := l32[t*v : (t+1)*v]
+			kernels.ExpShift(r32, r32, float32(lse[t]))
+			for j, e := range r32 {
+				r32[j] = float32(float64(e) * f)
+			}
+		} else {
+			for j, x := range row {
+				row[j] = F(math.Exp(float64(x)-lse[t]) * f)
+			}
 		}
 		row[y] -= F(f)
 	}

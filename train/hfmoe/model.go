@@ -21,7 +21,13 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"unsafe"
+
+	"github.com/sonar-moe/sonar/train/kernels"
 )
+
+// Float is the element type of a model: float32 to train, float64 for
+// finite-difference gradient checks.
+type Float = kernels.Float
 
 // Param is one parameter tensor, named as in OlmoeForCausalLM's state dict
 // (expert tensors by their batched names, "...mlp.experts.gate_up_proj").
@@ -77,11 +83,11 @@ func New[F Float](cfg Config) (*Model[F], error) {
 		}
 		// Weights at 256..704 and gradients at 2048..2496 bytes mod 4 KiB,
 		// apart from each other and from the optimizer's state buffers (see
-		// allocAt).
+		// kernels.AllocAt).
 		k := len(m.params) % 8
-		p := &Param[F]{Name: name, Shape: shape, W: allocAt[F](n, 256+64*k), Expert: expert}
+		p := &Param[F]{Name: name, Shape: shape, W: kernels.AllocAt[F](n, 256+64*k), Expert: expert}
 		if !expert {
-			p.G = allocAt[F](n, 2048+64*k)
+			p.G = kernels.AllocAt[F](n, 2048+64*k)
 		}
 		m.params = append(m.params, p)
 		return p
@@ -158,21 +164,6 @@ func (m *Model[F]) Param(name string) *Param[F] {
 func (m *Model[F]) ExpertBytes() int64 {
 	var z F
 	return int64(unsafe.Sizeof(z)) * int64(m.Layers[0].GateUp.Numel()+m.Layers[0].Down.Numel())
-}
-
-// allocAt returns n zeroed elements whose first one sits at byte offset off
-// mod 4 KiB. Arrays that one AdamW loop reads and writes together (weights,
-// gradients, exp_avg, exp_avg_sq) must start at different offsets, or their
-// loads and stores alias in the store buffer ("4K aliasing"; see
-// model.AllocAt, measured 8-15x slower on page-aligned arrays).
-func allocAt[F Float](n, off int) []F {
-	var z F
-	size := int(unsafe.Sizeof(z))
-	page := 4096 / size
-	buf := make([]F, n+page)
-	base := int(uintptr(unsafe.Pointer(unsafe.SliceData(buf)))%4096) / size
-	start := ((off/size)%page - base + page) % page
-	return buf[start : start+n : start+n]
 }
 
 // Counts returns the number of parameters in total and in expert tensors.

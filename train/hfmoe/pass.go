@@ -2,6 +2,9 @@ package hfmoe
 
 import (
 	"fmt"
+
+	"github.com/sonar-moe/sonar/train/kernels"
+	"github.com/sonar-moe/sonar/train/moe"
 )
 
 // ExpertGrads receives one layer's expert gradients during Backward.
@@ -28,8 +31,8 @@ type layerActs[F Float] struct {
 	att        []F // attention output before o_proj [T, H]
 	x1         []F // x + attention [T, H]
 	out        []F // x1 + MoE [T, H]
-	rt         routing[F]
-	d          dispatch[F]
+	rt         moe.Routing[F]
+	d          moe.Dispatch[F]
 	expertRows []int // tokens routed to each expert (for the auxiliary loss)
 }
 
@@ -62,7 +65,7 @@ type Pass[F Float] struct {
 	dk, dv, dkp                []F
 	dp                         []F
 	dw                         []F
-	es                         expertScratch[F]
+	es                         moe.ExpertScratch[F]
 	forwarded                  bool
 }
 
@@ -83,14 +86,14 @@ func (m *Model[F]) NewPass(batch, seq int) (*Pass[F], error) {
 		logits: f(T * c.Vocab), lse: make([]float64, T), auxGrad: f(c.Experts),
 		dx: f(T * h), dx1: f(T * h), dn: f(T * h), datt: f(T * h), dq: f(T * h), dqp: f(T * h),
 		dk: f(T * kv), dv: f(T * kv), dkp: f(T * kv), dp: f(pp), dw: f(T * c.TopK),
-		es: newExpertScratch[F](T, h, c.Intermediate, c.TopK)}
+		es: moe.NewExpertScratch[F](T, h, c.Intermediate, c.TopK)}
 	p.cos, p.sin = ropeTables[F](seq, hd, c.RopeTheta)
 	prev := p.x0
 	for range c.Layers {
 		la := layerActs[F]{x: prev, r1: f(T), r2: f(T), n1: f(T * h), n2: f(T * h),
 			q: f(T * h), k: f(T * kv), v: f(T * kv), rq: f(T), rk: f(T), qr: f(T * h), kr: f(T * kv),
 			p: f(pp), att: f(T * h), x1: f(T * h), out: f(T * h),
-			rt: newRouting[F](T, c.Experts, c.TopK, c.NormTopKProb), d: newDispatch[F](T, h, c.Intermediate, c.Experts, c.TopK),
+			rt: moe.NewRouting[F](T, c.Experts, c.TopK, c.NormTopKProb), d: moe.NewDispatch[F](T, h, c.Intermediate, c.Experts, c.TopK),
 			expertRows: make([]int, c.Experts)}
 		p.layers = append(p.layers, la)
 		prev = la.out
@@ -131,13 +134,13 @@ func (p *Pass[F]) Forward(inputs, targets []int32) (Loss, error) {
 	eps := c.NormEps
 	for l := range p.layers {
 		la, b := &p.layers[l], &p.m.Layers[l]
-		rmsNormForward(la.n1, la.r1, la.x, b.InNorm.W, h, eps)
-		gemm(false, true, T, h, h, la.n1, h, b.Q.W, h, 0, la.q, h)
-		gemm(false, true, T, kv, h, la.n1, h, b.K.W, h, 0, la.k, kv)
-		gemm(false, true, T, kv, h, la.n1, h, b.V.W, h, 0, la.v, kv)
+		kernels.RMSNormForward(la.n1, la.r1, la.x, b.InNorm.W, h, eps)
+		kernels.Gemm(false, true, T, h, h, la.n1, h, b.Q.W, h, 0, la.q, h)
+		kernels.Gemm(false, true, T, kv, h, la.n1, h, b.K.W, h, 0, la.k, kv)
+		kernels.Gemm(false, true, T, kv, h, la.n1, h, b.V.W, h, 0, la.v, kv)
 		if c.QKNorm() {
-			rmsNormForward(la.qr, la.rq, la.q, b.QNorm.W, h, eps)
-			rmsNormForward(la.kr, la.rk, la.k, b.KNorm.W, kv, eps)
+			kernels.RMSNormForward(la.qr, la.rq, la.q, b.QNorm.W, h, eps)
+			kernels.RMSNormForward(la.kr, la.rk, la.k, b.KNorm.W, kv, eps)
 		} else {
 			copy(la.qr, la.q)
 			copy(la.kr, la.k)
@@ -145,24 +148,24 @@ func (p *Pass[F]) Forward(inputs, targets []int32) (Loss, error) {
 		ropeForward(la.qr, p.cos, p.sin, p.seq, h, p.attn.d)
 		ropeForward(la.kr, p.cos, p.sin, p.seq, kv, p.attn.d)
 		attentionForward(la.att, la.p, la.qr, la.kr, la.v, p.attn)
-		gemm(false, true, T, h, h, la.att, h, b.O.W, h, 0, la.x1, h)
+		kernels.Gemm(false, true, T, h, h, la.att, h, b.O.W, h, 0, la.x1, h)
 		scale(la.x1, c.ResidualMultiplier)
 		add(la.x1, la.x)
-		rmsNormForward(la.n2, la.r2, la.x1, b.PostNorm.W, h, eps)
-		routerForward(&la.rt, la.n2, b.Router.W, h)
-		expertsForward(la.out, la.n2, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
+		kernels.RMSNormForward(la.n2, la.r2, la.x1, b.PostNorm.W, h, eps)
+		moe.RouterForward(&la.rt, la.n2, b.Router.W, h)
+		moe.ExpertsForward(la.out, la.n2, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
 		scale(la.out, c.ResidualMultiplier)
 		add(la.out, la.x1)
 		for e := range la.expertRows {
-			la.expertRows[e] = la.d.off[e+1] - la.d.off[e]
+			la.expertRows[e] = la.d.Rows(e)
 		}
 	}
 	last := p.x0
 	if n := len(p.layers); n > 0 {
 		last = p.layers[n-1].out
 	}
-	rmsNormForward(p.hf, p.rf, last, p.m.FinalNorm.W, h, eps)
-	gemm(false, true, T, c.Vocab, h, p.hf, h, p.m.Head.W, h, 0, p.logits, c.Vocab)
+	kernels.RMSNormForward(p.hf, p.rf, last, p.m.FinalNorm.W, h, eps)
+	kernels.Gemm(false, true, T, c.Vocab, h, p.hf, h, p.m.Head.W, h, 0, p.logits, c.Vocab)
 	if ls := c.LogitsScaling; ls != 0 && ls != 1 {
 		for i := range p.logits {
 			p.logits[i] /= F(ls)
@@ -196,7 +199,7 @@ func (p *Pass[F]) auxLoss() float64 {
 			la := &p.layers[l]
 			cnt += float64(la.expertRows[e])
 			for t := range p.Tokens() {
-				ps += float64(la.rt.probs[t*c.Experts+e])
+				ps += float64(la.rt.Probs[t*c.Experts+e])
 			}
 		}
 		f := cnt / rows
@@ -234,10 +237,10 @@ func (p *Pass[F]) Backward(eg ExpertGrads[F]) error {
 			p.logits[i] /= F(ls)
 		}
 	}
-	gemm(true, false, v, h, T, p.logits, v, p.hf, h, 1, p.m.Head.G, h)  // dHead += dlogits^T hf
-	gemm(false, false, T, h, v, p.logits, v, p.m.Head.W, h, 0, p.dn, h) // dhf = dlogits Head
+	kernels.Gemm(true, false, v, h, T, p.logits, v, p.hf, h, 1, p.m.Head.G, h)  // dHead += dlogits^T hf
+	kernels.Gemm(false, false, T, h, v, p.logits, v, p.m.Head.W, h, 0, p.dn, h) // dhf = dlogits Head
 	clear(p.dx)
-	rmsNormBackward(p.dx, p.m.FinalNorm.G, p.dn, last, p.m.FinalNorm.W, p.rf, h)
+	kernels.RMSNormBackward(p.dx, p.m.FinalNorm.G, p.dn, last, p.m.FinalNorm.W, p.rf, h)
 	for l := len(p.layers) - 1; l >= 0; l-- {
 		la, b := &p.layers[l], &p.m.Layers[l]
 		// out = x1 + MoE(n2).
@@ -251,17 +254,17 @@ func (p *Pass[F]) Backward(eg ExpertGrads[F]) error {
 		}
 		clear(p.dn)
 		dmoe := scaled(p.dres, p.dx, c.ResidualMultiplier)
-		expertsBackward(p.dn, p.dw, gu, dn, &p.es, dmoe, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
+		moe.ExpertsBackward(p.dn, p.dw, gu, dn, &p.es, dmoe, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
 		if err := eg.Ready(l, gu, dn); err != nil {
 			return fmt.Errorf("hfmoe backward layer %d: expert gradients: %w", l, err)
 		}
-		routerBackward(p.dn, b.Router.G, &la.rt, p.dw, aux, la.n2, b.Router.W, h)
+		moe.RouterBackward(p.dn, b.Router.G, &la.rt, p.dw, aux, la.n2, b.Router.W, h)
 		copy(p.dx1, p.dx)
-		rmsNormBackward(p.dx1, b.PostNorm.G, p.dn, la.x1, b.PostNorm.W, la.r2, h)
+		kernels.RMSNormBackward(p.dx1, b.PostNorm.G, p.dn, la.x1, b.PostNorm.W, la.r2, h)
 		// x1 = x + o_proj(attention(n1)).
 		do := scaled(p.dres, p.dx1, c.ResidualMultiplier)
-		gemm(true, false, h, h, T, do, h, la.att, h, 1, b.O.G, h)  // dWo += do^T att
-		gemm(false, false, T, h, h, do, h, b.O.W, h, 0, p.datt, h) // datt = do Wo
+		kernels.Gemm(true, false, h, h, T, do, h, la.att, h, 1, b.O.G, h)  // dWo += do^T att
+		kernels.Gemm(false, false, T, h, h, do, h, b.O.W, h, 0, p.datt, h) // datt = do Wo
 		clear(p.dk)
 		clear(p.dv)
 		attentionBackward(p.dq, p.dk, p.dv, p.dp, p.datt, la.p, la.qr, la.kr, la.v, p.attn)
@@ -269,21 +272,21 @@ func (p *Pass[F]) Backward(eg ExpertGrads[F]) error {
 		ropeBackward(p.dk, p.cos, p.sin, p.seq, kv, p.attn.d)
 		if c.QKNorm() {
 			clear(p.dqp)
-			rmsNormBackward(p.dqp, b.QNorm.G, p.dq, la.q, b.QNorm.W, la.rq, h)
+			kernels.RMSNormBackward(p.dqp, b.QNorm.G, p.dq, la.q, b.QNorm.W, la.rq, h)
 			clear(p.dkp)
-			rmsNormBackward(p.dkp, b.KNorm.G, p.dk, la.k, b.KNorm.W, la.rk, kv)
+			kernels.RMSNormBackward(p.dkp, b.KNorm.G, p.dk, la.k, b.KNorm.W, la.rk, kv)
 		} else {
 			copy(p.dqp, p.dq)
 			copy(p.dkp, p.dk)
 		}
-		gemm(true, false, h, h, T, p.dqp, h, la.n1, h, 1, b.Q.G, h)
-		gemm(true, false, kv, h, T, p.dkp, kv, la.n1, h, 1, b.K.G, h)
-		gemm(true, false, kv, h, T, p.dv, kv, la.n1, h, 1, b.V.G, h)
-		gemm(false, false, T, h, h, p.dqp, h, b.Q.W, h, 0, p.dn, h)
-		gemm(false, false, T, h, kv, p.dkp, kv, b.K.W, h, 1, p.dn, h)
-		gemm(false, false, T, h, kv, p.dv, kv, b.V.W, h, 1, p.dn, h)
+		kernels.Gemm(true, false, h, h, T, p.dqp, h, la.n1, h, 1, b.Q.G, h)
+		kernels.Gemm(true, false, kv, h, T, p.dkp, kv, la.n1, h, 1, b.K.G, h)
+		kernels.Gemm(true, false, kv, h, T, p.dv, kv, la.n1, h, 1, b.V.G, h)
+		kernels.Gemm(false, false, T, h, h, p.dqp, h, b.Q.W, h, 0, p.dn, h)
+		kernels.Gemm(false, false, T, h, kv, p.dkp, kv, b.K.W, h, 1, p.dn, h)
+		kernels.Gemm(false, false, T, h, kv, p.dv, kv, b.V.W, h, 1, p.dn, h)
 		copy(p.dx, p.dx1)
-		rmsNormBackward(p.dx, b.InNorm.G, p.dn, la.x, b.InNorm.W, la.r1, h)
+		kernels.RMSNormBackward(p.dx, b.InNorm.G, p.dn, la.x, b.InNorm.W, la.r1, h)
 	}
 	g := p.m.Embed.G
 	scale(p.dx, c.EmbeddingMultiplier)

@@ -6,6 +6,9 @@ import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+
+	"github.com/sonar-moe/sonar/train/kernels"
+	"github.com/sonar-moe/sonar/train/moe"
 )
 
 // Gradient checks: every layer's backward against central finite
@@ -146,8 +149,8 @@ func normCase(rng *rand.Rand, tokens, h int) gcase {
 	dx, dw := make([]float32, tokens*h), make([]float32, h)
 	return gcase{
 		vars:     []gvar{{"x", x, dx}, {"weight", w, dw}},
-		loss:     func() float64 { rmsNormForward(y, scale, x, w, h, 1e-6); return project(r, y) },
-		backward: func() { rmsNormBackward(dx, dw, r, x, w, scale, h) },
+		loss:     func() float64 { kernels.RMSNormForward(y, scale, x, w, h, 1e-6); return project(r, y) },
+		backward: func() { kernels.RMSNormBackward(dx, dw, r, x, w, scale, h) },
 	}
 }
 
@@ -166,47 +169,47 @@ func mixCase(rng *rand.Rand, batch, seq, h, k int) gcase {
 
 func routerCase(rng *rand.Rand, tokens, h, e, k int) gcase {
 	x, wr := randn(rng, tokens*h, 1), randn(rng, e*h, 0.7)
-	rt := newRouting(tokens, e, k)
+	rt := moe.NewRouting[float32](tokens, e, k, true)
 	r := randn(rng, tokens*k, 1)
 	dx, dwr := make([]float32, tokens*h), make([]float32, e*h)
 	return gcase{
 		vars: []gvar{{"x", x, dx}, {"weight", wr, dwr}},
-		loss: func() float64 { routerForward(&rt, x, wr, h); return project(r, rt.w) },
+		loss: func() float64 { moe.RouterForward(&rt, x, wr, h); return project(r, rt.W) },
 		backward: func() {
-			routerForward(&rt, x, wr, h)
-			routerBackward(dx, dwr, &rt, r, x, wr, h)
+			moe.RouterForward(&rt, x, wr, h)
+			moe.RouterBackward(dx, dwr, &rt, r, nil, x, wr, h)
 		},
-		branch: func() string { return fmt.Sprint(rt.idx) },
+		branch: func() string { return fmt.Sprint(rt.Idx) },
 	}
 }
 
 func expertsCase(rng *rand.Rand, tokens, h, in, e, k int) gcase {
 	x := randn(rng, tokens*h, 1)
 	gu, dn := randn(rng, e*2*in*h, 0.5), randn(rng, e*h*in, 0.5)
-	rt := newRouting(tokens, e, k)
+	rt := moe.NewRouting[float32](tokens, e, k, true)
 	for t := range tokens { // fixed routing; expert e-1 gets no token
 		perm := rng.Perm(e - 1)
 		for j := range k {
-			rt.idx[t*k+j] = int32(perm[j])
-			rt.w[t*k+j] = float32(0.2 + rng.Float64())
+			rt.Idx[t*k+j] = int32(perm[j])
+			rt.W[t*k+j] = float32(0.2 + rng.Float64())
 		}
 	}
-	d := newDispatch(tokens, h, in, e, k)
-	s := newExpertScratch(tokens, h, in, k)
+	d := moe.NewDispatch[float32](tokens, h, in, e, k)
+	s := moe.NewExpertScratch[float32](tokens, h, in, k)
 	r := randn(rng, tokens*h, 1)
 	out := make([]float32, tokens*h)
 	dx, dw := make([]float32, tokens*h), make([]float32, tokens*k)
 	dgu, ddn := randn(rng, e*2*in*h, 1), randn(rng, e*h*in, 1) // garbage: backward must overwrite
 	idle := e - 1
 	return gcase{
-		vars: []gvar{{"x", x, dx}, {"gate_up", gu, dgu}, {"down", dn, ddn}, {"routing weights", rt.w, dw}},
+		vars: []gvar{{"x", x, dx}, {"gate_up", gu, dgu}, {"down", dn, ddn}, {"routing weights", rt.W, dw}},
 		loss: func() float64 {
-			expertsForward(out, x, &rt, &d, gu, dn, h, in)
+			moe.ExpertsForward(out, x, &rt, &d, gu, dn, h, in)
 			return project(r, out)
 		},
 		backward: func() {
 			copy(dgu[idle*2*in*h:], randn(rng, 2*in*h, 1))
-			expertsBackward(dx, dw, dgu, ddn, &s, r, &rt, &d, gu, dn, h, in)
+			moe.ExpertsBackward(dx, dw, dgu, ddn, &s, r, &rt, &d, gu, dn, h, in)
 			for _, g := range append(slices.Clone(dgu[idle*2*in*h:]), ddn[idle*h*in:]...) {
 				if g != 0 {
 					panic("gradient of an expert without tokens is not zero")
@@ -323,7 +326,7 @@ func modelCase(t *testing.T, rng *rand.Rand, layers, batch, seq int) gcase {
 		branch: func() string {
 			var s string
 			for _, la := range pass.layers {
-				s += fmt.Sprint(la.rt.idx)
+				s += fmt.Sprint(la.rt.Idx)
 			}
 			return s
 		},

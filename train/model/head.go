@@ -1,17 +1,21 @@
 package model
 
-import "math"
+import (
+	"math"
+
+	"github.com/sonar-moe/sonar/train/kernels"
+)
 
 // headForward computes logits [T, V] = x [T, h] · head^T (head [V, h]).
 func headForward(logits, x, head []float32, h, v int) {
-	gemm(false, true, len(x)/h, v, h, x, h, head, h, 0, logits, v)
+	kernels.Gemm(false, true, len(x)/h, v, h, x, h, head, h, 0, logits, v)
 }
 
 // headBackward adds the gradients of headForward to dx and dHead.
 func headBackward(dx, dHead, dlogits, x, head []float32, h, v int) {
 	tokens := len(x) / h
-	gemm(true, false, v, h, tokens, dlogits, v, x, h, 1, dHead, h)  // dHead += dl^T · x
-	gemm(false, false, tokens, h, v, dlogits, v, head, h, 1, dx, h) // dx += dl · head
+	kernels.Gemm(true, false, v, h, tokens, dlogits, v, x, h, 1, dHead, h)  // dHead += dl^T · x
+	kernels.Gemm(false, false, tokens, h, v, dlogits, v, head, h, 1, dx, h) // dx += dl · head
 }
 
 // crossEntropy returns the mean over rows of -log softmax(logits[t])[target[t]]

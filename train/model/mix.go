@@ -1,5 +1,9 @@
 package model
 
+import (
+	"github.com/sonar-moe/sonar/train/kernels"
+)
+
 // The mixing layer is the model's only path between positions: a causal
 // depthwise convolution over the last K tokens of the same sequence followed
 // by a dense projection, u[b,t] = sum_{j<K, j<=t} c[j] * n[b,t-j] and
@@ -21,15 +25,15 @@ func mixForward(y, u, n, c, wo []float32, batch, seq, h, k int) {
 			}
 		}
 	}
-	gemm(false, true, batch*seq, h, h, u, h, wo, h, 0, y, h)
+	kernels.Gemm(false, true, batch*seq, h, h, u, h, wo, h, 0, y, h)
 }
 
 // mixBackward adds to dn, dc and dwo the gradients of mixForward given dy;
 // du ([batch*seq, h]) is scratch.
 func mixBackward(dn, dc, dwo, du, dy, n, u, c, wo []float32, batch, seq, h, k int) {
 	rows := batch * seq
-	gemm(true, false, h, h, rows, dy, h, u, h, 1, dwo, h)  // dWo += dy^T · u
-	gemm(false, false, rows, h, h, dy, h, wo, h, 0, du, h) // du = dy · Wo
+	kernels.Gemm(true, false, h, h, rows, dy, h, u, h, 1, dwo, h)  // dWo += dy^T · u
+	kernels.Gemm(false, false, rows, h, h, dy, h, wo, h, 0, du, h) // du = dy · Wo
 	for b := range batch {
 		for t := range seq {
 			dut := du[(b*seq+t)*h : (b*seq+t+1)*h]

@@ -1,7 +1,8 @@
 // Package model is the Go-native byte-level Mixture-of-Experts language model
 // of the Go trainer: its configuration, parameters and initialization, and
 // the forward and backward passes in float32 (layers in their own files:
-// embedding, RMSNorm, causal mixing, router, batched experts, head and loss).
+// embedding, RMSNorm, causal mixing, head and loss; the router and the
+// batched experts are package moe's, which the OLMoE model shares).
 //
 // Expert weights are batched [E, ...] tensors (gate_up [E, 2I, H], down
 // [E, H, I]), as in Hugging Face OLMoE. Backward does not keep their
@@ -9,13 +10,15 @@
 // buffer back the moment that layer's expert gradients are final, last layer
 // first, so the caller can apply the optimizer and reuse the memory. Dense
 // gradients are kept in each Param's G for a global-norm clipped step after
-// backward. Matrix products go through gonum's pure-Go BLAS (gemm.go).
+// backward. Matrix products go through kernels.Gemm.
 package model
 
 import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+
+	"github.com/sonar-moe/sonar/train/kernels"
 )
 
 // Config is the model's shape.
@@ -105,9 +108,9 @@ func New(cfg Config, seed uint64) (*Model, error) {
 		}
 		// Weights at 256..704 and gradients at 2048..2496 bytes mod 4 KiB:
 		// apart from each other and from the optimizer's state buffers.
-		p := &Param{Name: name, Shape: shape, W: AllocAt(numel, 256+64*(n%8)), Expert: expert}
+		p := &Param{Name: name, Shape: shape, W: kernels.AllocAt[float32](numel, 256+64*(n%8)), Expert: expert}
 		if !expert {
-			p.G = AllocAt(numel, 2048+64*(n%8))
+			p.G = kernels.AllocAt[float32](numel, 2048+64*(n%8))
 		}
 		n++
 		for i := range p.W {
@@ -158,19 +161,4 @@ func (m *Model) Counts() (total, expert int) {
 		}
 	}
 	return total, expert
-}
-
-// AllocAt returns n zeroed float32s whose first element sits at byte offset
-// off mod 4 KiB (off a multiple of 4). Fresh large allocations are page
-// aligned; arrays that one loop reads and writes together (weights,
-// gradients, the optimizer's exp_avg and exp_avg_sq) must start at different
-// offsets, or their loads and stores alias in the CPU's store buffer ("4K
-// aliasing"): a plain AdamW loop over four page-aligned arrays was measured
-// 8-15x slower than over staggered ones on this project's machines.
-func AllocAt(n, off int) []float32 {
-	const page = 1024 // float32s per 4 KiB
-	buf := make([]float32, n+page)
-	base := int(addr32(buf) % 4096 / 4)
-	start := ((off/4)%page - base + page) % page
-	return buf[start : start+n : start+n]
 }

@@ -7,30 +7,6 @@ import (
 	"testing"
 )
 
-func TestTopK(t *testing.T) {
-	cases := []struct {
-		name string
-		p    []float32
-		k    int
-		want []int32
-	}{
-		{"top1", []float32{0.1, 0.5, 0.4}, 1, []int32{1}},
-		{"top2 descending", []float32{0.1, 0.2, 0.3, 0.4}, 2, []int32{3, 2}},
-		{"all", []float32{0.3, 0.1, 0.6}, 3, []int32{2, 0, 1}},
-		{"ties keep index order", []float32{0.25, 0.25, 0.25, 0.25}, 3, []int32{0, 1, 2}},
-		{"tie at the cut", []float32{0.2, 0.4, 0.2, 0.2}, 2, []int32{1, 0}},
-	}
-	for _, c := range cases {
-		t.Run(c.name, func(t *testing.T) {
-			got := make([]int32, c.k)
-			topK(got, c.p)
-			if !slices.Equal(got, c.want) {
-				t.Errorf("topK(%v, %d) = %v, want %v", c.p, c.k, got, c.want)
-			}
-		})
-	}
-}
-
 func TestConfigValidate(t *testing.T) {
 	ok := DefaultConfig()
 	cases := []struct {
@@ -58,20 +34,6 @@ func TestConfigValidate(t *testing.T) {
 				t.Fatalf("error %v, want one mentioning %q", err, c.want)
 			}
 		})
-	}
-}
-
-func TestAllocAt(t *testing.T) {
-	for _, off := range []int{0, 256, 1020, 2048, 4092, 4096 + 64} {
-		for _, n := range []int{1, 1000, 5000} {
-			x := AllocAt(n, off)
-			if len(x) != n || cap(x) != n {
-				t.Fatalf("AllocAt(%d, %d): len %d cap %d", n, off, len(x), cap(x))
-			}
-			if got := int(addr32(x) % 4096); got != off%4096 {
-				t.Errorf("AllocAt(%d, %d) starts at %d mod 4096", n, off, got)
-			}
-		}
 	}
 }
 

@@ -1,6 +1,11 @@
 package model
 
-import "fmt"
+import (
+	"fmt"
+
+	"github.com/sonar-moe/sonar/train/kernels"
+	"github.com/sonar-moe/sonar/train/moe"
+)
 
 // ExpertGrads receives one layer's expert gradients during Backward.
 type ExpertGrads interface {
@@ -22,8 +27,8 @@ type layerActs struct {
 	u      []float32 // mixing's convolution output [T, H]
 	x1     []float32 // x + mix [T, H]
 	out    []float32 // x1 + moe [T, H]
-	rt     routing
-	d      dispatch
+	rt     moe.Routing[float32]
+	d      moe.Dispatch[float32]
 }
 
 // Pass is the working memory of forward and backward for one batch shape,
@@ -39,7 +44,7 @@ type Pass struct {
 	// backward scratch
 	dx, dx1, dn, du []float32 // [T, H]
 	dw              []float32 // [T, k] gradient of routing weights
-	es              expertScratch
+	es              moe.ExpertScratch[float32]
 	forwarded       bool
 }
 
@@ -55,11 +60,11 @@ func (m *Model) NewPass(batch, seq int) (*Pass, error) {
 	p := &Pass{m: m, batch: batch, seq: seq, tok: make([]int32, T), tgt: make([]int32, T),
 		x0: f(T * h), rf: f(T), hf: f(T * h), logits: f(T * c.Vocab),
 		dx: f(T * h), dx1: f(T * h), dn: f(T * h), du: f(T * h), dw: f(T * c.TopK),
-		es: newExpertScratch(T, h, c.Intermediate, c.TopK)}
+		es: moe.NewExpertScratch[float32](T, h, c.Intermediate, c.TopK)}
 	prev := p.x0
 	for range c.Layers {
 		la := layerActs{x: prev, r1: f(T), r2: f(T), n1: f(T * h), n2: f(T * h), u: f(T * h), x1: f(T * h), out: f(T * h),
-			rt: newRouting(T, c.Experts, c.TopK), d: newDispatch(T, h, c.Intermediate, c.Experts, c.TopK)}
+			rt: moe.NewRouting[float32](T, c.Experts, c.TopK, true), d: moe.NewDispatch[float32](T, h, c.Intermediate, c.Experts, c.TopK)}
 		p.layers = append(p.layers, la)
 		prev = la.out
 	}
@@ -87,19 +92,19 @@ func (p *Pass) Forward(inputs, targets []int32) (float64, error) {
 	embedForward(p.x0, p.m.Embed.W, p.tok, h)
 	for l := range p.layers {
 		la, b := &p.layers[l], &p.m.Blocks[l]
-		rmsNormForward(la.n1, la.r1, la.x, b.MixNorm.W, h, c.NormEps)
+		kernels.RMSNormForward(la.n1, la.r1, la.x, b.MixNorm.W, h, float64(c.NormEps))
 		mixForward(la.x1, la.u, la.n1, b.MixConv.W, b.MixOut.W, p.batch, p.seq, h, c.MixWindow)
 		add(la.x1, la.x)
-		rmsNormForward(la.n2, la.r2, la.x1, b.MoENorm.W, h, c.NormEps)
-		routerForward(&la.rt, la.n2, b.Router.W, h)
-		expertsForward(la.out, la.n2, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
+		kernels.RMSNormForward(la.n2, la.r2, la.x1, b.MoENorm.W, h, float64(c.NormEps))
+		moe.RouterForward(&la.rt, la.n2, b.Router.W, h)
+		moe.ExpertsForward(la.out, la.n2, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
 		add(la.out, la.x1)
 	}
 	last := p.x0
 	if n := len(p.layers); n > 0 {
 		last = p.layers[n-1].out
 	}
-	rmsNormForward(p.hf, p.rf, last, p.m.FinalNorm.W, h, c.NormEps)
+	kernels.RMSNormForward(p.hf, p.rf, last, p.m.FinalNorm.W, h, float64(c.NormEps))
 	headForward(p.logits, p.hf, p.m.Head.W, h, c.Vocab)
 	p.forwarded = true
 	return crossEntropy(p.logits, p.tgt, c.Vocab), nil
@@ -126,7 +131,7 @@ func (p *Pass) Backward(eg ExpertGrads) error {
 	clear(p.dn)
 	headBackward(p.dn, p.m.Head.G, p.logits, p.hf, p.m.Head.W, h, c.Vocab)
 	clear(p.dx)
-	rmsNormBackward(p.dx, p.m.FinalNorm.G, p.dn, last, p.m.FinalNorm.W, p.rf, h)
+	kernels.RMSNormBackward(p.dx, p.m.FinalNorm.G, p.dn, last, p.m.FinalNorm.W, p.rf, h)
 	for l := len(p.layers) - 1; l >= 0; l-- {
 		la, b := &p.layers[l], &p.m.Blocks[l]
 		// out = x1 + experts(n2): dx flows to x1 unchanged and through the experts.
@@ -139,18 +144,18 @@ func (p *Pass) Backward(eg ExpertGrads) error {
 				l, len(gu), len(dn), b.GateUp.Numel(), b.Down.Numel())
 		}
 		clear(p.dn)
-		expertsBackward(p.dn, p.dw, gu, dn, &p.es, p.dx, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
+		moe.ExpertsBackward(p.dn, p.dw, gu, dn, &p.es, p.dx, &la.rt, &la.d, b.GateUp.W, b.Down.W, h, c.Intermediate)
 		if err := eg.Ready(l, gu, dn); err != nil {
 			return fmt.Errorf("backward layer %d: expert gradients: %w", l, err)
 		}
-		routerBackward(p.dn, b.Router.G, &la.rt, p.dw, la.n2, b.Router.W, h)
+		moe.RouterBackward(p.dn, b.Router.G, &la.rt, p.dw, nil, la.n2, b.Router.W, h)
 		copy(p.dx1, p.dx)
-		rmsNormBackward(p.dx1, b.MoENorm.G, p.dn, la.x1, b.MoENorm.W, la.r2, h)
+		kernels.RMSNormBackward(p.dx1, b.MoENorm.G, p.dn, la.x1, b.MoENorm.W, la.r2, h)
 		// x1 = x + mix(n1).
 		clear(p.dn)
 		mixBackward(p.dn, b.MixConv.G, b.MixOut.G, p.du, p.dx1, la.n1, la.u, b.MixConv.W, b.MixOut.W, p.batch, p.seq, h, c.MixWindow)
 		copy(p.dx, p.dx1)
-		rmsNormBackward(p.dx, b.MixNorm.G, p.dn, la.x, b.MixNorm.W, la.r1, h)
+		kernels.RMSNormBackward(p.dx, b.MixNorm.G, p.dn, la.x, b.MixNorm.W, la.r1, h)
 	}
 	embedBackward(p.m.Embed.G, p.dx, p.tok, h)
 	return nil

@@ -1,4 +1,4 @@
-package hfmoe
+package kernels
 
 import (
 	"fmt"

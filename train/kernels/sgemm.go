@@ -1,13 +1,16 @@
-package hfmoe
+package kernels
 
 import "sync"
 
 // sgemm is the float32 matrix product of the training path where the CPU
 // has AVX2 and FMA: C = op(A)·op(B) + beta·C, row-major, blocked as in the
-// GotoBLAS/BLIS scheme. Blocks of kc rows of op(B) and nc columns are packed
+// GotoBLAS/BLIS scheme. Blocks of kc rows of op(B) and nc columns are split
 // into panels of 16 columns, blocks of mc rows of op(A) into panels of 6
 // rows, and an assembly micro-kernel (kern6x16, sgemm_amd64.s) computes each
-// 6x16 tile of the block's product with one FMA chain per element. Every
+// 6x16 tile of the block's product with one FMA chain per element, added
+// to C in place (or stored, for beta 0). Full panels are read where they are
+// (the kernel takes strides): only a transposed op(B) and partial panels are
+// packed (packing every panel had cost a fifth of a training step). Every
 // element of C is summed in a fixed order (k blocks in order, p in order
 // inside a block), so results do not depend on the schedule: row blocks run
 // in parallel but never share an element. gonum's pure-Go SGEMM, which this
@@ -32,78 +35,108 @@ func getBuf(n int) *[]float32 {
 }
 
 func sgemmKernel(transA, transB bool, m, n, k int, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
-	if beta != 1 {
+	if beta != 1 && beta != 0 { // beta 0: the first k block stores its sums
 		for i := range m {
 			row := c[i*ldc : i*ldc+n]
-			if beta == 0 {
-				clear(row)
-				continue
-			}
 			for j := range row {
 				row[j] *= beta
 			}
 		}
+	}
+	// op(A)[i][p] sits at a[i*ars + p*aps]: full panels of 6 rows are read
+	// in place, only a last, partial one is packed (with zero rows). op(B)
+	// is read in place too when it is not transposed, but a partial last
+	// panel; a transposed one is packed.
+	ars, aps := lda, 1
+	if transA {
+		ars, aps = 1, lda
 	}
 	for jc := 0; jc < n; jc += ncBlock {
 		nb := min(ncBlock, n-jc)
 		npan := (nb + nr - 1) / nr
 		for pc := 0; pc < k; pc += kcBlock {
 			kb := min(kcBlock, k-pc)
-			bp := getBuf(npan * nr * kb)
-			packB(*bp, transB, b, ldb, pc, kb, jc, nb)
+			acc := beta != 0 || pc > 0
+			var bp *[]float32
+			if transB {
+				bp = getBuf(npan * nr * kb)
+				packB(*bp, true, b, ldb, pc, kb, jc, nb)
+			} else if nb%nr != 0 {
+				bp = getBuf(npan * nr * kb) // only the last panel is packed
+				packB((*bp)[(npan-1)*nr*kb:], false, b, ldb, pc, kb, jc+(npan-1)*nr, nb%nr)
+			}
 			blocks := (m + mcBlock - 1) / mcBlock
-			parallelFor(blocks, func(ib int) {
+			ParallelFor(blocks, func(ib int) {
 				ic := ib * mcBlock
 				mb := min(mcBlock, m-ic)
 				mpan := (mb + mr - 1) / mr
-				ap := getBuf(mpan * mr * kb)
-				packA(*ap, transA, a, lda, ic, mb, pc, kb)
+				var edge *[]float32 // the packed partial panel of op(A), if any
+				if mb%mr != 0 {
+					edge = getBuf(mr * kb)
+					packA(*edge, transA, a, lda, ic+(mpan-1)*mr, mb%mr, pc, kb)
+				}
 				var tile [mr * nr]float32
 				for jp := range npan {
-					bpan := (*bp)[jp*nr*kb:]
 					j0 := jc + jp*nr
 					nj := min(nr, jc+nb-j0)
+					var pb *float32
+					bps := nr
+					if transB || nj < nr {
+						pb = &(*bp)[jp*nr*kb]
+					} else {
+						pb, bps = &b[pc*ldb+j0], ldb
+					}
 					for ip := range mpan {
-						kern6x16(kb, &(*ap)[ip*mr*kb], &bpan[0], &tile[0])
 						i0 := ic + ip*mr
-						for i := range min(mr, ic+mb-i0) {
+						rows := min(mr, ic+mb-i0)
+						pa, rs, ps := &a[i0*ars+pc*aps], ars, aps
+						if rows < mr {
+							pa, rs, ps = &(*edge)[0], 1, mr
+						}
+						if nj == nr && rows == mr { // a full tile: straight into C
+							kern6x16(kb, pa, rs, ps, pb, bps, &c[i0*ldc+j0], ldc, acc)
+							continue
+						}
+						kern6x16(kb, pa, rs, ps, pb, bps, &tile[0], nr, false)
+						for i := range rows {
 							row := c[(i0+i)*ldc+j0 : (i0+i)*ldc+j0+nj]
 							t := tile[i*nr : i*nr+nj]
+							if !acc {
+								copy(row, t)
+								continue
+							}
 							for j := range row {
 								row[j] += t[j]
 							}
 						}
 					}
 				}
-				packPool.Put(ap)
+				if edge != nil {
+					packPool.Put(edge)
+				}
 			})
-			packPool.Put(bp)
+			if bp != nil {
+				packPool.Put(bp)
+			}
 		}
 	}
 }
 
-// packA copies rows ic..ic+mb of op(A), columns pc..pc+kb, into panels of
-// mr rows: panel ip holds, for each p, the mr values of rows ip*mr.. (zero
-// past the last row). Both loops read memory contiguously.
-func packA(dst []float32, trans bool, a []float32, lda, ic, mb, pc, kb int) {
-	for ip := 0; ip*mr < mb; ip++ {
-		pan := dst[ip*mr*kb : (ip+1)*mr*kb]
-		rows := min(mr, mb-ip*mr)
-		r0 := ic + ip*mr
-		if rows < mr {
-			clear(pan)
+// packA copies rows r0..r0+rows-1 (rows <= mr) of op(A), columns pc..pc+kb,
+// into one panel of mr rows: for each p, the mr values of those rows, zero
+// past the last one.
+func packA(pan []float32, trans bool, a []float32, lda, r0, rows, pc, kb int) {
+	pan = pan[:mr*kb]
+	clear(pan)
+	if trans { // op(A)[r][p] = a[p*lda+r]
+		for p := range kb {
+			copy(pan[p*mr:p*mr+rows], a[(pc+p)*lda+r0:(pc+p)*lda+r0+rows])
 		}
-		if trans { // op(A)[r][p] = a[p*lda+r]: row p of a holds the panel's values for p
-			for p := range kb {
-				copy(pan[p*mr:p*mr+rows], a[(pc+p)*lda+r0:(pc+p)*lda+r0+rows])
-			}
-			continue
-		}
-		for i := range rows {
-			src := a[(r0+i)*lda+pc : (r0+i)*lda+pc+kb]
-			for p, v := range src {
-				pan[p*mr+i] = v
-			}
+		return
+	}
+	for i := range rows {
+		for p, v := range a[(r0+i)*lda+pc : (r0+i)*lda+pc+kb] {
+			pan[p*mr+i] = v
 		}
 	}
 }

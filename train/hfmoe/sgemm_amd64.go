@@ -1,9 +1,0 @@
-package hfmoe
-
-import "golang.org/x/sys/cpu"
-
-// useKernel says whether the AVX2+FMA micro-kernel of sgemm runs here.
-var useKernel = cpu.X86.HasAVX2 && cpu.X86.HasFMA
-
-//go:noescape
-func kern6x16(kc int, a, b, c *float32)
