@@ -18,6 +18,7 @@ released (``_release``), and its state-transfer buffers (``_open_transfer``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import subprocess
@@ -147,6 +148,10 @@ class ExpertBackend(Protocol):
 
     def check(self, param: nn.Parameter) -> None:
         """Raise RuntimeError if `param` is no longer the memory the server updates."""
+        ...
+
+    def set_grad_accumulation_steps(self, k: int) -> None:
+        """From now on apply AdamW at every k-th hand-over of a tensor (no micro-batch may be pending)."""
         ...
 
     def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf,
@@ -327,6 +332,13 @@ class ServerBackend(ABC):
         del grad
         self._queue(e, staged)
 
+    def set_grad_accumulation_steps(self, k: int) -> None:
+        pending = [e.name for e in self._experts.values() if e.micro > 0]
+        if pending:
+            raise RuntimeError(f"cannot change gradient accumulation with micro-batches of {pending[:3]} pending: "
+                               "call step() first")
+        self._options = dataclasses.replace(self._options, grad_accumulation_steps=k)
+
     def _queue(self, e: Expert, staged: Staged) -> None:
         """Queue the step of e's staged gradient: one request per expert slice with
         split_experts, else one per layer group; applied at the k-th micro-batch."""
@@ -459,6 +471,9 @@ class NoExperts:
         pass
 
     def check(self, param: nn.Parameter) -> None:
+        pass
+
+    def set_grad_accumulation_steps(self, k: int) -> None:
         pass
 
     def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf,
