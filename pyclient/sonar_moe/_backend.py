@@ -154,6 +154,12 @@ class ExpertBackend(Protocol):
         """From now on apply AdamW at every k-th hand-over of a tensor (no micro-batch may be pending)."""
         ...
 
+    def reclaim(self, param: nn.Parameter) -> bool:
+        """Put an expert tensor whose memory was replaced by an equal copy (same device type, dtype
+        and shape: ``.to("cpu:0")`` copies) back into the memory the server updates, keeping its
+        current values. False where nothing was moved or this backend cannot."""
+        ...
+
     def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf,
             slices: Mapping[int, int] | None = None) -> None:
         """Place and register more expert tensors (add_param_group); ``slices`` as in ``open``."""
@@ -309,6 +315,9 @@ class ServerBackend(ABC):
             self._experts[id(e.param)] = e
         self._place(new)
         self._register(new, hyper_of)
+
+    def reclaim(self, param: nn.Parameter) -> bool:
+        return False
 
     def check(self, param: nn.Parameter) -> None:
         e = self._experts[id(param)]
@@ -475,6 +484,9 @@ class NoExperts:
 
     def set_grad_accumulation_steps(self, k: int) -> None:
         pass
+
+    def reclaim(self, param: nn.Parameter) -> bool:
+        return False
 
     def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf,
             slices: Mapping[int, int] | None = None) -> None:

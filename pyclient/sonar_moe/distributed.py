@@ -189,6 +189,7 @@ def register_ddp_comm_hook(ddp: DistributedDataParallel, opt: SonarAdamW) -> DDP
             return opt.ddp_hook
         raise ValueError("this SonarAdamW already takes its expert gradients from another DDP model")
     _check_ddp_options(ddp)
+    reclaim(opt)
     state = DDPExpertHook(ddp, opt)
     try:
         ddp.register_comm_hook(state, _comm_hook)
@@ -292,6 +293,16 @@ def watch_for_ddp(opt: SonarAdamW, module: nn.Module | None) -> None:
     _WATCH.watch(opt)
 
 
+def reclaim(opt: SonarAdamW) -> None:
+    """Launchers move the model to ``cpu:<n>`` after the optimizer exists, which copies CPU
+    tensors: put the expert tensors back where the server updates them (see
+    ``SonarAdamW.reclaim_moved_experts``)."""
+    moved = opt.reclaim_moved_experts()
+    if moved:
+        log.info("expert tensors copied after SonarAdamW was built (model.to(cpu:N)), taken back into shared "
+                 "memory: %s", moved[:4])
+
+
 def unwatch(opt: SonarAdamW) -> None:
     """Called by SonarAdamW.close(): nothing to watch for any more."""
     _WATCH.forget(opt)
@@ -307,6 +318,7 @@ def check_local_gradients(opt: SonarAdamW) -> None:
     wrapping may have gone unseen, and the update is refused rather than guessed.
     """
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        reclaim(opt)
         if _WATCH.was_dropped(opt):
             raise RuntimeError(
                 "torch.distributed was initialized after this SonarAdamW's first backward, so it cannot tell "

@@ -574,6 +574,17 @@ class SonarAdamW(torch.optim.AdamW):
             h.remove()
         self._hooks.clear()
 
+    def reclaim_moved_experts(self) -> list[str]:
+        """Put expert tensors whose memory was replaced by an equal CPU copy back into the shared
+        memory the server updates, keeping their values; returns their names.
+
+        accelerate's ``prepare`` (Trainer's too) calls ``model.to(torch.device("cpu", 0))`` after
+        the optimizer exists on multi-process CPU runs, and torch copies CPU tensors for that
+        device. ``sonar_moe.distributed`` calls this before DDP's forward and at the first expert
+        gradient of a distributed step; elsewhere a moved expert tensor stays an error."""
+        self._check_usable()
+        return [name for name, p in self._experts.values() if self._backend.reclaim(p)]
+
     def accumulate_before_hand_over(self) -> None:
         """Gradients now arrive already summed over a step's micro-batches (DDP accumulates them
         in ``.grad`` under ``no_sync()`` and all-reduces once): each hand-over is applied at once,
