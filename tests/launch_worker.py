@@ -5,7 +5,8 @@ group by hand or tells SonarAdamW about DDP, the launcher's environment does.
 
     MODES OUT [--configs ACCUM:CLIP,...] [--save-steps N] [--resume STEP] [--crash-rank R]
 
-    trainer: stock Trainer, then SonarTrainer, on the same tiny OLMoE and data in this process;
+    trainer: stock Trainer, SonarTrainer, then Trainer(optimizers=(SonarAdamW(...), None)), on the
+        same tiny OLMoE and data in this process;
         every parameter bitwise equal, and equal on every rank. --save-steps saves checkpoints;
         --resume STEP (a later launch) resumes SonarTrainer from one and must end where the
         uninterrupted run ended.
@@ -131,24 +132,34 @@ def run_trainer(a: argparse.Namespace, accum: int, clip: float) -> None:
     tag = f"accum{accum}-clip{clip}"
     out = Path(a.out) / tag
     finals = {}
-    runs = {"stock": DenseClipTrainer if clip > 0 else Trainer, "sonar": SonarTrainer}
+    runs = {"stock": DenseClipTrainer if clip > 0 else Trainer, "sonar": SonarTrainer, "trainer+sonaradamw": Trainer}
     for name, cls in runs.items():
-        if a.resume and name == "stock":
+        if a.resume and name != "sonar":
             continue
         model = olmoe()
-        t = cls(model=model, args=trainer_args(out / name, a, accum, clip), train_dataset=Windows())
+        args = trainer_args(out / name, a, accum, clip)
+        kw: dict[str, Any] = {}
+        if name == "trainer+sonaradamw":  # stock Trainer given SonarAdamW, grouped as Trainer groups
+            decay = set(Trainer(model=model, args=args).get_decay_parameter_names(model))
+            named = list(model.named_parameters())
+            groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+            # Trainer clips after backward, when only dense gradients are left: dense-only clipping.
+            kw["optimizers"] = (sonar_moe.SonarAdamW(groups, model=model, lr=args.learning_rate,
+                                                     grad_accumulation_steps=accum), None)
+        t = cls(model=model, args=args, train_dataset=Windows(), **kw)
         resume = str(out / name / f"checkpoint-{a.resume}") if a.resume else None
         t.train(resume_from_checkpoint=resume)
         finals[name] = snapshot(model)
-        if name == "sonar":
+        if name != "stock":
             opt = unwrap_sonar(t.optimizer)
             assert opt is not None
             if opt.ddp_hook is None:
-                raise SystemExit(f"[rank {RANK}] FAIL SonarTrainer did not take the DDP path")
+                raise SystemExit(f"[rank {RANK}] FAIL {name} did not take the DDP path")
             st = opt.stats()
             if st["server"]["errors"] or st["grads_sent"] == 0:
                 raise SystemExit(f"[rank {RANK}] FAIL stats {st}")
-            say(f"sonar hook counts {opt.ddp_hook.counts} grads sent {st['grads_sent']}")
+            say(f"{name} hook counts {opt.ddp_hook.counts} grads sent {st['grads_sent']}")
             one_server_per_node(opt)
             opt.close()
     if a.resume:
@@ -163,6 +174,7 @@ def run_trainer(a: argparse.Namespace, accum: int, clip: float) -> None:
             f"{len(straight)} parameters bitwise equal to the uninterrupted run")
         return
     check_same(finals["stock"], finals["sonar"], "SonarTrainer vs stock Trainer")
+    check_same(finals["stock"], finals["trainer+sonaradamw"], "Trainer(optimizers=(SonarAdamW, None)) vs stock Trainer")
     same_on_all_ranks(finals["sonar"], "SonarTrainer")
     if RANK == 0:
         torch.save(finals["sonar"], out / "final.pt")

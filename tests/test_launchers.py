@@ -11,6 +11,7 @@ Sonar in the same processes and compares every parameter bit for bit (and across
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,7 +22,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(Path(__file__).with_name("launch_worker.py"))
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+# The `accelerate` command of this interpreter's environment, else the module `accelerate launch` runs.
+_CLI = shutil.which("accelerate", path=os.path.dirname(sys.executable))
+ACCELERATE = [_CLI, "launch"] if _CLI else [sys.executable, "-m", "accelerate.commands.launch"]
 
 
 def free_port() -> int:
@@ -85,7 +88,7 @@ def test_accelerate_launch_loop_and_trainer(tmp_path: Path) -> None:
                    "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nmixed_precision: 'no'\n"
                    f"main_process_ip: 127.0.0.1\nmain_process_port: {port}\nrdzv_backend: static\n"
                    "same_network: true\n")
-    rc, out = run([ACCELERATE, "launch", "--config_file", str(cfg), WORKER, "loop,trainer", str(tmp_path),
+    rc, out = run([*ACCELERATE, "--config_file", str(cfg), WORKER, "loop,trainer", str(tmp_path),
                    "--configs", "2:0.5"])
     ok(rc, out, 2, "accelerate-loop accum2-clip0.5 world 2: 12 steps bitwise",
        "trainer accum2-clip0.5 world 2: 25 parameters bitwise equal")

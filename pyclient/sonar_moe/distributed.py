@@ -6,12 +6,15 @@ Three pieces, each usable alone (design and limits: ``docs/distributed.md``):
   fires on the rank-local gradient, before DDP's all-reduce, so SonarAdamW's own hooks are
   removed and the expert tensors are handed over from a DDP communication hook instead, with
   the gradient averaged exactly as DDP's built-in reduction does. Bit-for-bit equal to DDP with
-  ``torch.optim.AdamW``.
+  ``torch.optim.AdamW``. SonarAdamW does this by itself (:class:`DDPWatch`): when built on a
+  DDP model, or at the first forward of a DDP model that wraps it later (Trainer, accelerate).
 * :func:`ignore_experts_in_ddp` — expert parallel: every rank owns a shard of the experts, which
   DDP must not touch (they are not replicated). SonarAdamW's own hooks are then exactly right:
   the local gradient *is* the final gradient of a local expert.
 * :class:`NodeServer` — one ``sonard`` per node, started by the node's first rank and shared by
-  all its ranks, each rank in its own session (its own tensors and segments).
+  all its ranks, each rank in its own session (its own tensors and segments). Under torchrun or
+  ``accelerate launch`` this happens without it, from ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``
+  (``_node.py``).
 
 Expert tensors may be CPU or CUDA tensors, as for SonarAdamW itself (the CUDA path is wired
 into sonard: expert tensors registered in place by CUDA IPC handle, docs/gpu.md). The tests run
@@ -206,7 +209,16 @@ def register_ddp_comm_hook(ddp: DistributedDataParallel, opt: SonarAdamW) -> DDP
     _WATCH.forget(opt)
     log.info("SonarAdamW applies the expert gradients all-reduced by DDP (%d expert tensors, world size %d)",
              len(state.experts), state.world_size)
+    global _MEMORY_WARNED
+    if not _MEMORY_WARNED:
+        _MEMORY_WARNED = True
+        log.warning("SonarAdamW under DDP with replicated experts: DDP's buckets hold every expert gradient, so the "
+                    "gradient memory is DDP's, not one layer; the expert optimizer states live in sonard. Expert "
+                    "parallel keeps the one-layer bound (docs/distributed.md)")
     return state
+
+
+_MEMORY_WARNED = False
 
 
 def _check_ddp_options(ddp: DistributedDataParallel) -> None:

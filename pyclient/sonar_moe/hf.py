@@ -24,6 +24,14 @@ holds their sum, so the global norm would cost an extra pass over every expert g
 reduction on the server. ``sonar_peak_expert_grad_bytes`` and ``sonar_update_ms_p50`` come
 from SonarAdamW's statistics.
 
+Distributed (``torchrun``, ``accelerate launch``): nothing changes in the script. Trainer wraps
+the model in DDP after building the optimizer; SonarAdamW notices at the first forward and takes
+the all-reduced expert gradients from a DDP communication hook, bitwise equal to the same launch
+with stock Trainer (gradient accumulation runs under ``no_sync`` as Trainer does). DDP's buckets
+hold every expert gradient, so under DDP the memory saving is the expert optimizer state only;
+expert parallel keeps the one-layer bound (docs/distributed.md). The ranks of a host share one
+sonard.
+
 Checkpoints: resuming and ``load_best_model_at_end`` load the model's weights in place with the
 checkpoint's layout converted back (``load_weights_in_place``): Trainer 5.23 loads them with
 ``strict=False`` and no conversion, so expert tensors, saved per expert, would keep their
