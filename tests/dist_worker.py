@@ -191,6 +191,15 @@ def refusals(rank: int, server: str) -> None:
     # static_graph: refused when SonarAdamW is built on it
     m = DDP(tm.build(cfg, 0), static_graph=True)
     expect_error("static_graph", "static_graph", lambda: sonar_moe.SonarAdamW(m, server=server))
+    # Join (uneven inputs): refused at the forward inside the context, before any update
+    model = tm.build(cfg, 0)
+    with sonar_moe.SonarAdamW(model, server=server) as opt:
+        m = DDP(model)
+        before = [p.detach().clone() for p in model.parameters()]
+        with m.join():
+            expect_error("DDP join()", "join()", lambda: train(m, opt, 1))
+        if not all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
+            raise Mismatch("a refused join() changed a parameter")
     # accumulation without no_sync: DDP reduces every backward; refused at the second one
     model = tm.build(cfg, 0)
     with sonar_moe.SonarAdamW(model, server=server, grad_accumulation_steps=2) as opt:

@@ -101,7 +101,8 @@ class DDPExpertHook:
 
     def on_forward(self, module: nn.Module, args: Any) -> None:
         """DDP forward pre-hook: a backward that raised never ran our end-of-backward callback,
-        so every forward starts afresh."""
+        so every forward starts afresh. Inside ``ddp.join()`` (uneven inputs) it refuses to run."""
+        _refuse_join(self.ddp)
         self._queued = False
         self._pending = []
 
@@ -221,8 +222,24 @@ def register_ddp_comm_hook(ddp: DistributedDataParallel, opt: SonarAdamW) -> DDP
 _MEMORY_WARNED = False
 
 
+def _join_enabled(ddp: DistributedDataParallel) -> bool:
+    """Whether ``ddp`` runs inside a ``Join`` context now. torch has no public accessor: Joinable
+    keeps its configuration in ``_join_config``, which ``Join`` enables for the context's duration."""
+    config = getattr(ddp, "_join_config", None)
+    return bool(getattr(config, "enable", False))
+
+
+def _refuse_join(ddp: DistributedDataParallel) -> None:
+    if _join_enabled(ddp):
+        raise NotImplementedError(
+            "SonarAdamW under DDP's join() (uneven inputs) is not supported: a rank that has joined runs the "
+            "communication hook outside backward, and divide_by_initial_world_size=False changes DDP's divisor, "
+            "which the hook does not follow. Give every rank the same number of batches (drop_last=True)")
+
+
 def _check_ddp_options(ddp: DistributedDataParallel) -> None:
     """Refuse DDP set-ups whose reduction the communication hook does not reproduce."""
+    _refuse_join(ddp)
     if getattr(ddp, "mixed_precision", None) is not None:
         raise NotImplementedError("SonarAdamW with DDP(mixed_precision=...) is not supported: the hook would "
                                   "reduce the low-precision gradients differently from DDP's own path")
