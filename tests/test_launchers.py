@@ -79,7 +79,8 @@ def test_torchrun_trainer_three_ranks(tmp_path: Path) -> None:
 
 def test_accelerate_launch_loop_and_trainer(tmp_path: Path) -> None:
     """``accelerate launch`` with a config file, 2 CPU processes (gloo): a hand-written accelerate
-    loop (accumulate, clip) with SonarAdamW built before prepare(), then SonarTrainer."""
+    loop with SonarAdamW built before prepare(), then SonarTrainer; each without accumulation or
+    clipping, then with accumulation 2 (accelerator.accumulate) and dense-only clipping."""
     port = free_port()
     cfg = tmp_path / "accelerate.yaml"
     # distributed_type MULTI_GPU with use_cpu: accelerate's torchrun-based launcher on CPU; the
@@ -89,8 +90,10 @@ def test_accelerate_launch_loop_and_trainer(tmp_path: Path) -> None:
                    f"main_process_ip: 127.0.0.1\nmain_process_port: {port}\nrdzv_backend: static\n"
                    "same_network: true\n")
     rc, out = run([*ACCELERATE, "--config_file", str(cfg), WORKER, "loop,trainer", str(tmp_path),
-                   "--configs", "2:0.5"])
-    ok(rc, out, 2, "accelerate-loop accum2-clip0.5 world 2: 12 steps bitwise",
+                   "--configs", "1:0,2:0.5"])
+    ok(rc, out, 2, "accelerate-loop accum1-clip0.0 world 2: 24 steps bitwise",
+       "accelerate-loop accum2-clip0.5 world 2: 12 steps bitwise",
+       "trainer accum1-clip0.0 world 2: 25 parameters bitwise equal",
        "trainer accum2-clip0.5 world 2: 25 parameters bitwise equal")
 
 
