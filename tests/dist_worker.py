@@ -24,6 +24,7 @@ sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "pyclient")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import ep_moe  # noqa: E402
@@ -66,25 +67,28 @@ def same_on_all_ranks(tensors: list[torch.Tensor], what: str, group: Any = None)
 
 # ------------------------------------------------------------------------ DDP
 DDP_CASES = [
-    # name, layout, dtype, max_grad_norm, gradient_as_bucket_view, find_unused_parameters, accum, experts, batch
-    ("batched-fp32-noclip", "batched", torch.float32, None, False, False, 1, 4, (2, 32)),
-    ("batched-fp32-clip-bucketview", "batched", torch.float32, 0.5, True, False, 1, 4, (2, 32)),
-    ("batched-bf16-clip", "batched", torch.bfloat16, 0.5, False, False, 1, 4, (2, 32)),
-    ("batched-fp32-no_sync-accum2", "batched", torch.float32, 1.0, False, False, 2, 4, (4, 32)),
+    # name, layout, dtype, max_grad_norm, gradient_as_bucket_view, find_unused_parameters, accum, experts, batch,
+    # how SonarAdamW meets DDP: "after" (built on the plain model, wrapped afterwards, as Trainer and accelerate
+    # do: found at DDP's first forward), "ddp" (built on the DDP model), "by-hand" (register_ddp_comm_hook too)
+    ("batched-fp32-noclip", "batched", torch.float32, None, False, False, 1, 4, (2, 32), "after"),
+    ("batched-fp32-clip-bucketview", "batched", torch.float32, 0.5, True, False, 1, 4, (2, 32), "ddp"),
+    ("batched-bf16-clip", "batched", torch.bfloat16, 0.5, False, False, 1, 4, (2, 32), "after"),
+    # grad_accumulation_steps=2 as on one process: under DDP the no_sync sum is applied once
+    ("batched-fp32-no_sync-accum2", "batched", torch.float32, 1.0, False, False, 2, 4, (4, 32), "after"),
     # few tokens, many experts: some experts get no token on this rank, some on no rank at all
-    ("modulelist-find_unused-clip", "modulelist", torch.float32, 1.0, True, True, 1, 8, (1, 6)),
+    ("modulelist-find_unused-clip", "modulelist", torch.float32, 1.0, True, True, 1, 8, (1, 6), "by-hand"),
 ]
 DDP_STEPS = 4
 
 
 def ddp_case(rank: int, world: int, server: str, case: tuple) -> None:
-    name, layout, dtype, clip, view, find_unused, accum, experts, (batch, seq) = case
+    name, layout, dtype, clip, view, find_unused, accum, experts, (batch, seq), how = case
     cfg = tm.MoEConfig(num_layers=2, num_experts=experts, hidden=32, intermediate=48, seq_len=32,
                        layout=layout, dtype=dtype)
     ref, mine = tm.build(cfg, 1), tm.build(cfg, 1)
     # Small buckets: after DDP rebuilds them (first iteration), each layer spans several buckets.
     kw = dict(bucket_cap_mb=0.02, gradient_as_bucket_view=view, find_unused_parameters=find_unused)
-    rddp, mddp = DDP(ref, **kw), DDP(mine, **kw)
+    rddp = DDP(ref, **kw)
     hp = dict(lr=3e-3, weight_decay=0.05)
     ropt = torch.optim.AdamW(rddp.parameters(), **hp)
     expert_names = set(tm.expert_param_names(ref))
@@ -93,8 +97,15 @@ def ddp_case(rank: int, world: int, server: str, case: tuple) -> None:
     rdata = tm.batches(corpus, batch, seq, torch.Generator().manual_seed(100 + rank))
     mdata = tm.batches(corpus, batch, seq, torch.Generator().manual_seed(100 + rank))
     unused_everywhere = 0
-    with sonar_moe.SonarAdamW(mddp, max_grad_norm=clip, server=server, namespace=f"rank{rank}", **hp) as opt:
-        hook = register_ddp_comm_hook(mddp, opt)
+    mddp = None if how == "after" else DDP(mine, **kw)
+    with sonar_moe.SonarAdamW(mddp or mine, max_grad_norm=clip, server=server, namespace=f"rank{rank}",
+                              grad_accumulation_steps=accum, **hp) as opt:
+        if mddp is None:
+            mddp = DDP(mine, **kw)  # wrapped after the optimizer exists: found at the first forward
+        elif opt.ddp_hook is None:
+            raise Mismatch(f"{name}: SonarAdamW built on a DDP model did not take the DDP path")
+        if how == "by-hand" and register_ddp_comm_hook(mddp, opt) is not opt.ddp_hook:
+            raise Mismatch(f"{name}: register_ddp_comm_hook by hand made a second hook")
         assert len(opt.named_expert_parameters()) == len(expert_names)
         for step in range(DDP_STEPS):
             # reference: DDP's built-in averaging all-reduce, dense-only clipping, AdamW over all
@@ -120,6 +131,9 @@ def ddp_case(rank: int, world: int, server: str, case: tuple) -> None:
             opt.step()
             opt.zero_grad()
             compare(ref, mine, f"{name} step {step + 1}")
+        hook = opt.ddp_hook
+        if hook is None or hook.ddp is not mddp:
+            raise Mismatch(f"{name}: SonarAdamW did not take the DDP path")
         st = opt.stats()
         if st["namespace"] != f"rank{rank}" or st["server"]["errors"]:
             raise Mismatch(f"{name}: stats {st}")
@@ -141,17 +155,57 @@ def run_ddp(rank: int, world: int, server: str, only: str = "") -> None:
             ddp_case(rank, world, server, case)
     if only:
         return
-    # The hook refuses what it cannot do exactly.
+    refusals(rank, server)
+
+
+def expect_error(what: str, words: str, fn: Any) -> None:
+    try:
+        fn()
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        if words not in str(e):
+            raise Mismatch(f"{what}: unclear error {e!r}") from e
+    else:
+        raise Mismatch(f"{what} was accepted")
+
+
+def refusals(rank: int, server: str) -> None:
+    """What the DDP path cannot do exactly fails with the reason, before any expert update."""
     cfg = tm.MoEConfig(num_layers=1, num_experts=4, hidden=16, intermediate=16)
-    m = DDP(tm.build(cfg, 0))
-    with sonar_moe.SonarAdamW(m, grad_accumulation_steps=2, server=server) as opt:
-        try:
-            register_ddp_comm_hook(m, opt)
-        except ValueError as e:
-            assert "no_sync" in str(e)
-        else:
-            raise Mismatch("grad_accumulation_steps=2 under DDP was accepted")
-    say(rank, "OK refuses grad_accumulation_steps under DDP")
+    x = next(tm.batches(tm.load_corpus(10_000), 2, 16, torch.Generator().manual_seed(rank)))
+
+    def train(m: torch.nn.Module, opt: sonar_moe.SonarAdamW, backwards: int) -> None:
+        for _ in range(backwards):
+            loss, _ = m(x, labels=x)
+            loss.backward()
+        opt.step()
+
+    # another comm hook on the model: refused at the first forward (the model was wrapped afterwards)
+    model = tm.build(cfg, 0)
+    with sonar_moe.SonarAdamW(model, server=server) as opt:
+        m = DDP(model)
+        m.register_comm_hook(None, default_hooks.allreduce_hook)
+        before = [p.detach().clone() for p in model.parameters()]
+        expect_error("a second comm hook", "already has one", lambda: train(m, opt, 1))
+        if not all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
+            raise Mismatch("a refused set-up changed a parameter")
+    # static_graph: refused when SonarAdamW is built on it
+    m = DDP(tm.build(cfg, 0), static_graph=True)
+    expect_error("static_graph", "static_graph", lambda: sonar_moe.SonarAdamW(m, server=server))
+    # Join (uneven inputs): refused at the forward inside the context, before any update
+    model = tm.build(cfg, 0)
+    with sonar_moe.SonarAdamW(model, server=server) as opt:
+        m = DDP(model)
+        before = [p.detach().clone() for p in model.parameters()]
+        with m.join():
+            expect_error("DDP join()", "join()", lambda: train(m, opt, 1))
+        if not all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
+            raise Mismatch("a refused join() changed a parameter")
+    # accumulation without no_sync: DDP reduces every backward; refused at the second one
+    model = tm.build(cfg, 0)
+    with sonar_moe.SonarAdamW(model, server=server, grad_accumulation_steps=2) as opt:
+        m = DDP(model)
+        expect_error("accumulation without no_sync", "no_sync", lambda: train(m, opt, 2))
+    say(rank, "OK refuses what the DDP path cannot do exactly")
 
 
 # -------------------------------------------------------------- expert parallel

@@ -18,6 +18,7 @@ released (``_release``), and its state-transfer buffers (``_open_transfer``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import subprocess
@@ -155,6 +156,16 @@ class ExpertBackend(Protocol):
 
     def check(self, param: nn.Parameter) -> None:
         """Raise RuntimeError if `param` is no longer the memory the server updates."""
+        ...
+
+    def set_grad_accumulation_steps(self, k: int) -> None:
+        """From now on apply AdamW at every k-th hand-over of a tensor (no micro-batch may be pending)."""
+        ...
+
+    def reclaim(self, param: nn.Parameter) -> bool:
+        """Put an expert tensor whose memory was replaced by an equal copy (same device type, dtype
+        and shape: ``.to("cpu:0")`` copies) back into the memory the server updates, keeping its
+        current values. False where nothing was moved or this backend cannot."""
         ...
 
     def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf,
@@ -322,6 +333,9 @@ class ServerBackend(ABC):
         self._place(new)
         self._register(new, hyper_of)
 
+    def reclaim(self, param: nn.Parameter) -> bool:
+        return False
+
     def check(self, param: nn.Parameter) -> None:
         e = self._experts[id(param)]
         if param.data_ptr() != e.ptr or param.dtype != e.dtype:
@@ -343,6 +357,13 @@ class ServerBackend(ABC):
         staged = self._stage(e, grad, owned)
         del grad
         self._queue(e, staged)
+
+    def set_grad_accumulation_steps(self, k: int) -> None:
+        pending = [e.name for e in self._experts.values() if e.micro > 0]
+        if pending:
+            raise RuntimeError(f"cannot change gradient accumulation with micro-batches of {pending[:3]} pending: "
+                               "call step() first")
+        self._options = dataclasses.replace(self._options, grad_accumulation_steps=k)
 
     def _queue(self, e: Expert, staged: Staged) -> None:
         """Queue the step of e's staged gradient: one request per expert slice with
@@ -489,6 +510,12 @@ class NoExperts:
 
     def check(self, param: nn.Parameter) -> None:
         pass
+
+    def set_grad_accumulation_steps(self, k: int) -> None:
+        pass
+
+    def reclaim(self, param: nn.Parameter) -> bool:
+        return False
 
     def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf,
             slices: Mapping[int, int] | None = None) -> None:

@@ -43,5 +43,11 @@ def start_private_server(timeout: float, log_level: str = "warn") -> Connection:
 
 
 def connect(server: str | None, timeout: float) -> Connection:
-    """A connection to ``server`` ("ipc://..." or "tcp://..."), or to a new private sonard for None."""
-    return start_private_server(timeout) if server is None else Connection(server, timeout)
+    """A connection to ``server`` ("ipc://..." or "tcp://..."); for None, to this node's shared
+    sonard when a launcher started several ranks here (``_node.py``), else to a new private one."""
+    if server is not None:
+        return Connection(server, timeout)
+    from ._node import node_connection, node_ranks  # _node imports this module
+    if node_ranks() is not None:
+        return node_connection(timeout)
+    return start_private_server(timeout)

@@ -63,6 +63,7 @@ class ShmBackend(ServerBackend):
         super().__init__(conn, hello, named, options, counter, slices)
         self._params: list[Segment] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (segment id, offset)
+        self._views: dict[int, torch.Tensor] = {}  # id(param) -> its memory in the segment
         self._ring: Ring | None = None
         self._ring_seg = 0
         self._alive = 0
@@ -95,6 +96,7 @@ class ShmBackend(ServerBackend):
                 view.copy_(e.param)
             e.param.data = view
             self._where[id(e.param)] = (seg_id, o)
+            self._views[id(e.param)] = view
         layer: dict[str, int] = {}
         for e in self._experts.values():
             layer[e.layer] = layer.get(e.layer, 0) + e.nbytes
@@ -117,6 +119,17 @@ class ShmBackend(ServerBackend):
             self._ring = Ring(need, "ring")
             self._ring_seg = attach(self._conn, self._ring.segment)
         return self._ring
+
+    def reclaim(self, param: nn.Parameter) -> bool:
+        view = self._views.get(id(param))
+        if view is None or param.data_ptr() == view.data_ptr():
+            return False
+        if param.device.type != "cpu" or param.dtype != view.dtype or param.shape != view.shape:
+            return False
+        with torch.no_grad():
+            view.copy_(param.detach())
+        param.data = view
+        return True
 
     def _param_ref(self, e: Expert) -> MemRef:
         seg, off = self._where[id(e.param)]

@@ -6,12 +6,15 @@ Three pieces, each usable alone (design and limits: ``docs/distributed.md``):
   fires on the rank-local gradient, before DDP's all-reduce, so SonarAdamW's own hooks are
   removed and the expert tensors are handed over from a DDP communication hook instead, with
   the gradient averaged exactly as DDP's built-in reduction does. Bit-for-bit equal to DDP with
-  ``torch.optim.AdamW``.
+  ``torch.optim.AdamW``. SonarAdamW does this by itself (:class:`DDPWatch`): when built on a
+  DDP model, or at the first forward of a DDP model that wraps it later (Trainer, accelerate).
 * :func:`ignore_experts_in_ddp` — expert parallel: every rank owns a shard of the experts, which
   DDP must not touch (they are not replicated). SonarAdamW's own hooks are then exactly right:
   the local gradient *is* the final gradient of a local expert.
 * :class:`NodeServer` — one ``sonard`` per node, started by the node's first rank and shared by
-  all its ranks, each rank in its own session (its own tensors and segments).
+  all its ranks, each rank in its own session (its own tensors and segments). Under torchrun or
+  ``accelerate launch`` this happens without it, from ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``
+  (``_node.py``).
 
 Expert tensors may be CPU or CUDA tensors, as for SonarAdamW itself (the CUDA path is wired
 into sonard: expert tensors registered in place by CUDA IPC handle, docs/gpu.md). The tests run
@@ -23,12 +26,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ._connection import Connection, SonarError
@@ -38,7 +43,8 @@ from .optimizer import SonarAdamW
 
 log = logging.getLogger("sonar_moe")
 
-__all__ = ["DDPExpertHook", "NodeServer", "ignore_experts_in_ddp", "register_ddp_comm_hook"]
+__all__ = ["DDPExpertHook", "DDPWatch", "NodeServer", "check_local_gradients", "ignore_experts_in_ddp",
+           "reduces_experts", "register_ddp_comm_hook", "unwatch", "watch_for_ddp"]
 
 _engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
 
@@ -91,12 +97,18 @@ class DDPExpertHook:
         self._pending: list[tuple[torch.futures.Future[Any], list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self._queued = False
         self.counts = {"buckets": 0, "handed_in_hooks": 0, "handed_at_end": 0, "handed_after_reduce": 0}
-        # A backward that raised never ran our end-of-backward callback: start afresh at each forward.
-        ddp.register_forward_pre_hook(self._on_forward)
+        self._syncs_since_step = 0  # backward passes that all-reduced since the last opt.step()
 
-    def _on_forward(self, module: nn.Module, args: Any) -> None:
+    def on_forward(self, module: nn.Module, args: Any) -> None:
+        """DDP forward pre-hook: a backward that raised never ran our end-of-backward callback,
+        so every forward starts afresh. Inside ``ddp.join()`` (uneven inputs) it refuses to run."""
+        _refuse_join(self.ddp)
         self._queued = False
         self._pending = []
+
+    def on_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Optimizer step post-hook: the next all-reduce belongs to a new step."""
+        self._syncs_since_step = 0
 
     # Runs in the autograd engine (the training thread on CPU), once per bucket.
     def _hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -106,6 +118,13 @@ class DDPExpertHook:
                .get_future().then(lambda f: f.value()[0]))
         self.counts["buckets"] += 1
         if not self._queued:
+            self._syncs_since_step += 1
+            if self._syncs_since_step > 1:
+                raise RuntimeError(
+                    "DDP all-reduced the gradients of a second backward before opt.step(): SonarAdamW applies the "
+                    "expert gradients during backward, so this would apply two steps where torch.optim.AdamW takes "
+                    "one. Accumulate with ddp.no_sync() (or accelerator.accumulate(model), as Trainer does) for all "
+                    "but the last micro-batch, then call opt.step()")
             self._queued = True
             _engine.queue_callback(self._end_of_backward)  # runs before DDP's finalize (queued later)
         if not self.after_reduce:
@@ -154,22 +173,189 @@ def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
 def register_ddp_comm_hook(ddp: DistributedDataParallel, opt: SonarAdamW) -> DDPExpertHook:
     """Make SonarAdamW apply the *all-reduced* expert gradients of a DDP model.
 
-    Call once, after wrapping the model in DDP and building ``opt = SonarAdamW(ddp, ...)``
-    (before the first backward). Replaces DDP's default reduction with the same averaging
-    all-reduce and removes SonarAdamW's post-accumulate-grad hooks (they see the local gradient).
-    Use ``ddp.no_sync()`` for gradient accumulation; ``grad_accumulation_steps`` must be 1.
+    SonarAdamW does this by itself: when built on a DDP model, or at the first forward of a DDP
+    model that reduces its expert tensors (Trainer and accelerate wrap the model after the
+    optimizer exists). Calling it by hand (before the first backward) is still allowed and
+    returns the same hook. Replaces DDP's default reduction with the same averaging all-reduce
+    and removes SonarAdamW's post-accumulate-grad hooks (they see the local gradient).
+
+    Gradient accumulation under DDP is ``ddp.no_sync()`` for all but the last micro-batch (what
+    Trainer and ``accelerator.accumulate`` do): ``.grad`` sums the micro-batches locally, DDP
+    all-reduces once, and that sum is applied at once whatever ``grad_accumulation_steps`` says.
+    A second all-reduce before ``opt.step()`` (accumulation without ``no_sync``) is an error.
     """
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"expected a DistributedDataParallel model, got {type(ddp).__name__}")
     if not isinstance(opt, SonarAdamW):
         raise TypeError(f"expected a SonarAdamW, got {type(opt).__name__}")
-    if opt.grad_accumulation_steps != 1:
-        raise ValueError("under DDP accumulate with ddp.no_sync() and grad_accumulation_steps=1: DDP averages "
-                         "the accumulated .grad once per sync step, and the reference does the same")
+    if opt.ddp_hook is not None:
+        if opt.ddp_hook.ddp is ddp:
+            return opt.ddp_hook
+        raise ValueError("this SonarAdamW already takes its expert gradients from another DDP model")
+    _check_ddp_options(ddp)
+    reclaim(opt)
     state = DDPExpertHook(ddp, opt)
+    try:
+        ddp.register_comm_hook(state, _comm_hook)
+    except RuntimeError as e:
+        raise RuntimeError(
+            "SonarAdamW needs its own DDP communication hook to apply the all-reduced expert gradients, but this "
+            f"DDP model already has one ({e}). A compression hook (fp16, PowerSGD) cannot be combined with it; "
+            "remove it, or keep the experts out of DDP (expert parallel, docs/distributed.md)") from e
+    ddp.register_forward_pre_hook(state.on_forward)
     opt.remove_grad_hooks()
-    ddp.register_comm_hook(state, _comm_hook)
+    opt.accumulate_before_hand_over()
+    opt.ddp_hook = state
+    opt.register_step_post_hook(state.on_step)
+    _WATCH.forget(opt)
+    log.info("SonarAdamW applies the expert gradients all-reduced by DDP (%d expert tensors, world size %d)",
+             len(state.experts), state.world_size)
+    global _MEMORY_WARNED
+    if not _MEMORY_WARNED:
+        _MEMORY_WARNED = True
+        log.warning("SonarAdamW under DDP with replicated experts: DDP's buckets hold every expert gradient, so the "
+                    "gradient memory is DDP's, not one layer; the expert optimizer states live in sonard. Expert "
+                    "parallel keeps the one-layer bound (docs/distributed.md)")
     return state
+
+
+_MEMORY_WARNED = False
+
+
+def _join_enabled(ddp: DistributedDataParallel) -> bool:
+    """Whether ``ddp`` runs inside a ``Join`` context now. torch has no public accessor: Joinable
+    keeps its configuration in ``_join_config``, which ``Join`` enables for the context's duration."""
+    config = getattr(ddp, "_join_config", None)
+    return bool(getattr(config, "enable", False))
+
+
+def _refuse_join(ddp: DistributedDataParallel) -> None:
+    if _join_enabled(ddp):
+        raise NotImplementedError(
+            "SonarAdamW under DDP's join() (uneven inputs) is not supported: a rank that has joined runs the "
+            "communication hook outside backward, and divide_by_initial_world_size=False changes DDP's divisor, "
+            "which the hook does not follow. Give every rank the same number of batches (drop_last=True)")
+
+
+def _check_ddp_options(ddp: DistributedDataParallel) -> None:
+    """Refuse DDP set-ups whose reduction the communication hook does not reproduce."""
+    _refuse_join(ddp)
+    if getattr(ddp, "mixed_precision", None) is not None:
+        raise NotImplementedError("SonarAdamW with DDP(mixed_precision=...) is not supported: the hook would "
+                                  "reduce the low-precision gradients differently from DDP's own path")
+    if getattr(ddp, "static_graph", False):
+        raise NotImplementedError("SonarAdamW with DDP(static_graph=True) is not supported (its delayed all-reduce "
+                                  "was not checked bitwise against DDP); build DDP without static_graph")
+
+
+# ---------------------------------------------------- finding DDP by itself
+class DDPWatch:
+    """Finds out whether a DistributedDataParallel model reduces a SonarAdamW's expert tensors.
+
+    One per process. While some SonarAdamW with expert tensors is watched, a global module
+    forward pre-hook looks at every DDP model about to run forward (Trainer and accelerate wrap
+    the model after building the optimizer, so this is the first moment the wrapping is known,
+    and it comes before any backward through it). A DDP model that reduces the optimizer's
+    experts gets the communication hook (:func:`register_ddp_comm_hook`), or the forward fails
+    with the reason it cannot; one that ignores them (expert parallel) leaves SonarAdamW's own
+    hooks in place, which are right there. A process that is not distributed at the first expert
+    gradient stops watching (no per-module cost afterwards); a distributed one keeps watching,
+    so a model wrapped later is still caught.
+    """
+
+    def __init__(self) -> None:
+        self._watched: weakref.WeakSet[SonarAdamW] = weakref.WeakSet()
+        self._dropped: weakref.WeakSet[SonarAdamW] = weakref.WeakSet()
+        # DDP models already looked at for an optimizer whose experts they do not reduce.
+        self._seen: weakref.WeakKeyDictionary[DistributedDataParallel, weakref.WeakSet[SonarAdamW]] = \
+            weakref.WeakKeyDictionary()
+        self._handle: Any = None
+
+    def watch(self, opt: SonarAdamW) -> None:
+        self._watched.add(opt)
+        self._dropped.discard(opt)
+        if self._handle is None:
+            self._handle = register_module_forward_pre_hook(self._before_forward)
+
+    def forget(self, opt: SonarAdamW, dropped: bool = False) -> None:
+        self._watched.discard(opt)
+        if dropped:
+            self._dropped.add(opt)
+        if not self._watched and self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def was_dropped(self, opt: SonarAdamW) -> bool:
+        return opt in self._dropped
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if not isinstance(module, DistributedDataParallel):
+            return
+        seen = self._seen.setdefault(module, weakref.WeakSet())
+        for opt in list(self._watched):
+            if opt in seen or opt.ddp_hook is not None:
+                continue
+            if opt.closed:
+                self.forget(opt)
+            elif reduces_experts(module, opt):
+                register_ddp_comm_hook(module, opt)
+            else:
+                seen.add(opt)
+
+
+_WATCH = DDPWatch()
+
+
+def reduces_experts(ddp: DistributedDataParallel, opt: SonarAdamW) -> bool:
+    """Whether ``ddp`` all-reduces any of ``opt``'s expert tensors (not in its ignore list)."""
+    experts = {id(p) for _, p in opt.named_expert_parameters()}
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    return any(id(p) in experts and n not in ignored for n, p in ddp.module.named_parameters())
+
+
+def watch_for_ddp(opt: SonarAdamW, module: nn.Module | None) -> None:
+    """Called by SonarAdamW at construction: take the DDP path now if it was built on a DDP
+    model that reduces its experts, else watch for one (see :class:`DDPWatch`)."""
+    if isinstance(module, DistributedDataParallel) and reduces_experts(module, opt):
+        register_ddp_comm_hook(module, opt)
+        return
+    _WATCH.watch(opt)
+
+
+def reclaim(opt: SonarAdamW) -> None:
+    """Launchers move the model to ``cpu:<n>`` after the optimizer exists, which copies CPU
+    tensors: put the expert tensors back where the server updates them (see
+    ``SonarAdamW.reclaim_moved_experts``)."""
+    moved = opt.reclaim_moved_experts()
+    if moved:
+        log.info("expert tensors copied after SonarAdamW was built (model.to(cpu:N)), taken back into shared "
+                 "memory: %s", moved[:4])
+
+
+def unwatch(opt: SonarAdamW) -> None:
+    """Called by SonarAdamW.close(): nothing to watch for any more."""
+    _WATCH.forget(opt)
+
+
+def check_local_gradients(opt: SonarAdamW) -> None:
+    """Called by SonarAdamW's own hook at the first expert gradient of each step.
+
+    In a distributed process the watch has seen every DDP forward since the optimizer was
+    built, so no DDP reduces these experts: the local gradient is final (expert parallel,
+    FSDP2 with ignored experts, or independent replicas). In a process that is not
+    distributed, watching stops. If torch.distributed was initialized only after that, a DDP
+    wrapping may have gone unseen, and the update is refused rather than guessed.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        reclaim(opt)
+        if _WATCH.was_dropped(opt):
+            raise RuntimeError(
+                "torch.distributed was initialized after this SonarAdamW's first backward, so it cannot tell "
+                "whether a DistributedDataParallel model reduces its expert tensors (their update would then use "
+                "the rank-local gradient). Call init_process_group before the first backward, or call "
+                "sonar_moe.distributed.register_ddp_comm_hook(ddp_model, opt) yourself")
+        return
+    _WATCH.forget(opt, dropped=True)
 
 
 # ------------------------------------------------------------- expert parallel

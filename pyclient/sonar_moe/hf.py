@@ -27,6 +27,14 @@ from SonarAdamW's statistics. With ``sonar_kwargs={"expert_clipping": "prev_glob
 norm over all gradients, before clipping) is logged after all, with ``expert_grad_scale``, the
 factor the step's expert gradients got.
 
+Distributed (``torchrun``, ``accelerate launch``): nothing changes in the script. Trainer wraps
+the model in DDP after building the optimizer; SonarAdamW notices at the first forward and takes
+the all-reduced expert gradients from a DDP communication hook, bitwise equal to the same launch
+with stock Trainer (gradient accumulation runs under ``no_sync`` as Trainer does). DDP's buckets
+hold every expert gradient, so under DDP the memory saving is the expert optimizer state only;
+expert parallel keeps the one-layer bound (docs/distributed.md). The ranks of a host share one
+sonard.
+
 Checkpoints: resuming and ``load_best_model_at_end`` load the model's weights in place with the
 checkpoint's layout converted back (``load_weights_in_place``): Trainer 5.23 loads them with
 ``strict=False`` and no conversion, so expert tensors, saved per expert, would keep their

@@ -14,6 +14,7 @@ README's "Limits" lists those cases.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -328,6 +329,12 @@ class SonarAdamW(torch.optim.AdamW):
         self._hooks: dict[int, Any] = {}
         self._registered: dict[int, dict[str, bool]] = {}  # amsgrad/maximize the server checks
         self._external_grads = False  # remove_grad_hooks(): the caller hands gradients over
+        # At the first expert gradient of each step, sonar_moe.distributed checks that no
+        # DistributedDataParallel reduces these experts behind the hooks' back (they would see
+        # the rank-local gradient).
+        self._data_parallel_check_due = True
+        # The DDP communication hook that feeds this optimizer, once one does (sonar_moe.distributed).
+        self.ddp_hook: Any = None
         super().__init__(given, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize, foreach=foreach, fused=fused)
         self.max_grad_norm = max_grad_norm
@@ -372,6 +379,9 @@ class SonarAdamW(torch.optim.AdamW):
                 "during backward, no memory saved. Name them with expert_params=lambda name, param: ... (see "
                 "docs/models.md for the layouts found on their own), or ignore this warning for a dense model"),
                 stacklevel=2)
+        else:
+            from .distributed import watch_for_ddp  # distributed imports this module
+            watch_for_ddp(self, params if isinstance(params, nn.Module) else model)
 
     # -------------------------------------------------------- parameter groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -513,6 +523,11 @@ class SonarAdamW(torch.optim.AdamW):
         return sorted(dense, key=lambda p: self._order.get(id(p), len(self._order)))
 
     @property
+    def closed(self) -> bool:
+        """Whether close() was called (or a newer SonarAdamW took the expert tensors over)."""
+        return self._closed
+
+    @property
     def server_address(self) -> str | None:
         """The address of this optimizer's sonard (its private one, or ``server=``); None
         without expert tensors."""
@@ -533,6 +548,10 @@ class SonarAdamW(torch.optim.AdamW):
         """post-accumulate-grad hook: hand the gradient over and free it."""
         if p.grad is None:
             return
+        if self._data_parallel_check_due:
+            self._data_parallel_check_due = False
+            from .distributed import check_local_gradients  # distributed imports this module
+            check_local_gradients(self)
         self._take(p)
 
     def _take(self, p: torch.Tensor) -> None:
@@ -575,6 +594,25 @@ class SonarAdamW(torch.optim.AdamW):
         for h in self._hooks.values():
             h.remove()
         self._hooks.clear()
+
+    def reclaim_moved_experts(self) -> list[str]:
+        """Put expert tensors whose memory was replaced by an equal CPU copy back into the shared
+        memory the server updates, keeping their values; returns their names.
+
+        accelerate's ``prepare`` (Trainer's too) calls ``model.to(torch.device("cpu", 0))`` after
+        the optimizer exists on multi-process CPU runs, and torch copies CPU tensors for that
+        device. ``sonar_moe.distributed`` calls this before DDP's forward and at the first expert
+        gradient of a distributed step; elsewhere a moved expert tensor stays an error."""
+        self._check_usable()
+        return [name for name, p in self._experts.values() if self._backend.reclaim(p)]
+
+    def accumulate_before_hand_over(self) -> None:
+        """Gradients now arrive already summed over a step's micro-batches (DDP accumulates them
+        in ``.grad`` under ``no_sync()`` and all-reduces once): each hand-over is applied at once,
+        whatever ``grad_accumulation_steps`` was. Called by ``sonar_moe.distributed`` when it
+        takes the DDP path, before any gradient of the step was handed over."""
+        self._backend.set_grad_accumulation_steps(1)
+        self._options = dataclasses.replace(self._options, grad_accumulation_steps=1)
 
     def hand_over_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply ``grad`` as this step's gradient of expert tensor ``param`` (one micro-batch).
@@ -660,6 +698,7 @@ class SonarAdamW(torch.optim.AdamW):
                 self._experts[i][1].grad = None
             self._overflowed.clear()
             self._grads_this_step.clear()
+            self._data_parallel_check_due = True
             if not self._closed:
                 self._hook_experts()
         return loss
@@ -850,6 +889,8 @@ class SonarAdamW(torch.optim.AdamW):
         if self._closed:
             return
         self._closed = True
+        from .distributed import unwatch  # distributed imports this module
+        unwatch(self)
         try:
             self._backend.close()
         finally:
