@@ -5,7 +5,8 @@ from the connection (``SO_PEERCRED`` of the ipc:// socket), never from us, and p
 read by finding a random probe at the address we name. The kernel allows that read to a
 process that may ptrace this one: the same user and, where Yama's ``ptrace_scope`` is 1, a
 process this one named with ``prctl(PR_SET_PTRACER)``, which we do for the private sonard we
-started. A server that cannot read (another user, Yama 2 or 3, a tcp:// server, a seccomp
+started or connected to (the server we trust with our parameters anyway; its pid is in its
+hello reply). A server that cannot read (another user, Yama 2 or 3, a tcp:// server, a seccomp
 policy) refuses, and the client copies gradients through the shared-memory ring instead.
 """
 
@@ -39,13 +40,13 @@ def allow_reads_by(pid: int) -> None:
         log.debug("prctl(PR_SET_PTRACER, %d) failed: %s", pid, os.strerror(ctypes.get_errno()))
 
 
-def attach_process(conn: Connection) -> tuple[int | None, str]:
-    """Ask the server to read gradients from this process: (segment id, "") when it can,
-    (None, why not) when it cannot."""
+def attach_process(conn: Connection, server_pid: int) -> tuple[int | None, str]:
+    """Ask the server (process `server_pid`, from its hello) to read gradients from this
+    process: (segment id, "") when it can, (None, why not) when it cannot."""
     if not conn.address.startswith("ipc://"):
         return None, "a tcp:// server is on another machine"
-    if conn.process is not None:
-        allow_reads_by(conn.process.pid)
+    if server_pid > 0:
+        allow_reads_by(server_pid)
     probe = secrets.token_bytes(64)
     buf = ctypes.create_string_buffer(probe, len(probe))
     try:

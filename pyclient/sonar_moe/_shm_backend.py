@@ -72,7 +72,7 @@ class ShmBackend(ServerBackend):
         self._process_seg: int | None = None
         self.zero_copy_refused = ""  # why the server cannot read our gradients ("" when it can, or not asked)
         if options.zero_copy is not False:
-            self._process_seg, self.zero_copy_refused = attach_process(conn)
+            self._process_seg, self.zero_copy_refused = attach_process(conn, int(hello.get("pid") or 0))
             if self._process_seg is None:
                 if options.zero_copy:
                     raise SonarError(f"zero_copy=True, but sonard cannot read this process's memory: {self.zero_copy_refused}")
