@@ -237,7 +237,7 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
                  "ring + server state) | median step ms | vs (a) | step ms min-max | CPU ms / step (trainer + sonard) | "
                  "CPU vs (a) | held-out loss | train loss (last) |")
         L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for k in "abcdef":
+        for k in "abcdefg":
             m = ms.get(k)
             if m is None:
                 continue

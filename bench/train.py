@@ -11,6 +11,8 @@ Methods:
   e  SonarAdamW(max_grad_norm=1.0, split_experts=True): one request per expert slice
   f  SonarAdamW(max_grad_norm=1.0, zero_copy=False): (d) with each gradient copied through the
      shared-memory ring, as before zero copy (d reads gradients in place where the server can)
+  g  (d) with a one-worker sonard (SONAR_WORKERS=1 in its environment) instead of one worker per
+     core: fewer threads competing with torch's for the cores
 
 Memory (per method, one extra profiled step after the timed ones): the trainer's tensor
 bytes are the bytes alive before the step (parameters outside shared memory, gradients,
@@ -27,6 +29,7 @@ import argparse
 import copy
 import gc
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -46,6 +49,7 @@ METHODS = {
     "d": "SonarAdamW batched",
     "e": "SonarAdamW split_experts",
     "f": "SonarAdamW batched, ring (zero_copy=False)",
+    "g": "SonarAdamW batched, 1-worker sonard",
 }
 LR, WD, CLIP = 1e-3, 0.01, 1.0
 
@@ -73,8 +77,17 @@ class Method:
                 self.per_param[p] = torch.optim.AdamW([p], lr=LR, weight_decay=WD)
                 p.register_post_accumulate_grad_hook(self._in_backward)
         else:
-            self.sonar = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
-                                              split_experts=(key == "e"), zero_copy=False if key == "f" else None)
+            saved = os.environ.get("SONAR_WORKERS")
+            if key == "g":
+                os.environ["SONAR_WORKERS"] = "1"  # read by the private sonard at its start
+            try:
+                self.sonar = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
+                                                  split_experts=(key == "e"), zero_copy=False if key == "f" else None)
+            finally:
+                if saved is None:
+                    os.environ.pop("SONAR_WORKERS", None)
+                else:
+                    os.environ["SONAR_WORKERS"] = saved
             self.opt = self.sonar
         self.times: list[float] = []
         self.losses: list[float] = []
@@ -227,7 +240,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
-    ap.add_argument("--methods", default="abcdef")
+    ap.add_argument("--methods", default="abcdefg")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--timeline", default="ad", help="methods whose profiled-step timeline is kept")
     ap.add_argument("--seed", type=int, default=0)
