@@ -95,7 +95,7 @@ def sonard_e2e(n: int, dtype: torch.dtype, reps: int, fused: bool = False) -> di
                               expert_params=lambda name, t: True) as opt:
         walls = []
         for i in range(reps + 1):
-            (p * w).sum().backward()  # the hook copies the gradient into the ring and sends the request
+            (p * w).sum().backward()  # the hook hands the gradient over (zero copy) and sends the request
             t = time.perf_counter()
             opt.step()  # waits for the reply
             if i:
@@ -269,6 +269,8 @@ def main() -> None:
                 res["sonard"].append(sonard_e2e(n, dtype, a.reps, fused=True))
     if not a.no_sonard:
         res["ping"] = ipc_ping(a.pings, a.go_bench)
+        # A step request whose kernel is negligible (64 elements): what a step costs beyond it.
+        res["step_small"] = sonard_e2e(64, torch.float32, max(50, a.pings // 4))
     res["copy"].append(copy_bandwidth(a.copy_mb, a.reps))
     if a.go_bench:
         res["go_copy"].append(go_copy(a.go_bench, a.copy_mb, a.reps))
