@@ -386,3 +386,21 @@ def test_load_weights_in_place_with_tied_embeddings(tmp_path: Path) -> None:
     report = load_weights_in_place(dst, str(tmp_path))
     assert report.missing == [] and report.unexpected == []
     assert_same(src, dst)
+
+
+def test_sonar_trainer_expert_clipping_logs_global_norm(tmp_path: Path) -> None:
+    """sonar_kwargs={"expert_clipping": ...}: the norm over all gradients is logged as grad_norm,
+    and each step's expert factor follows from the previous step's norm."""
+    a = args(tmp_path, max_grad_norm=0.05, max_steps=3)
+    tr = SonarTrainer(model=olmoe(), args=a, train_dataset=Windows(), sonar_kwargs={"expert_clipping": "prev_global"})
+    tr.train()
+    opt = unwrap_sonar(tr.optimizer)
+    assert opt is not None and opt.expert_clipping == "prev_global"
+    opt.close()
+    logs = [h for h in tr.state.log_history if "loss" in h]
+    assert len(logs) == a.max_steps
+    assert logs[0]["expert_grad_scale"] == 1.0  # no estimate before the first step
+    for prev, cur in zip(logs, logs[1:]):
+        want = float(torch.clamp(0.05 / (torch.tensor(prev["grad_norm"], dtype=torch.float32) + 1e-6), max=1.0))
+        assert cur["expert_grad_scale"] == want < 1.0
+    assert all(h["grad_norm"] > h["dense_grad_norm"] for h in logs)
