@@ -211,14 +211,16 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
     L.append(f"\nTraining: {r0['dtype']}, batch {r0['batch']} x {r0['seq']} byte tokens of real text (the Python "
              f"standard library's sources), AdamW lr 1e-3, weight decay 0.01, {r0['warmup']} warm-up steps then "
              f"{r0['steps']} timed steps (median reported), torch with {r0['threads']} threads, gradient "
-             f"checkpointing {'on (non-reentrant)' if r0.get('checkpointing') else 'off'}. The five methods train "
+             f"checkpointing {'on (non-reentrant)' if r0.get('checkpointing') else 'off'}. The methods train "
              "side by side in one process on the same batches, one step of each in turn, so a change of the "
              "machine's load hits all of them alike; each Sonar method has its own private `sonard`.\n")
     L.append("Methods: (a) `torch.optim.AdamW` + `clip_grad_norm_(all params, 1.0)`; (b) `torch.optim.AdamW` "
              "without clipping; (c) optimizer-in-backward over all parameters (one `torch.optim.AdamW` per "
              "parameter stepped in `register_post_accumulate_grad_hook`, the PyTorch tutorial's method, no "
              "clipping possible); (d) `SonarAdamW(max_grad_norm=1.0)` (batched expert tensors, dense clipping); "
-             "(e) `SonarAdamW(max_grad_norm=1.0, split_experts=True)` (one request per expert slice).\n")
+             "(e) `SonarAdamW(max_grad_norm=1.0, split_experts=True)` (one request per expert slice); "
+             "(f) (d) with `zero_copy=False` (each gradient copied through the shared-memory ring, Sonar before "
+             "zero copy); (g) (d) with a one-worker sonard instead of one worker per core.\n")
     L.append("**How peak memory is measured.** One extra step per method runs under `torch.profiler` with "
              "`profile_memory=True`. The trainer's bytes are those alive before the step (parameters outside "
              "shared memory, gradients, optimizer state, buffers; enumerated, each storage counted once) plus "
