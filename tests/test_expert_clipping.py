@@ -26,6 +26,15 @@ CLIP = 0.05  # small: the factor is below 1 on most steps
 CORPUS = tm.load_corpus(50_000)
 
 
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread: on busy shared cores two OpenMP threads stall a tiny model's steps."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def data(seed: int, batch: int = 4, seq: int = 16) -> Iterator[torch.Tensor]:
     return tm.batches(CORPUS, batch, seq, torch.Generator().manual_seed(seed))
 
