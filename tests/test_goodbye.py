@@ -94,7 +94,10 @@ def test_many_open_close_cycles_log_no_warning(caplog: pytest.LogCaptureFixture)
 
 
 CHILD = """
-import sys, torch, sonar_moe
+import signal, sys, torch, sonar_moe
+# A job started in the background of a non-interactive shell inherits SIGINT ignored; a trainer
+# in a terminal has Python's handler, which is what this test is about.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 torch.manual_seed(0)
 w = torch.nn.Parameter(torch.randn(8, 64, 64))
 d = torch.nn.Parameter(torch.randn(64, 64))
