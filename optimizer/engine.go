@@ -14,8 +14,9 @@ package optimizer
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"runtime"
-	"sort"
+	"slices"
 	"sync"
 	"unsafe"
 
@@ -263,12 +264,8 @@ func (e *Engine) Accumulate(t *Tensor, grad []byte) error {
 		return fmt.Errorf("tensor %q: gradient is %d bytes, want %d", t.Name, len(grad), t.Bytes())
 	}
 	if t.accumCount == 0 {
-		if t.accum == nil {
-			b, err := allocStaggered(t.Bytes(), offAccum)
-			if err != nil {
-				return fmt.Errorf("tensor %q: gradient accumulation buffer: %w", t.Name, err)
-			}
-			t.accumBuf, t.accum = b, b.b
+		if err := t.ensureAccum(); err != nil {
+			return err
 		}
 		err := e.parallel(t.Numel, func(lo, hi int) {
 			sz := t.DType.Size()
@@ -280,12 +277,8 @@ func (e *Engine) Accumulate(t *Tensor, grad []byte) error {
 		}
 	} else {
 		err := e.parallel(t.Numel, func(lo, hi int) {
-			switch t.DType {
-			case Float32:
-				AddF32(f32s(t.accum)[lo:hi], f32s(grad)[lo:hi])
-			case BFloat16:
-				AddBF16(u16s(t.accum)[lo:hi], u16s(grad)[lo:hi])
-			}
+			sz := t.DType.Size()
+			t.addToAccum(lo, hi, grad[lo*sz:hi*sz])
 		})
 		if err != nil {
 			return t.faulted("accumulate", true, err)
@@ -293,6 +286,30 @@ func (e *Engine) Accumulate(t *Tensor, grad []byte) error {
 	}
 	t.accumCount++
 	return nil
+}
+
+// ensureAccum allocates the accumulation buffer if the tensor has none.
+func (t *Tensor) ensureAccum() error {
+	if t.accum != nil {
+		return nil
+	}
+	b, err := allocStaggered(t.Bytes(), offAccum)
+	if err != nil {
+		return fmt.Errorf("tensor %q: gradient accumulation buffer: %w", t.Name, err)
+	}
+	t.accumBuf, t.accum = b, b.b
+	return nil
+}
+
+// addToAccum adds g, the gradient of elements [lo, hi), into the
+// accumulation buffer in the tensor's dtype.
+func (t *Tensor) addToAccum(lo, hi int, g []byte) {
+	switch t.DType {
+	case Float32:
+		AddF32(f32s(t.accum)[lo:hi], f32s(g))
+	case BFloat16:
+		AddBF16(u16s(t.accum)[lo:hi], u16s(g))
+	}
 }
 
 func (t *Tensor) dropAccum() {
@@ -348,7 +365,7 @@ func (e *Engine) ApplyScaled(t *Tensor, grad []byte, s Scalars, prep GradPrep) (
 		grad = t.accum
 	}
 	var sqnorm float64
-	if prep.Norm || (prep.Scale != 0 && prep.Scale != 1) {
+	if prep.active() {
 		var err error
 		if sqnorm, err = e.prepare(t, grad, prep); err != nil {
 			return 0, t.faulted("scale gradient", false, err)
@@ -368,40 +385,55 @@ func (e *Engine) ApplyScaled(t *Tensor, grad []byte, s Scalars, prep GradPrep) (
 
 // prepare measures and scales grad (t's gradient) in one parallel pass.
 func (e *Engine) prepare(t *Tensor, grad []byte, prep GradPrep) (float64, error) {
-	scale := prep.Scale
-	if scale == 0 {
-		scale = 1
-	}
-	parts := make([]float64, 0, 64)
-	var mu sync.Mutex
+	var sums positionSums
 	err := e.parallel(t.Numel, func(lo, hi int) {
-		var sum float64
-		switch t.DType {
-		case Float32:
-			sum = ScaleF32(f32s(grad)[lo:hi], scale, prep.Norm)
-		default:
-			sum = ScaleBF16(u16s(grad)[lo:hi], scale, prep.Norm)
-		}
-		mu.Lock()
-		parts = append(parts, float64(lo), sum)
-		mu.Unlock()
+		sz := t.DType.Size()
+		sums.add(lo, scaleGrad(t.DType, grad[lo*sz:hi*sz], prep))
 	})
 	if err != nil {
 		return 0, err
 	}
-	// Sum the chunks in order of their position, so the result does not
-	// depend on which worker finished first.
-	type part struct{ lo, sum float64 }
-	ps := make([]part, 0, len(parts)/2)
-	for i := 0; i < len(parts); i += 2 {
-		ps = append(ps, part{parts[i], parts[i+1]})
+	return sums.total(), nil
+}
+
+// scaleGrad measures and scales g as prep says (ScaleF32, ScaleBF16).
+func scaleGrad(d DType, g []byte, prep GradPrep) float64 {
+	scale := prep.Scale
+	if scale == 0 {
+		scale = 1
 	}
-	sort.Slice(ps, func(i, j int) bool { return ps[i].lo < ps[j].lo })
+	if d == Float32 {
+		return ScaleF32(f32s(g), scale, prep.Norm)
+	}
+	return ScaleBF16(u16s(g), scale, prep.Norm)
+}
+
+// active says whether prep asks for any work on the gradient.
+func (p GradPrep) active() bool { return p.Norm || (p.Scale != 0 && p.Scale != 1) }
+
+// positionSums collects partial sums from several goroutines, each at the
+// position of its part, and adds them in order of position, so the total
+// does not depend on which goroutine finished first.
+type positionSums struct {
+	mu    sync.Mutex
+	parts map[int]float64
+}
+
+func (p *positionSums) add(at int, sum float64) {
+	p.mu.Lock()
+	if p.parts == nil {
+		p.parts = map[int]float64{}
+	}
+	p.parts[at] = sum
+	p.mu.Unlock()
+}
+
+func (p *positionSums) total() float64 {
 	var total float64
-	for _, p := range ps {
-		total += p.sum
+	for _, at := range slices.Sorted(maps.Keys(p.parts)) {
+		total += p.parts[at]
 	}
-	return total, nil
+	return total
 }
 
 // kernel runs the AdamW arithmetic s selects over elements [lo, hi) of t,

@@ -2,7 +2,6 @@ package optimizer
 
 import (
 	"fmt"
-	"slices"
 	"sync"
 )
 
@@ -63,24 +62,10 @@ func (e *Engine) ApplyFromScaled(t *Tensor, r GradReader, s Scalars, prep GradPr
 		}
 		return e.ApplyScaled(t, nil, s, prep)
 	}
-	scale, measure := prep.Scale, prep.Norm
-	if scale == 0 {
-		scale = 1
-	}
-	var mu sync.Mutex
-	sums := map[int]float64{}
+	var sums positionSums
 	failed, err := e.pieces(t, r, func(lo, hi int, g []byte) {
-		if measure || scale != 1 {
-			var sum float64
-			switch t.DType {
-			case Float32:
-				sum = ScaleF32(f32s(g), scale, measure)
-			default:
-				sum = ScaleBF16(u16s(g), scale, measure)
-			}
-			mu.Lock()
-			sums[lo] = sum
-			mu.Unlock()
+		if prep.active() {
+			sums.add(lo, scaleGrad(t.DType, g, prep))
 		}
 		e.kernel(t, g, s, lo, hi)
 	})
@@ -92,16 +77,7 @@ func (e *Engine) ApplyFromScaled(t *Tensor, r GradReader, s Scalars, prep GradPr
 		return 0, t.damage
 	}
 	t.Step++
-	starts := make([]int, 0, len(sums))
-	for lo := range sums {
-		starts = append(starts, lo)
-	}
-	slices.Sort(starts)
-	var total float64
-	for _, lo := range starts {
-		total += sums[lo]
-	}
-	return total, nil
+	return sums.total(), nil
 }
 
 // AccumulateFrom is Accumulate with the gradient read from r.
@@ -111,12 +87,8 @@ func (e *Engine) AccumulateFrom(t *Tensor, r GradReader) error {
 	}
 	sz := t.DType.Size()
 	if t.accumCount == 0 {
-		if t.accum == nil {
-			b, err := allocStaggered(t.Bytes(), offAccum)
-			if err != nil {
-				return fmt.Errorf("tensor %q: gradient accumulation buffer: %w", t.Name, err)
-			}
-			t.accumBuf, t.accum = b, b.b
+		if err := t.ensureAccum(); err != nil {
+			return err
 		}
 		var once firstError
 		err := e.parallel(t.Numel, func(lo, hi int) {
@@ -130,14 +102,7 @@ func (e *Engine) AccumulateFrom(t *Tensor, r GradReader) error {
 			return fmt.Errorf("tensor %q: accumulate: %w", t.Name, err)
 		}
 	} else {
-		failed, err := e.pieces(t, r, func(lo, hi int, g []byte) {
-			switch t.DType {
-			case Float32:
-				AddF32(f32s(t.accum)[lo:hi], f32s(g))
-			case BFloat16:
-				AddBF16(u16s(t.accum)[lo:hi], u16s(g))
-			}
-		})
+		failed, err := e.pieces(t, r, t.addToAccum)
 		if err != nil {
 			return t.faulted("accumulate", true, err)
 		}
