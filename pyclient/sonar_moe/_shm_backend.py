@@ -11,7 +11,7 @@ Either way at most ``ring_layers`` of the largest layer of gradient bytes wait f
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -97,20 +97,21 @@ class ShmBackend(ServerBackend):
             e.param.data = view
             self._where[id(e.param)] = (seg_id, o)
             self._views[id(e.param)] = view
-        layer: dict[str, int] = {}
-        for e in self._experts.values():
-            layer[e.layer] = layer.get(e.layer, 0) + e.nbytes
-        self._budget = max(layer.values()) * self._options.ring_layers
+        self._budget = self._ring_layers_bytes(lambda nbytes: nbytes)
         if self._ring is not None or self._process_seg is None:  # zero copy makes the ring when first needed
             self._ring_for(self._budget)
+
+    def _ring_layers_bytes(self, size: Callable[[int], int]) -> int:
+        """ring_layers times the largest layer, each expert tensor counted as size(its bytes)."""
+        layer: dict[str, int] = {}
+        for e in self._experts.values():
+            layer[e.layer] = layer.get(e.layer, 0) + size(e.nbytes)
+        return max(layer.values()) * self._options.ring_layers
 
     def _ring_for(self, nbytes: int) -> Ring:
         """The gradient ring, made (or made larger) to take `nbytes` of gradients of the
         largest layer; only while no gradient is in the ring."""
-        layer: dict[str, int] = {}
-        for e in self._experts.values():
-            layer[e.layer] = layer.get(e.layer, 0) + Ring.slot_bytes(e.nbytes)
-        need = max(max(layer.values()) * self._options.ring_layers, Ring.slot_bytes(nbytes))
+        need = max(self._ring_layers_bytes(Ring.slot_bytes), Ring.slot_bytes(nbytes))
         if self._ring is None or self._ring.capacity < need:
             if self._ring is not None:
                 if len(self._ring):
