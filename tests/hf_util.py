@@ -15,6 +15,7 @@ import functools
 from collections.abc import Iterator
 
 import torch
+from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, GraniteMoeConfig, OlmoeConfig
 from transformers import GraniteMoeForCausalLM, OlmoeForCausalLM
 
@@ -138,3 +139,19 @@ def text_batches(seed: int, batch: int = 2, seq: int = 32, count: int | None = N
     gen = torch.Generator().manual_seed(seed)
     for x in tiny_moe.batches(corpus() if data is None else data, batch, seq, gen, count=count):
         yield {"input_ids": x, "labels": x.clone()}
+
+
+class Windows(Dataset):
+    """Byte windows of real text (Python stdlib sources)."""
+
+    def __init__(self, n: int = 64, seq: int = 24, seed: int = 0) -> None:
+        data = torch.frombuffer(bytearray(tiny_moe.load_corpus(200_000)), dtype=torch.uint8).long()
+        g = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, len(data) - seq, (n,), generator=g)
+        self.rows = [data[s: s + seq].clone() for s in starts]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}

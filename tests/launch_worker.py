@@ -34,10 +34,10 @@ sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "pyclient")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
 
 import sonar_moe  # noqa: E402
 import tiny_moe as tm  # noqa: E402
+from hf_util import Windows  # noqa: E402
 
 if sys.argv[1:2] != ["node"]:  # the crash test needs no transformers (and starts faster without)
     import transformers
@@ -61,22 +61,6 @@ def olmoe(seed: int = 0) -> Any:
                       max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     return OlmoeForCausalLM(cfg)
-
-
-class Windows(Dataset):
-    """Byte windows of real text (Python stdlib sources)."""
-
-    def __init__(self, n: int = 96, seq: int = 24, seed: int = 0) -> None:
-        data = torch.frombuffer(bytearray(tm.load_corpus(200_000)), dtype=torch.uint8).long()
-        g = torch.Generator().manual_seed(seed)
-        starts = torch.randint(0, len(data) - seq, (n,), generator=g)
-        self.rows = [data[s: s + seq].clone() for s in starts]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
 def dense_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -147,7 +131,7 @@ def run_trainer(a: argparse.Namespace, accum: int, clip: float) -> None:
             # Trainer clips after backward, when only dense gradients are left: dense-only clipping.
             kw["optimizers"] = (sonar_moe.SonarAdamW(groups, model=model, lr=args.learning_rate,
                                                      grad_accumulation_steps=accum), None)
-        t = cls(model=model, args=args, train_dataset=Windows(), **kw)
+        t = cls(model=model, args=args, train_dataset=Windows(n=96), **kw)
         resume = str(out / name / f"checkpoint-{a.resume}") if a.resume else None
         t.train(resume_from_checkpoint=resume)
         finals[name] = snapshot(model)
@@ -187,7 +171,7 @@ def run_loop(a: argparse.Namespace, accum: int, clip: float) -> None:
     acc = Accelerator(cpu=True, gradient_accumulation_steps=accum)
     if acc.num_processes < 2 or acc.distributed_type.value != "MULTI_CPU":
         raise SystemExit(f"[rank {RANK}] FAIL accelerate runs {acc.distributed_type} x {acc.num_processes}")
-    finals, steps = [], []
+    finals = []
     for use_sonar in (False, True):
         model = olmoe()
         kw: dict[str, Any] = dict(lr=3e-3, weight_decay=0.01)
@@ -195,7 +179,7 @@ def run_loop(a: argparse.Namespace, accum: int, clip: float) -> None:
             opt = sonar_moe.SonarAdamW(model, max_grad_norm=clip or None, **kw)  # as on one process
         else:
             opt = torch.optim.AdamW(model.parameters(), **kw)
-        loader = torch.utils.data.DataLoader(Windows(), batch_size=2, shuffle=True,
+        loader = torch.utils.data.DataLoader(Windows(n=96), batch_size=2, shuffle=True,
                                              generator=torch.Generator().manual_seed(1))
         model, opt, loader = acc.prepare(model, opt, loader)
         dense = dense_params(acc.unwrap_model(model))

@@ -10,13 +10,12 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from torch.utils.data import Dataset
 from transformers import GraniteMoeConfig, GraniteMoeForCausalLM, OlmoeConfig, OlmoeForCausalLM
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 import sonar_moe
-import tiny_moe as tm
 from sonar_moe.hf import SonarTrainer, load_weights_in_place, unwrap_sonar
+from hf_util import Windows
 
 transformers.logging.set_verbosity_error()
 
@@ -41,22 +40,6 @@ def granite(seed: int = 0) -> GraniteMoeForCausalLM:
 
 
 MODELS = {"olmoe": olmoe, "granite": granite}
-
-
-class Windows(Dataset):
-    """Byte windows of real text (Python stdlib sources)."""
-
-    def __init__(self, n: int = 64, seq: int = 24, seed: int = 0) -> None:
-        data = torch.frombuffer(bytearray(tm.load_corpus(200_000)), dtype=torch.uint8).long()
-        g = torch.Generator().manual_seed(seed)
-        starts = torch.randint(0, len(data) - seq, (n,), generator=g)
-        self.rows = [data[s: s + seq].clone() for s in starts]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
 def args(tmp: Path, **kw: Any) -> TrainingArguments:
