@@ -184,14 +184,16 @@ func run() int {
 		}
 	}
 	defer srv.Close() // sessions first (they hold mappings and device state), then the backends
+	// Signals are caught before the socket exists: whoever sees it may stop the server at once
+	// and still get a clean exit.
+	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer cancel()
 	tr, err := ipc.Listen(*listen, log, curve, ipc.Options{HeartbeatTimeout: *heartbeat})
 	if err != nil {
 		log.Error("listen failed", zap.Error(err))
 		return exitError
 	}
 	srv.Peers = tr // a client's process id, for attach_process
-	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-	defer cancel()
 	var parentGone <-chan struct{}
 	if *parentPID != 0 {
 		if parentGone, err = watchParent(*parentPID, log); err != nil {
