@@ -154,6 +154,10 @@ type Stats struct {
 	IPCOpen      int   // CUDA allocations open in the IPC cache
 	IPCOpenBytes int64 // their bytes
 	IPCOpens     int64 // opens since start
+	// CPU path, since start (wall time added over the workers): checking
+	// that a client's gradient pages are readable, copying them out of the
+	// client's process, and the AdamW arithmetic.
+	CheckSeconds, ReadSeconds, KernelSeconds float64
 }
 
 // Backend is one kind of memory the server updates.

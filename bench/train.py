@@ -11,6 +11,11 @@ Methods:
   e  SonarAdamW(max_grad_norm=1.0, split_experts=True): one request per expert slice
   f  SonarAdamW(max_grad_norm=1.0, zero_copy=False): (d) with each gradient copied through the
      shared-memory ring, as before zero copy (d reads gradients in place where the server can)
+  s  (d) with ring_layers=0: one expert tensor at a time waits for the server (the hooks wait
+     for each earlier update), the least memory
+  h  (d) with ring_layers=2: two layers may wait
+  n  no optimizer: forward, backward and zero_grad only (the floor each method adds its
+     update to; not run by default)
   g  (d) with a one-worker sonard (SONAR_WORKERS=1 in its environment) instead of one worker per
      core: fewer threads competing with torch's for the cores
 
@@ -50,6 +55,9 @@ METHODS = {
     "e": "SonarAdamW split_experts",
     "f": "SonarAdamW batched, ring (zero_copy=False)",
     "g": "SonarAdamW batched, 1-worker sonard",
+    "s": "SonarAdamW batched, ring_layers=0",
+    "h": "SonarAdamW batched, ring_layers=2",
+    "n": "no optimizer (forward + backward only)",
 }
 LR, WD, CLIP = 1e-3, 0.01, 1.0
 
@@ -63,6 +71,11 @@ def sonar_seconds(opt: sonar_moe.SonarAdamW | None) -> tuple[float, float, float
     return st["hand_over_s"], st["wait_s"], st.get("room_wait_s", 0.0)
 
 
+def server_phases(server: dict[str, Any]) -> dict[str, float]:
+    """sonard's seconds so far in the page check, the gradient reads and the arithmetic."""
+    return {k: float(server.get(f"{k}_s", 0.0)) for k in ("check", "read", "kernel")}
+
+
 class Method:
     def __init__(self, key: str, model: nn.Module) -> None:
         self.key, self.model = key, model
@@ -72,6 +85,8 @@ class Method:
         self.per_param: dict[nn.Parameter, torch.optim.Optimizer] = {}
         if key in ("a", "b"):
             self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WD)
+        elif key == "n":
+            pass
         elif key == "c":
             for p in self.params:
                 self.per_param[p] = torch.optim.AdamW([p], lr=LR, weight_decay=WD)
@@ -82,7 +97,8 @@ class Method:
                 os.environ["SONAR_WORKERS"] = "1"  # read by the private sonard at its start
             try:
                 self.sonar = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
-                                                  split_experts=(key == "e"), zero_copy=False if key == "f" else None)
+                                                  split_experts=(key == "e"), zero_copy=False if key == "f" else None,
+                                                  ring_layers={"s": 0, "h": 2}.get(key, 1))
             finally:
                 if saved is None:
                     os.environ.pop("SONAR_WORKERS", None)
@@ -110,6 +126,8 @@ class Method:
         if self.opt is not None:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+        elif self.key == "n":
+            self.model.zero_grad(set_to_none=True)
         return float(loss.detach())
 
     def timed_step(self, batch: dict[str, torch.Tensor], record: bool) -> None:
@@ -244,11 +262,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--timeline", default="ad", help="methods whose profiled-step timeline is kept")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch.set_num_threads for the trainer (0: torch's default, one per core)")
     ap.add_argument("--no-checkpointing", action="store_true",
                     help="keep all activations (default: gradient checkpointing, non-reentrant)")
     a = ap.parse_args()
     import transformers
     transformers.logging.set_verbosity_error()
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
 
     dtype = getattr(torch, a.dtype)
     shape, small, real = models.small_shape(a.model, a.hidden, a.layers)
@@ -281,6 +303,7 @@ def main() -> None:
                 if m.sonar is not None:
                     m.lat0 = len(m.sonar.request_latencies)
                     m.req0 = m.sonar.stats(server=False)["step_requests"]
+                    m.phases0 = server_phases(m.sonar.stats()["server"])
         for m in methods:
             m.timed_step(train[i], record=i >= a.warmup)
     train_s = time.perf_counter() - t_start
@@ -301,6 +324,9 @@ def main() -> None:
             r["latency_ms_p50"] = 1e3 * lat[len(lat) // 2] if lat else float("nan")
             r["latency_ms_p99"] = 1e3 * lat[min(len(lat) - 1, len(lat) * 99 // 100)] if lat else float("nan")
             r["requests_per_step"] = (st["step_requests"] - getattr(m, "req0", 0)) / max(a.steps, 1)
+            # Where sonard's time went, per timed step (wall time added over its workers).
+            p0, p1 = getattr(m, "phases0", {}), server_phases(st["server"])
+            r["server_phase_s_per_step"] = {k: (v - p0.get(k, 0.0)) / max(a.steps, 1) for k, v in p1.items()}
             r["hook_s_median"] = common.median(m.hook_s)
             r["drain_s_median"] = common.median(m.drain_s)
             r["room_wait_s_median"] = common.median(m.room_wait_s)

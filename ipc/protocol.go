@@ -308,6 +308,12 @@ type Stats struct {
 	IPCOpen          int   `msgpack:"ipc_open,omitempty"`
 	IPCOpenBytes     int64 `msgpack:"ipc_open_bytes,omitempty"`
 	IPCOpens         int64 `msgpack:"ipc_opens,omitempty"`
+	// CPU path, since start: seconds (added over the workers) spent
+	// checking that client gradient pages are readable, copying gradients
+	// out of client processes, and in the AdamW arithmetic.
+	CheckSeconds  float64 `msgpack:"check_s"`
+	ReadSeconds   float64 `msgpack:"read_s"`
+	KernelSeconds float64 `msgpack:"kernel_s"`
 }
 
 // ErrProtocol marks malformed or unsupported messages.

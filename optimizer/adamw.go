@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/big"
+	"sync"
 )
 
 // Scalars are the per-step constants of one AdamW update, computed by the
@@ -126,9 +127,19 @@ func ieeeSqrt(dst, src []float32) {
 	}
 }
 
-// block is the number of elements processed per pass; a block's data stays
-// in L1 between the two passes, so the tensor is still read once.
-const block = 512
+// block is the number of elements processed per pass with the IEEE square
+// root: a block's data stays in L1 between the two passes, so the tensor is
+// still read once. A square root that is a call into another library (MKL's
+// vmsSqrt through purego) costs a fixed overhead per call, so it gets blocks
+// of callBlock elements, which still stay in L2 (measured in docs/benchmarks.md).
+const (
+	block     = 512
+	callBlock = 4096
+)
+
+// sqrtScratch holds a block's squared moments and their roots (a Sqrt
+// function's arguments escape, so they would be allocated on every call).
+var sqrtScratch = sync.Pool{New: func() any { return new([2 * callBlock]float32) }}
 
 // StepF32 applies one AdamW step to float32 tensors, element for element as
 // torch.optim.AdamW (single-tensor path) does on CPU:
@@ -141,8 +152,9 @@ const block = 512
 //
 // vmax is used only when s.Amsgrad is set. All slices must have len(p).
 func StepF32(p, g, m, v, vmax []float32, s Scalars, sqrt VecSqrt) {
+	blk := callBlock
 	if sqrt == nil {
-		sqrt = ieeeSqrt
+		sqrt, blk = ieeeSqrt, block
 	}
 	k := s.f32()
 	n := len(p)
@@ -150,9 +162,11 @@ func StepF32(p, g, m, v, vmax []float32, s Scalars, sqrt VecSqrt) {
 	if s.Amsgrad {
 		vmax = vmax[:n]
 	}
-	var in, out [block]float32
-	for base := 0; base < n; base += block {
-		end := min(base+block, n)
+	scratch := sqrtScratch.Get().(*[2 * callBlock]float32)
+	defer sqrtScratch.Put(scratch)
+	in, out := scratch[:blk], scratch[callBlock:callBlock+blk]
+	for base := 0; base < n; base += blk {
+		end := min(base+blk, n)
 		pb, gb, mb, vb := p[base:end], g[base:end], m[base:end], v[base:end]
 		nb := end - base
 		// Pass 1: decay, exp_avg, exp_avg_sq (assembly for the head where available).

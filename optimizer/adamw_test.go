@@ -289,8 +289,9 @@ func TestStepF32Sensitivity(t *testing.T) {
 }
 
 func TestStepF32CustomSqrt(t *testing.T) {
-	// The sqrt argument is used for every element, in blocks.
-	const n = 1100
+	// The sqrt argument is used for every element, in blocks of callBlock
+	// (a tail included).
+	const n = 2*callBlock + 1100
 	r := rand.New(rand.NewPCG(15, 16))
 	p, g := randNormal32(r, n, 1), randNormal32(r, n, 1e-2)
 	m, v := randNormal32(r, n, 1e-2), randSq32(r, n, 1e-2)
@@ -311,8 +312,8 @@ func TestStepF32CustomSqrt(t *testing.T) {
 	StepF32(p1, g, m1, v1, nil, s, low)
 	p2, m2, v2 := clone(p), clone(m), clone(v)
 	StepF32(p2, g, m2, v2, nil, s, nil)
-	if total != n || calls != (n+block-1)/block {
-		t.Errorf("sqrt called %d times for %d elements, want %d times for %d", calls, total, (n+block-1)/block, n)
+	if total != n || calls != (n+callBlock-1)/callBlock {
+		t.Errorf("sqrt called %d times for %d elements, want %d times for %d", calls, total, (n+callBlock-1)/callBlock, n)
 	}
 	diff := 0
 	for i := range p1 {

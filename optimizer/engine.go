@@ -18,6 +18,7 @@ import (
 	"runtime"
 	"slices"
 	"sync"
+	"time"
 	"unsafe"
 
 	"github.com/sonar-moe/sonar/internal/fault"
@@ -247,6 +248,9 @@ type Engine struct {
 	Sqrt VecSqrt
 	// SqrtName says which square root Sqrt is ("ieee" when nil).
 	SqrtName string
+	// Phases, when set, sums the time spent reading gradients and in the
+	// arithmetic.
+	Phases *Phases
 }
 
 // NewEngine returns an engine using all cores.
@@ -439,6 +443,9 @@ func (p *positionSums) total() float64 {
 // kernel runs the AdamW arithmetic s selects over elements [lo, hi) of t,
 // whose gradient is g (exactly those elements).
 func (e *Engine) kernel(t *Tensor, g []byte, s Scalars, lo, hi int) {
+	if e.Phases != nil {
+		defer since(&e.Phases.kernelNanos, time.Now())
+	}
 	sz := t.DType.Size()
 	a, b := lo*sz, hi*sz
 	var vmax []byte

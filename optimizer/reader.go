@@ -3,6 +3,7 @@ package optimizer
 import (
 	"fmt"
 	"sync"
+	"time"
 )
 
 // GradReader is a gradient the server cannot address: another process's
@@ -20,6 +21,10 @@ type GradReader interface {
 // where a whole-tensor pass would be (the fused kernels' vector tails are
 // the tensor's).
 const readChunk = 8192
+
+// readScratch holds a worker's piece of gradient (up to readChunk elements
+// of 4 bytes), reused across requests.
+var readScratch = sync.Pool{New: func() any { return new([readChunk * 4]byte) }}
 
 // ReadError is a gradient read that failed part way through an update.
 type ReadError struct {
@@ -124,11 +129,21 @@ func (e *Engine) pieces(t *Tensor, r GradReader, fn func(lo, hi int, g []byte)) 
 	sz := t.DType.Size()
 	var once firstError
 	fault = e.parallel(t.Numel, func(lo, hi int) {
-		buf := make([]byte, min(readChunk, hi-lo)*sz)
+		scratch := readScratch.Get().(*[readChunk * 4]byte)
+		defer readScratch.Put(scratch)
+		buf := scratch[:min(readChunk, hi-lo)*sz]
 		for a := lo; a < hi; a += readChunk {
 			b := min(a+readChunk, hi)
 			g := buf[:(b-a)*sz]
-			if err := r.ReadGrad(g, a*sz); err != nil {
+			var t0 time.Time
+			if e.Phases != nil {
+				t0 = time.Now()
+			}
+			err := r.ReadGrad(g, a*sz)
+			if e.Phases != nil {
+				since(&e.Phases.readNanos, t0)
+			}
+			if err != nil {
 				once.set(err)
 				return
 			}

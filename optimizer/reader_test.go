@@ -178,3 +178,47 @@ func TestApplyFromScaledMatchesApplyScaled(t *testing.T) {
 		}
 	}
 }
+
+// TestPhases: an engine with Phases sums the time of the gradient reads (only
+// on the reader path) and of the arithmetic (both paths); without Phases it
+// times nothing and updates alike.
+func TestPhases(t *testing.T) {
+	const n = 3*readChunk + 5
+	h := Hyper{LR: 1e-2, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 1e-2}
+	r := rand.New(rand.NewPCG(7, 8))
+	param := randBytes(r, Float32, n, 1, false)
+	g := randBytes(r, Float32, n, 1e-2, false)
+	for _, tc := range []struct {
+		name       string
+		fromReader bool
+	}{{"in memory", false}, {"reader", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			var ph Phases
+			timed := &Engine{Workers: 2, MinChunk: 64, Phases: &ph}
+			plain := &Engine{Workers: 2, MinChunk: 64}
+			a := newTestTensor(t, rand.New(rand.NewPCG(1, 2)), Float32, n, h, param)
+			b := newTestTensor(t, rand.New(rand.NewPCG(1, 2)), Float32, n, h, param)
+			for i, e := range []*Engine{timed, plain} {
+				tt := []*Tensor{a, b}[i]
+				var err error
+				if tc.fromReader {
+					err = e.ApplyFrom(tt, reader(g), ScalarsFor(h, 1))
+				} else {
+					err = e.Apply(tt, g, ScalarsFor(h, 1))
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			if !bytes.Equal(a.Param, b.Param) || !bytes.Equal(a.ExpAvgSq, b.ExpAvgSq) {
+				t.Fatal("timing changed the update")
+			}
+			if ph.Kernel() <= 0 {
+				t.Errorf("kernel time %v, want > 0", ph.Kernel())
+			}
+			if got := ph.Read() > 0; got != tc.fromReader {
+				t.Errorf("read time %v, want > 0: %v", ph.Read(), tc.fromReader)
+			}
+		})
+	}
+}

@@ -21,6 +21,7 @@ type metrics struct {
 
 	tensors, stateBytes, segments, segBytes, sessions *prometheus.Desc
 	deviceState, deviceSegments, ipcOpen              *prometheus.Desc
+	phaseSeconds                                      *prometheus.Desc
 	clientTensors, clientState                        *prometheus.Desc
 }
 
@@ -45,8 +46,11 @@ func newMetrics() *metrics {
 		deviceState:    prometheus.NewDesc("sonard_device_state_bytes", "Bytes of optimizer state held in GPU memory.", nil, nil),
 		deviceSegments: prometheus.NewDesc("sonard_device_segments", "Attached client CUDA allocations.", nil, nil),
 		ipcOpen:        prometheus.NewDesc("sonard_ipc_open_bytes", "Bytes of client CUDA allocations open in the IPC cache.", nil, nil),
-		clientTensors:  prometheus.NewDesc("sonard_client_tensors", "Registered tensors, by client process and backend.", []string{"client", "pid", "backend"}, nil),
-		clientState:    prometheus.NewDesc("sonard_client_state_bytes", "Bytes of optimizer state held, by client process and backend.", []string{"client", "pid", "backend"}, nil),
+		phaseSeconds: prometheus.NewDesc("sonard_cpu_update_seconds_total",
+			"CPU path: seconds (added over the workers) spent checking client gradient pages, reading gradients "+
+				"out of client processes, and in the AdamW arithmetic.", []string{"phase"}, nil),
+		clientTensors: prometheus.NewDesc("sonard_client_tensors", "Registered tensors, by client process and backend.", []string{"client", "pid", "backend"}, nil),
+		clientState:   prometheus.NewDesc("sonard_client_state_bytes", "Bytes of optimizer state held, by client process and backend.", []string{"client", "pid", "backend"}, nil),
 	}
 }
 
@@ -72,7 +76,7 @@ type collector struct{ s *Server }
 func (c collector) Describe(ch chan<- *prometheus.Desc) {
 	m := c.s.m
 	for _, d := range []*prometheus.Desc{m.tensors, m.stateBytes, m.segments, m.segBytes, m.sessions, m.deviceState,
-		m.deviceSegments, m.ipcOpen, m.clientTensors, m.clientState} {
+		m.deviceSegments, m.ipcOpen, m.phaseSeconds, m.clientTensors, m.clientState} {
 		ch <- d
 	}
 }
@@ -90,6 +94,9 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(m.deviceState, prometheus.GaugeValue, float64(st.DeviceStateBytes))
 	ch <- prometheus.MustNewConstMetric(m.deviceSegments, prometheus.GaugeValue, float64(st.DeviceSegments))
 	ch <- prometheus.MustNewConstMetric(m.ipcOpen, prometheus.GaugeValue, float64(st.IPCOpenBytes))
+	for phase, v := range map[string]float64{"check": st.CheckSeconds, "read": st.ReadSeconds, "kernel": st.KernelSeconds} {
+		ch <- prometheus.MustNewConstMetric(m.phaseSeconds, prometheus.CounterValue, v, phase)
+	}
 	for id, ss := range c.s.sessions {
 		pid := strconv.Itoa(ss.hello.PID)
 		for b, u := range ss.usage() {

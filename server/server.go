@@ -744,6 +744,9 @@ func (s *Server) stats() ipc.Stats {
 		st.IPCOpen += bst.IPCOpen
 		st.IPCOpenBytes += bst.IPCOpenBytes
 		st.IPCOpens += bst.IPCOpens
+		st.CheckSeconds += bst.CheckSeconds
+		st.ReadSeconds += bst.ReadSeconds
+		st.KernelSeconds += bst.KernelSeconds
 	}
 	if n := len(s.stepMicros); n > 0 {
 		l := append([]int64(nil), s.stepMicros...)

@@ -142,6 +142,9 @@ def test_metrics_endpoint(sonard_binary: str, tmp_path: Path) -> None:
         assert values["sonard_tensors"] == 4 and values["sonard_state_bytes"] > 0
         assert any(k.startswith("sonard_client_state_bytes{") for k in values)
         assert any(k.startswith('sonard_client_requests_total{client="') for k in values)
+        # Where the updates' time went: the arithmetic, and (zero copy) the page check and the reads.
+        for phase in ("check", "read", "kernel"):
+            assert values[f'sonard_cpu_update_seconds_total{{phase="{phase}"}}'] > 0, phase
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -21,7 +21,7 @@ from torch import nn
 
 import sonar_moe
 from sonar_moe import SonarError, start_private_server, torch_scalars
-from sonar_moe._shm import Segment
+from sonar_moe._shm import PAGE, Ring, Segment
 
 N = 1000
 GROUP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False, "maximize": False}
@@ -81,21 +81,46 @@ def test_bitwise_either_way(dtype: torch.dtype, zero_copy: bool) -> None:
         opt.close()
 
 
-def test_held_bytes_within_budget() -> None:
-    """Held gradients wait within ring_layers of the largest layer, as the ring's would."""
-    torch.manual_seed(2)
+@pytest.mark.parametrize("zero_copy", [True, False])
+@pytest.mark.parametrize("ring_layers", [0, 1, 2])
+def test_held_bytes_within_budget(ring_layers: int, zero_copy: bool) -> None:
+    """Gradients wait for the server within ring_layers of the largest layer (0: one expert
+    tensor at a time), held in place or in the ring, and the updates stay torch's bits."""
+    torch.manual_seed(2 + ring_layers)
     model = TinyMoE(torch.float32)
-    opt = sonar_moe.SonarAdamW(model, lr=1e-3)
-    layer = sum(p.numel() * 4 for n, p in model.named_parameters() if "layers.0.mlp.experts" in n)
+    ref = copy.deepcopy(model)
+    experts = [p.numel() * 4 for n, p in model.named_parameters() if "layers.0.mlp.experts" in n]
+    if not zero_copy:  # a ring slot takes more than its gradient (page and cache-line padding)
+        experts = [Ring.slot_bytes(b) for b in experts]
+    bound = max(experts) if ring_layers == 0 else ring_layers * sum(experts)
+    opt = sonar_moe.SonarAdamW(model, lr=1e-3, ring_layers=ring_layers, zero_copy=zero_copy)
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     try:
         for _ in range(3):
-            model(torch.randn(5, 9)).backward()
+            x = torch.randn(5, 9)
+            model(x).backward()
+            ref(x).backward()
             opt.step()
             opt.zero_grad()
+            topt.step()
+            topt.zero_grad()
         st = opt.stats()
-        assert st["zero_copy"] and 0 < st["peak_expert_grad_bytes"] <= layer
+        assert st["zero_copy"] is zero_copy
+        if zero_copy:
+            assert 0 < st["peak_expert_grad_bytes"] <= bound
+        else:  # the ring, plus autograd's gradient while it is copied into its slot
+            assert bound <= st["ring_bytes"] < bound + PAGE
+            assert 0 < st["peak_expert_grad_bytes"] <= bound + max(p.numel() * 4 for p in model.parameters())
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), name
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_ring_layers_checked(bad: object) -> None:
+    with pytest.raises(ValueError, match="ring_layers"):
+        sonar_moe.SonarAdamW(TinyMoE(torch.float32), ring_layers=bad)  # type: ignore[arg-type]
 
 
 @pytest.fixture()

@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"math"
 	"runtime"
+	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/sonar-moe/sonar/backend"
@@ -23,6 +25,9 @@ type Backend struct {
 	// MinChunk is the smallest number of elements worth a goroutine (0:
 	// the engine's default).
 	MinChunk int
+
+	phases     optimizer.Phases // of every session's engine
+	checkNanos atomic.Int64     // in ProcessMemory.Check
 }
 
 // New returns a CPU backend (workers <= 0: one per core).
@@ -41,8 +46,11 @@ func (b *Backend) Name() string { return "cpu" }
 // Describe implements backend.Backend.
 func (b *Backend) Describe() string { return fmt.Sprintf("CPU, %d workers", b.Workers) }
 
-// Stats implements backend.Backend (the CPU backend has no counters of its own).
-func (b *Backend) Stats() backend.Stats { return backend.Stats{} }
+// Stats implements backend.Backend: where the updates' time went.
+func (b *Backend) Stats() backend.Stats {
+	return backend.Stats{CheckSeconds: time.Duration(b.checkNanos.Load()).Seconds(),
+		ReadSeconds: b.phases.Read().Seconds(), KernelSeconds: b.phases.Kernel().Seconds()}
+}
 
 // Close implements backend.Backend.
 func (b *Backend) Close() error { return nil }
@@ -52,6 +60,7 @@ func (b *Backend) Close() error { return nil }
 func (b *Backend) Open(c backend.Client) (backend.Session, error) {
 	e := optimizer.NewEngine()
 	e.Workers = b.Workers
+	e.Phases = &b.phases
 	if b.MinChunk > 0 {
 		e.MinChunk = b.MinChunk
 	}
@@ -122,15 +131,18 @@ func (g procGrad) ReadGrad(dst []byte, off int) error { return g.pm.ReadAt(dst, 
 
 // gradOf is how the engine gets a reference's gradient: a slice of shared
 // memory, or a reader of the client's memory whose every page was checked.
-func gradOf(r backend.Ref) ([]byte, optimizer.GradReader, error) {
+func (b *Backend) gradOf(r backend.Ref) ([]byte, optimizer.GradReader, error) {
 	if p, ok := r.Seg.(*procSegment); ok {
-		if err := p.pm.Check(uint64(r.Off), r.Len); err != nil {
+		t0 := time.Now()
+		err := p.pm.Check(uint64(r.Off), r.Len)
+		b.checkNanos.Add(int64(time.Since(t0)))
+		if err != nil {
 			return nil, nil, err
 		}
 		return nil, procGrad{p.pm, uint64(r.Off)}, nil
 	}
-	b, err := bytesOf(r)
-	return b, nil, err
+	buf, err := bytesOf(r)
+	return buf, nil, err
 }
 
 type tensor struct{ *optimizer.Tensor }
@@ -242,7 +254,7 @@ func (s *session) Step(items []backend.Item, waitEvent bool) error {
 		}
 		w := work{t: t, it: it}
 		if it.Grad != nil {
-			if w.grad, w.read, err = gradOf(*it.Grad); err != nil {
+			if w.grad, w.read, err = s.b.gradOf(*it.Grad); err != nil {
 				return fmt.Errorf("tensor %s grad: %w", t.Name, err)
 			}
 		}

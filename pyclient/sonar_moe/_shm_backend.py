@@ -5,7 +5,8 @@ boundary). Autograd allocates gradients in private memory. Where sonard can read
 process's memory (``_direct``: zero copy, the default when it can), each gradient stays
 where it is, held until the server has answered the request that read it; otherwise it is
 copied into a slot of a ring and freed at once, and the slot is given back with the reply.
-Either way at most ``ring_layers`` of the largest layer of gradient bytes wait for the server.
+Either way at most ``ring_layers`` of the largest layer of gradient bytes wait for the server
+(``ring_layers=0``: one expert tensor at a time).
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class ShmBackend(ServerBackend):
     def _ring_for(self, nbytes: int) -> Ring:
         """The gradient ring, made (or made larger) to take `nbytes` of gradients of the
         largest layer; only while no gradient is in the ring."""
-        need = max(self._ring_layers_bytes(Ring.slot_bytes), Ring.slot_bytes(nbytes))
+        need = max(self._ring_layers_bytes(Ring.slot_bytes), Ring.slot_bytes(nbytes),
+                   max(Ring.slot_bytes(e.nbytes) for e in self._experts.values()))
         if self._ring is None or self._ring.capacity < need:
             if self._ring is not None:
                 if len(self._ring):

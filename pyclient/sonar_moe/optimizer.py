@@ -210,8 +210,8 @@ def _check_options(grad_accumulation_steps: int, max_grad_norm: float | None, ma
                              "grad_accumulation_steps > 1 would clip micro-batches, not their sum: not supported")
     if nonfinite not in ("propagate", "skip"):
         raise ValueError(f"nonfinite must be 'propagate' or 'skip', got {nonfinite!r}")
-    if ring_layers < 1:
-        raise ValueError(f"ring_layers must be >= 1, got {ring_layers}")
+    if isinstance(ring_layers, bool) or not isinstance(ring_layers, int) or ring_layers < 0:
+        raise ValueError(f"ring_layers must be an int >= 0 (0: one expert tensor at a time), got {ring_layers!r}")
     if grad_scaler is not None:
         if not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
