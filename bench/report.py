@@ -220,7 +220,10 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
              "clipping possible); (d) `SonarAdamW(max_grad_norm=1.0)` (batched expert tensors, dense clipping); "
              "(e) `SonarAdamW(max_grad_norm=1.0, split_experts=True)` (one request per expert slice); "
              "(f) (d) with `zero_copy=False` (each gradient copied through the shared-memory ring, Sonar before "
-             "zero copy); (g) (d) with a one-worker sonard instead of one worker per core.\n")
+             "zero copy); (g) (d) with a one-worker sonard instead of one worker per core; (s) and (h): (d) "
+             "with `ring_layers=0` (one expert tensor at a time waits for the server) and `ring_layers=2`; "
+             "(n) no optimizer at all (forward, backward, `zero_grad`): the floor every method adds its "
+             "update to.\n")
     L.append("**How peak memory is measured.** One extra step per method runs under `torch.profiler` with "
              "`profile_memory=True`. The trainer's bytes are those alive before the step (parameters outside "
              "shared memory, gradients, optimizer state, buffers; enumerated, each storage counted once) plus "
@@ -239,7 +242,7 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
                  "ring + server state) | median step ms | vs (a) | step ms min-max | CPU ms / step (trainer + sonard) | "
                  "CPU vs (a) | held-out loss | train loss (last) |")
         L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for k in "abcdefg":
+        for k in "abcdefgshn":
             m = ms.get(k)
             if m is None:
                 continue
@@ -266,6 +269,7 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
                          f"{d['sonar']['peak_expert_grad_bytes'] / MiB:.2f} MiB; one layer of expert gradients: "
                          f"{r['expert_grad_bytes_per_layer'] / MiB:.2f} MiB; all: {r['expert_grad_bytes'] / MiB:.1f} MiB")
         L.append("\n" + "; ".join(notes) + ".\n")
+        L += cost_lines(ms)
         # targets for this model
         tag = f"{MODEL_NAME[r['model']]} {r['impl']}"
         if a and d:
@@ -300,8 +304,95 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
                             "measured": f"{t + 1:.3f}x (c)", "met": t <= 0, "by": signed_pct(-t)})
             targets.append({"target": "(d) within 5% of (c): memory", "case": tag, "measured": f"{signed_pct(mm)}",
                             "met": abs(mm) <= 0.05 or mm < 0, "by": f"{100 * (0.05 - mm):+.1f} points"})
+    for r in res.get("spare") or []:
+        ms = r["methods"]
+        d = ms.get("d")
+        tag = f"{MODEL_NAME[r['model']]} {r['impl']}, torch {r['threads']} thread(s) (a core to spare)"
+        for k, what in (("b", "(b) AdamW without clipping"), ("c", "(c) optimizer-in-backward")):
+            if d and k in ms:
+                x = d["median_step_s"] / ms[k]["median_step_s"]
+                targets.append({"target": f"Sonar (d) step time <= {what}", "case": tag, "measured": f"{x:.3f}x ({k})",
+                                "met": x <= 1.0, "by": signed_pct(1 - x)})
     dl, dt = depth_section(res)
-    return L + dl, targets + dt
+    return L + ring_section(res) + spare_section(res) + dl, targets + dt
+
+
+def cost_lines(ms: dict) -> list[str]:
+    """What each method's update costs over the no-optimizer floor (n), and where (d)'s sonard
+    time went."""
+    n, d = ms.get("n"), ms.get("d")
+    L = []
+    if n is not None:
+        parts = []
+        for k in "abcd":
+            m = ms.get(k)
+            if m is not None:
+                parts.append(f"({k}) {1e3 * (m['median_step_s'] - n['median_step_s']):+.0f} ms wall, "
+                             f"{1e3 * (m['cpu_s_per_step'] - n['cpu_s_per_step']):+.0f} ms CPU")
+        L.append(f"Over the no-optimizer floor (n, {1e3 * n['median_step_s']:.0f} ms, "
+                 f"{1e3 * n['cpu_s_per_step']:.0f} ms CPU a step): " + "; ".join(parts) + ".\n")
+    ph = (d or {}).get("server_phase_s_per_step")
+    if d is not None and ph:
+        L.append(f"Where (d)'s sonard time went, per step (sonard's own counters, wall time added over its "
+                 f"workers): page check {1e3 * ph['check']:.1f} ms, reading the gradients out of the trainer "
+                 f"{1e3 * ph['read']:.1f} ms, AdamW arithmetic {1e3 * ph['kernel']:.1f} ms; sonard's CPU "
+                 f"{1e3 * d['server_cpu_s_per_step']:.0f} ms (the rest: decoding, ZeroMQ, scheduling). The "
+                 f"trainer spent {1e3 * d['hook_s_median']:.1f} ms a step in Sonar's gradient hooks.\n")
+    return L
+
+
+def ring_section(res: dict) -> list[str]:
+    """Time and memory against how many gradients may wait for the server."""
+    rows = [r for r in res["train"] if all(k in r["methods"] for k in "sdh")]
+    if not rows:
+        return []
+    L = ["\n### How many gradients wait: ring_layers\n",
+         "`ring_layers` bounds the expert gradients that wait for the server: held in place (zero copy) or "
+         "in the shared-memory ring, which is reserved for the whole run (f). 0 lets one expert tensor wait "
+         "at a time (the hook waits for every earlier update); more lets the server fall behind further "
+         "before the hooks wait. Same runs as above.\n",
+         "| model | (s) 0: peak MiB / step ms | (d) 1 | (h) 2 | (f) ring, 1: peak MiB / step ms / ring MiB | "
+         "hook ms / step (s / d / h) |",
+         "|---|---|---|---|---|---|"]
+    for r in rows:
+        ms = r["methods"]
+
+        def cell(k: str) -> str:
+            m = ms[k]
+            return f"{_mem(m) / MiB:.2f} / {1e3 * m['median_step_s']:.0f}"
+        f = ms.get("f")
+        fcell = (f"{cell('f')} / {f['memory']['live_before'].get('shm_ring', 0) / MiB:.2f}" if f else "-")
+        hooks = " / ".join(f"{1e3 * ms[k]['hook_s_median']:.1f}" for k in "sdh")
+        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {cell('s')} | {cell('d')} | {cell('h')} | {fcell} | "
+                 f"{hooks} |")
+    return L
+
+
+def spare_section(res: dict) -> list[str]:
+    """The same configs with torch on fewer threads than cores: sonard gets a core of its own."""
+    runs = res.get("spare") or []
+    if not runs:
+        return []
+    L = ["\n### With a core to spare\n",
+         "Above, torch runs one thread per core, so sonard's work cannot overlap anything: it takes cores "
+         "from torch's threads. Here torch runs fewer threads than there are cores (`--threads`), as on a "
+         "machine with more cores than the trainer uses (or a GPU trainer), and sonard's work overlaps the "
+         "backward pass. Same methods and batches; (n) is the no-optimizer floor.\n",
+         "| model | torch threads | (n) ms | (b) ms | (c) ms | (d) ms | (g) 1-worker ms | (d) vs (b) | (d) vs (c) | "
+         "CPU ms / step (n / b / c / d) |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        ms = r["methods"]
+
+        def t(k: str) -> str:
+            return f"{1e3 * ms[k]['median_step_s']:.0f}" if k in ms else "-"
+        d, b, c = ms.get("d"), ms.get("b"), ms.get("c")
+        vb = f"{d['median_step_s'] / b['median_step_s']:.3f}x" if d and b else "-"
+        vc = f"{d['median_step_s'] / c['median_step_s']:.3f}x" if d and c else "-"
+        cpu = " / ".join(f"{1e3 * ms[k]['cpu_s_per_step']:.0f}" for k in "nbcd" if k in ms)
+        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {r['threads']} | {t('n')} | {t('b')} | {t('c')} | "
+                 f"{t('d')} | {t('g')} | {vb} | {vc} | {cpu} |")
+    return L
 
 
 def saving_target(tag: str, layers: int, got: float, theo: float) -> dict:

@@ -31,11 +31,16 @@ from common import ROOT
 
 PY = sys.executable
 
+# Training methods of the main configs (bench/train.py's letters), and of the spare-core runs:
+# torch limited to fewer threads than cores, so sonard has a core of its own.
+METHODS, SPARE_METHODS = "abcdefgshn", "nbcdg"
 FULL = dict(sizes="1M,16M,64M", reps=9, pings=2000, layers=8, hidden=128, batch=4, seq=64, warmup=3, steps=30,
             models=[("olmoe", "eager"), ("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
+            spare=[("olmoe", "grouped_mm", 1), ("granite", "grouped_mm", 1)],
             depth=[("olmoe", "grouped_mm", 16), ("granite", "grouped_mm", 32)])
 QUICK = dict(sizes="1M,16M", reps=3, pings=500, layers=4, hidden=128, batch=4, seq=64, warmup=1, steps=5,
              models=[("olmoe", "eager"), ("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
+             spare=[("olmoe", "grouped_mm", 1)],
              depth=[("olmoe", "grouped_mm", 8)])
 
 
@@ -80,8 +85,17 @@ def run_all(cfg: dict, quick: bool, env: dict[str, str]) -> dict:
         print(f"training: {model} / {impl}", file=sys.stderr, flush=True)
         cmd = [PY, "bench/train.py", "--model", model, "--impl", impl, "--layers", str(cfg["layers"]),
                "--hidden", str(cfg["hidden"]), "--batch", str(cfg["batch"]), "--seq", str(cfg["seq"]),
-               "--warmup", str(cfg["warmup"]), "--steps", str(cfg["steps"])]
+               "--warmup", str(cfg["warmup"]), "--steps", str(cfg["steps"]), "--methods", METHODS]
         res["train"].append(common.run_json(cmd, env))
+        cmds.append(cmd)
+    res["spare"] = []
+    for model, impl, threads in cfg["spare"]:
+        print(f"training with a spare core: {model} / {impl}, torch at {threads} thread(s)", file=sys.stderr, flush=True)
+        cmd = [PY, "bench/train.py", "--model", model, "--impl", impl, "--layers", str(cfg["layers"]),
+               "--hidden", str(cfg["hidden"]), "--batch", str(cfg["batch"]), "--seq", str(cfg["seq"]),
+               "--warmup", str(cfg["warmup"]), "--steps", str(cfg["steps"]), "--methods", SPARE_METHODS,
+               "--threads", str(threads), "--timeline", ""]
+        res["spare"].append(common.run_json(cmd, env))
         cmds.append(cmd)
     res["depth"] = []
     for model, impl, layers in cfg["depth"]:
