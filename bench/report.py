@@ -269,7 +269,7 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
                          f"{d['sonar']['peak_expert_grad_bytes'] / MiB:.2f} MiB; one layer of expert gradients: "
                          f"{r['expert_grad_bytes_per_layer'] / MiB:.2f} MiB; all: {r['expert_grad_bytes'] / MiB:.1f} MiB")
         L.append("\n" + "; ".join(notes) + ".\n")
-        L += cost_lines(ms)
+        L += cost_lines(ms, r["impl"])
         # targets for this model
         tag = f"{MODEL_NAME[r['model']]} {r['impl']}"
         if a and d:
@@ -317,12 +317,13 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
     return L + ring_section(res) + spare_section(res) + dl, targets + dt
 
 
-def cost_lines(ms: dict) -> list[str]:
+def cost_lines(ms: dict, impl: str) -> list[str]:
     """What each method's update costs over the no-optimizer floor (n), and where (d)'s sonard
-    time went."""
+    time went. (n)'s model does not learn, so its router spreads tokens differently; the eager
+    experts loop over the experts that got tokens, so there (n) is no floor (not shown)."""
     n, d = ms.get("n"), ms.get("d")
     L = []
-    if n is not None:
+    if n is not None and impl != "eager":
         parts = []
         for k in "abcd":
             m = ms.get(k)
@@ -330,7 +331,10 @@ def cost_lines(ms: dict) -> list[str]:
                 parts.append(f"({k}) {1e3 * (m['median_step_s'] - n['median_step_s']):+.0f} ms wall, "
                              f"{1e3 * (m['cpu_s_per_step'] - n['cpu_s_per_step']):+.0f} ms CPU")
         L.append(f"Over the no-optimizer floor (n, {1e3 * n['median_step_s']:.0f} ms, "
-                 f"{1e3 * n['cpu_s_per_step']:.0f} ms CPU a step): " + "; ".join(parts) + ".\n")
+                 f"{1e3 * n['cpu_s_per_step']:.0f} ms CPU a step): " + "; ".join(parts) + ". (n)'s model does "
+                 "not learn, so its routing, and with it the cost of its forward and backward, drifts from the "
+                 "others' (for the eager experts, which loop over the experts that got tokens, too far to be a "
+                 "floor: not shown there).\n")
     ph = (d or {}).get("server_phase_s_per_step")
     if d is not None and ph:
         L.append(f"Where (d)'s sonard time went, per step (sonard's own counters, wall time added over its "
@@ -737,9 +741,11 @@ def analysis(res: dict) -> list[str]:
     mk = by.get(("go-mkl", "float32", big))
     if g and mk:
         L.append(f"- **MKL sqrt** ({size_name(big)}: {mk['gb_per_s']:.1f} GB/s vs {g['gb_per_s']:.1f} GB/s IEEE). "
-                 "torch's `vmsSqrt` (needed for bit-for-bit equality on AVX-512 machines) is called through cgo "
-                 "once per 512-element block, where the IEEE path is a plain assembly loop over the same "
-                 "block; the cgo transition and MKL's high-accuracy routine cost a few percent.")
+                 "torch's float32 `sqrt` is MKL's `vmsSqrt`, which differs from the IEEE root (one ulp, on a "
+                 "share of inputs that depends on the CPU), so bit-for-bit equality needs the very same function. "
+                 "The Go engine calls it through purego once per 4096-element block (it was once per 512 until "
+                 "2026-12-01: a fixed cost per call, and a fresh heap array each time), between the two passes of "
+                 "its own arithmetic; the IEEE path is a plain assembly loop over 512-element blocks that stay in L1.")
     mem_lines, time_lines, rss_note = [], [], []
     for r in res["train"] + res.get("depth", []):
         ms = r["methods"]
@@ -782,13 +788,18 @@ def analysis(res: dict) -> list[str]:
         if rss_note:
             L.append("- **sonard's own memory.** " + rss_note[0] + ".")
     if time_lines:
-        L.append("- **Step time.** On 2 cores sonard's AdamW runs on the same cores as torch's backward (2 OpenMP "
-                 "threads + 2 engine workers), so overlapping the update with backward cannot hide it the way a "
-                 "GPU stream does; what Sonar saves is the clipping pass and torch's single-tensor AdamW over the "
-                 "expert tensors (replaced by the Go kernel, several times faster: section 1), and it "
-                 "adds a copy of each expert gradient into the ring and a round trip per request. Per-expert "
-                 "requests (e) multiply the round trips by the expert count. Load from other processes slows "
-                 "torch's OpenMP ops far more than the Go engine (threads wait for each other at every op), which "
-                 "favours Sonar on a busy machine. Measured: " + "; ".join(time_lines) + ".")
+        L.append("- **Step time.** On 2 cores with torch on one thread per core, sonard's AdamW runs on the cores "
+                 "torch's backward uses (2 OpenMP threads + 2 engine workers), so overlapping the update with "
+                 "backward cannot hide it the way a spare core or a GPU stream does: every CPU millisecond sonard "
+                 "spends is a millisecond taken from torch. Against optimizer-in-backward (c), which updates each "
+                 "gradient in place with torch's own ops, sonard does the same arithmetic (with torch's MKL sqrt, "
+                 "for the bits) plus what a separate process costs: it copies each gradient out of the trainer "
+                 "(`process_vm_readv`), checks every page of it first (so that a bad address changes nothing), "
+                 "and decodes, schedules and answers each request; each training table above says how many "
+                 "milliseconds a step each took. The hooks' own time is mostly the trainer waiting for a core "
+                 "while sonard runs (their CPU time was about half their wall time when profiled). With a core to spare "
+                 "(torch on one thread), the same update is hidden behind backward and (d) is faster than (b) "
+                 "and (c): see \"With a core to spare\". Per-expert requests (e) multiply the round trips by "
+                 "the expert count. Measured: " + "; ".join(time_lines) + ".")
     L.append("")
     return L
