@@ -2,9 +2,12 @@ package ipcbridge
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"os"
+	"sync"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -20,7 +23,9 @@ import (
 // user, and on Yama ptrace_scope 1 a client that named the server with
 // prctl(PR_SET_PTRACER) (sonar_moe does for the private sonard it starts).
 type ProcessMemory struct {
-	pid int
+	pid     int
+	mapOnce sync.Once
+	pagemap *os.File // nil until the first Check, and where it cannot be opened
 }
 
 // OpenProcess returns the memory of process pid and proves it readable:
@@ -65,9 +70,17 @@ func (p *ProcessMemory) ReadAt(dst []byte, addr uint64) error {
 	return nil
 }
 
-// Check proves every page of [addr, addr+n) readable (one byte of each,
-// IOV_MAX pages per system call), so that an update reading the range
-// later does not stop half way for a bad address of an honest mistake.
+// Check proves every page of [addr, addr+n) readable, so that an update
+// reading the range later does not stop half way for a bad address of an
+// honest mistake.
+//
+// The process's page map (/proc/PID/pagemap, readable to whoever may read
+// the process) says which pages are present in memory: a present page is
+// mapped, and every page of a gradient autograd has just written is. Only
+// the pages it does not show present (never touched, swapped out, or not
+// mapped at all) are proven by reading one byte of each (IOV_MAX pages per
+// system call), which costs a page-table walk and a pin per page. Without a
+// page map (another kernel, or a sandbox without it), every page is read so.
 func (p *ProcessMemory) Check(addr uint64, n int64) error {
 	if n <= 0 {
 		return nil
@@ -76,39 +89,109 @@ func (p *ProcessMemory) Check(addr uint64, n int64) error {
 		return fmt.Errorf("process memory: range 0x%x+%d wraps around", addr, n)
 	}
 	page := uint64(os.Getpagesize())
-	const batch = 1024 // IOV_MAX
-	sink := make([]byte, batch)
-	local := []unix.Iovec{{Base: &sink[0]}}
-	remote := make([]unix.RemoteIovec, 0, batch)
-	end := addr + uint64(n)
-	flush := func() error {
-		if len(remote) == 0 {
-			return nil
-		}
-		local[0].SetLen(len(remote))
-		got, err := unix.ProcessVMReadv(p.pid, local, remote, 0)
-		if err == nil && got < len(remote) {
-			err = unix.EFAULT
-		}
-		if err != nil {
-			at := remote[0].Base
-			if got >= 0 && got < len(remote) {
-				at = remote[got].Base
+	first, last := addr/page, (addr+uint64(n)-1)/page
+	probe := newPageProbe(p)
+	if pm := p.pageMap(); pm != nil {
+		const chunk = 4096 // entries (8 bytes each) per read
+		ents := make([]byte, 8*chunk)
+		for lo := first; lo <= last; lo += chunk {
+			cnt := min(chunk, last-lo+1)
+			got, err := pm.ReadAt(ents[:8*cnt], int64(lo*8))
+			if err != nil && got == 0 && !errors.Is(err, io.EOF) {
+				return p.checkEach(probe, addr, lo, last, page) // unreadable map: prove the rest page by page
 			}
-			return p.explain(err, uint64(at), 1)
+			for i := uint64(0); i < cnt; i++ {
+				if int(8*i+8) <= got && binary.NativeEndian.Uint64(ents[8*i:])&pagePresent != 0 {
+					continue
+				}
+				if err := probe.add(max(addr, (lo+i)*page)); err != nil {
+					return err
+				}
+			}
 		}
-		remote = remote[:0]
+		return probe.flush()
+	}
+	return p.checkEach(probe, addr, first, last, page)
+}
+
+// pagePresent is the page map entry's "present in memory" bit (bit 63).
+const pagePresent = 1 << 63
+
+// checkEach proves pages first..last readable one byte at a time.
+func (p *ProcessMemory) checkEach(probe *pageProbe, addr, first, last, page uint64) error {
+	for pg := first; pg <= last; pg++ {
+		if err := probe.add(max(addr, pg*page)); err != nil {
+			return err
+		}
+	}
+	return probe.flush()
+}
+
+// pageMap is the process's /proc/PID/pagemap, opened at the first check; nil
+// where it cannot be opened (then every page is proven by a read).
+func (p *ProcessMemory) pageMap() *os.File {
+	p.mapOnce.Do(func() {
+		f, err := os.Open(fmt.Sprintf("/proc/%d/pagemap", p.pid))
+		if err == nil {
+			p.pagemap = f
+		}
+	})
+	return p.pagemap
+}
+
+// Close releases the page map (the process's memory needs no closing).
+func (p *ProcessMemory) Close() error {
+	p.mapOnce.Do(func() {}) // no later check opens it
+	if p.pagemap == nil {
 		return nil
 	}
-	for a := addr; a < end; a = (a/page + 1) * page {
-		remote = append(remote, unix.RemoteIovec{Base: uintptr(a), Len: 1})
-		if len(remote) == batch {
-			if err := flush(); err != nil {
-				return err
-			}
-		}
+	return p.pagemap.Close()
+}
+
+// pageProbe reads one byte at each address added, IOV_MAX addresses per
+// system call.
+type pageProbe struct {
+	p      *ProcessMemory
+	sink   []byte
+	remote []unix.RemoteIovec
+}
+
+const iovMax = 1024
+
+func newPageProbe(p *ProcessMemory) *pageProbe {
+	return &pageProbe{p: p}
+}
+
+func (b *pageProbe) add(a uint64) error {
+	b.remote = append(b.remote, unix.RemoteIovec{Base: uintptr(a), Len: 1})
+	if len(b.remote) == iovMax {
+		return b.flush()
 	}
-	return flush()
+	return nil
+}
+
+func (b *pageProbe) flush() error {
+	if len(b.remote) == 0 {
+		return nil
+	}
+	if b.sink == nil {
+		b.sink = make([]byte, iovMax)
+	}
+	local := []unix.Iovec{{Base: &b.sink[0]}}
+	local[0].SetLen(len(b.remote))
+	got, err := unix.ProcessVMReadv(b.p.pid, local, b.remote, 0)
+	if err == nil && got < len(b.remote) {
+		err = unix.EFAULT
+	}
+	if err != nil {
+		at := b.remote[0].Base
+		if got >= 0 && got < len(b.remote) {
+			at = b.remote[got].Base
+		}
+		return b.p.explain(err, uint64(at), 1)
+	}
+	b.remote = b.remote[:0]
+	return nil
 }
 
 func (p *ProcessMemory) explain(err error, addr uint64, n int) error {

@@ -2,10 +2,12 @@ package ipcbridge
 
 import (
 	"bytes"
+	"encoding/binary"
 	"math/rand/v2"
 	"os"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -66,5 +68,81 @@ func TestProcessMemory(t *testing.T) {
 	}
 	if _, err := OpenProcess(0, addrOf(probe), probe); err == nil {
 		t.Error("pid 0 accepted")
+	}
+}
+
+// TestCheckPages: the check passes over present pages (the page map's path),
+// over pages never touched (proven by a read), and fails at an unmapped page
+// wherever it lies in the range, with or without the page map.
+func TestCheckPages(t *testing.T) {
+	pg := os.Getpagesize()
+	mem, err := unix.Mmap(-1, 0, 64*pg, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	for i := 0; i < 32*pg; i += pg { // the first half present, the second never touched
+		mem[i] = 1
+	}
+	base := addrOf(mem)
+	// A hole of one page in the middle of a second mapping.
+	holed, err := unix.Mmap(-1, 0, 8*pg, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(holed)
+	for i := range holed {
+		holed[i] = 2
+	}
+	if err := unix.MunmapPtr(unsafe.Pointer(&holed[5*pg]), uintptr(pg)); err != nil {
+		t.Fatal(err)
+	}
+	hbase := addrOf(holed)
+	for _, pagemap := range []bool{true, false} {
+		p := &ProcessMemory{pid: os.Getpid()}
+		if !pagemap {
+			p.mapOnce.Do(func() {}) // as where /proc/PID/pagemap cannot be opened
+		} else if p.pageMap() == nil {
+			t.Fatal("cannot open this process's page map")
+		} else { // the premise: touched pages show present, untouched ones do not
+			for _, c := range []struct {
+				at      uint64
+				present bool
+			}{{base, true}, {base + uint64(31*pg), true}, {base + uint64(33*pg), false}} {
+				e := make([]byte, 8)
+				if _, err := p.pageMap().ReadAt(e, int64(c.at/uint64(pg)*8)); err != nil {
+					t.Fatal(err)
+				}
+				if got := binary.NativeEndian.Uint64(e)&pagePresent != 0; got != c.present {
+					t.Errorf("page map entry of 0x%x: present=%v, want %v", c.at, got, c.present)
+				}
+			}
+		}
+		for _, tc := range []struct {
+			name string
+			addr uint64
+			n    int64
+			ok   bool
+		}{
+			{"present", base + 7, int64(32*pg - 7), true},
+			{"untouched", base + uint64(32*pg), int64(32 * pg), true},
+			{"both", base + 100, int64(64*pg - 200), true},
+			{"one byte", base + uint64(40*pg), 1, true},
+			{"before the hole", hbase, int64(5 * pg), true},
+			{"into the hole", hbase + uint64(4*pg), int64(pg + 1), false},
+			{"across the hole", hbase, int64(8 * pg), false},
+			{"in the hole", hbase + uint64(5*pg) + 10, 10, false},
+		} {
+			err := p.Check(tc.addr, tc.n)
+			if (err == nil) != tc.ok {
+				t.Errorf("pagemap=%v %s: %v", pagemap, tc.name, err)
+			}
+			if err != nil && !strings.Contains(err.Error(), "not mapped") {
+				t.Errorf("pagemap=%v %s: unclear error %v", pagemap, tc.name, err)
+			}
+		}
+		if err := p.Close(); err != nil {
+			t.Fatal(err)
+		}
 	}
 }

@@ -109,7 +109,7 @@ func (p *procSegment) Size() int64   { return 0 } // nothing is mapped
 func (p *procSegment) Object() any   { return procObject{p.pm.PID()} }
 func (p *procSegment) Base() uint64  { return 0 }
 func (p *procSegment) Verify() error { return nil } // each range is checked when a step reads it
-func (p *procSegment) Close() error  { return nil }
+func (p *procSegment) Close() error  { return p.pm.Close() }
 
 func (p *procSegment) Check(off, n, align int64) error {
 	switch {
