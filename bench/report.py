@@ -665,6 +665,17 @@ def write(res: dict, out: Path) -> None:
     (out / "benchmarks.md").write_text("\n".join(L) + "\n")
 
 
+def spare_summary(res: dict) -> str:
+    """(d) against (b) and (c) in the spare-core runs, in words."""
+    parts = []
+    for r in res.get("spare") or []:
+        ms = r["methods"]
+        if all(k in ms for k in "bcd"):
+            parts.append(f"{MODEL_NAME[r['model']]} {r['impl']} (d) {ms['d']['median_step_s'] / ms['b']['median_step_s']:.2f}x "
+                         f"(b), {ms['d']['median_step_s'] / ms['c']['median_step_s']:.2f}x (c)")
+    return "; ".join(parts) if parts else "not measured in this run"
+
+
 def analysis(res: dict) -> list[str]:
     """Why targets are met or missed: the mechanisms, with this run's numbers."""
     L = ["## Why\n"]
@@ -798,8 +809,8 @@ def analysis(res: dict) -> list[str]:
                  "and decodes, schedules and answers each request; each training table above says how many "
                  "milliseconds a step each took. The hooks' own time is mostly the trainer waiting for a core "
                  "while sonard runs (their CPU time was about half their wall time when profiled). With a core to spare "
-                 "(torch on one thread), the same update is hidden behind backward and (d) is faster than (b) "
-                 "and (c): see \"With a core to spare\". Per-expert requests (e) multiply the round trips by "
-                 "the expert count. Measured: " + "; ".join(time_lines) + ".")
+                 "(torch on fewer threads), the update overlaps backward instead: " + spare_summary(res) +
+                 ". Per-expert requests (e) multiply the round trips by the expert count. Measured: " +
+                 "; ".join(time_lines) + ".")
     L.append("")
     return L
