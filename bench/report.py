@@ -220,8 +220,10 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
              "clipping possible); (d) `SonarAdamW(max_grad_norm=1.0)` (batched expert tensors, dense clipping); "
              "(e) `SonarAdamW(max_grad_norm=1.0, split_experts=True)` (one request per expert slice); "
              "(f) (d) with `zero_copy=False` (each gradient copied through the shared-memory ring, Sonar before "
-             "zero copy); (g) (d) with a one-worker sonard instead of one worker per core; (s) and (h): (d) "
-             "with `ring_layers=0` (one expert tensor at a time waits for the server) and `ring_layers=2`; "
+             "zero copy); (g) (d) with a one-worker sonard instead of one worker per core; (s), (o) and (h): (d) "
+             "with `ring_layers` 0 (each hook waits for its own update), 1 and 2 (that many layers of gradients "
+             "may wait for the server); (d) leaves it unset, which is 0 where torch's threads take every core "
+             "(as here) and 1 with a core to spare; "
              "(n) no optimizer at all (forward, backward, `zero_grad`): the floor every method adds its "
              "update to.\n")
     L.append("**How peak memory is measured.** One extra step per method runs under `torch.profiler` with "
@@ -242,7 +244,7 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
                  "ring + server state) | median step ms | vs (a) | step ms min-max | CPU ms / step (trainer + sonard) | "
                  "CPU vs (a) | held-out loss | train loss (last) |")
         L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for k in "abcdefgshn":
+        for k in "abcdefgsohn":
             m = ms.get(k)
             if m is None:
                 continue
@@ -347,28 +349,32 @@ def cost_lines(ms: dict, impl: str) -> list[str]:
 
 def ring_section(res: dict) -> list[str]:
     """Time and memory against how many gradients may wait for the server."""
-    rows = [r for r in res["train"] if all(k in r["methods"] for k in "sdh")]
+    rows = [(r, "") for r in res["train"]] + [(r, f", torch {r['threads']} thread(s)") for r in res.get("spare") or []]
+    rows = [(r, tag) for r, tag in rows if all(k in r["methods"] for k in "so")]
     if not rows:
         return []
     L = ["\n### How many gradients wait: ring_layers\n",
          "`ring_layers` bounds the expert gradients that wait for the server: held in place (zero copy) or "
-         "in the shared-memory ring, which is reserved for the whole run (f). 0 lets one expert tensor wait "
-         "at a time (the hook waits for every earlier update); more lets the server fall behind further "
-         "before the hooks wait. Same runs as above.\n",
-         "| model | (s) 0: peak MiB / step ms | (d) 1 | (h) 2 | (f) ring, 1: peak MiB / step ms / ring MiB | "
-         "hook ms / step (s / d / h) |",
-         "|---|---|---|---|---|---|"]
-    for r in rows:
+         "in the shared-memory ring, which is reserved for the whole run (f). With 0 each gradient hook waits "
+         "until the server has applied its update; with 1 or 2 that many layers of gradients may wait, so the "
+         "server's work overlaps backward. Same runs as above; the spare-core runs (torch on fewer threads "
+         "than cores) last. Unset, `ring_layers` is 0 where torch's threads take every core this process may "
+         "use and the server is on the same machine (`ipc://`), else 1: the column (d) shows what it chose.\n",
+         "| model | (s) 0: peak MiB / step ms | (o) 1 | (h) 2 | (d) unset: chose / peak MiB / step ms | "
+         "(f) ring, as (d): peak MiB / step ms / ring MiB | hook ms / step (s / o / h) |",
+         "|---|---|---|---|---|---|---|"]
+    for r, tag in rows:
         ms = r["methods"]
 
         def cell(k: str) -> str:
-            m = ms[k]
-            return f"{_mem(m) / MiB:.2f} / {1e3 * m['median_step_s']:.0f}"
-        f = ms.get("f")
+            m = ms.get(k)
+            return f"{_mem(m) / MiB:.2f} / {1e3 * m['median_step_s']:.0f}" if m else "-"
+        f, d = ms.get("f"), ms.get("d")
         fcell = (f"{cell('f')} / {f['memory']['live_before'].get('shm_ring', 0) / MiB:.2f}" if f else "-")
-        hooks = " / ".join(f"{1e3 * ms[k]['hook_s_median']:.1f}" for k in "sdh")
-        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {cell('s')} | {cell('d')} | {cell('h')} | {fcell} | "
-                 f"{hooks} |")
+        dcell = f"{d['sonar'].get('ring_layers', '?')} / {cell('d')}" if d else "-"
+        hooks = " / ".join(f"{1e3 * ms[k]['hook_s_median']:.1f}" if k in ms else "-" for k in "soh")
+        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']}{tag} | {cell('s')} | {cell('o')} | {cell('h')} | {dcell} | "
+                 f"{fcell} | {hooks} |")
     return L
 
 
@@ -382,9 +388,9 @@ def spare_section(res: dict) -> list[str]:
          "from torch's threads. Here torch runs fewer threads than there are cores (`--threads`), as on a "
          "machine with more cores than the trainer uses (or a GPU trainer), and sonard's work overlaps the "
          "backward pass. Same methods and batches; (n) is the no-optimizer floor.\n",
-         "| model | torch threads | (n) ms | (b) ms | (c) ms | (d) ms | (g) 1-worker ms | (d) vs (b) | (d) vs (c) | "
-         "CPU ms / step (n / b / c / d) |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+         "| model | torch threads | (n) ms | (b) ms | (c) ms | (d) ms | (g) 1-worker ms | (s) ring_layers=0 ms | "
+         "(d) vs (b) | (d) vs (c) | CPU ms / step (n / b / c / d) |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         ms = r["methods"]
 
@@ -395,7 +401,7 @@ def spare_section(res: dict) -> list[str]:
         vc = f"{d['median_step_s'] / c['median_step_s']:.3f}x" if d and c else "-"
         cpu = " / ".join(f"{1e3 * ms[k]['cpu_s_per_step']:.0f}" for k in "nbcd" if k in ms)
         L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {r['threads']} | {t('n')} | {t('b')} | {t('c')} | "
-                 f"{t('d')} | {t('g')} | {vb} | {vc} | {cpu} |")
+                 f"{t('d')} | {t('g')} | {t('s')} | {vb} | {vc} | {cpu} |")
     return L
 
 

@@ -33,7 +33,7 @@ PY = sys.executable
 
 # Training methods of the main configs (bench/train.py's letters), and of the spare-core runs:
 # torch limited to fewer threads than cores, so sonard has a core of its own.
-METHODS, SPARE_METHODS = "abcdefgshn", "nbcdg"
+METHODS, SPARE_METHODS = "abcdefgsohn", "nbcdgso"
 FULL = dict(sizes="1M,16M,64M", reps=9, pings=2000, layers=8, hidden=128, batch=4, seq=64, warmup=3, steps=30,
             models=[("olmoe", "eager"), ("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
             spare=[("olmoe", "grouped_mm", 1), ("granite", "grouped_mm", 1)],

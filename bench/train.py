@@ -11,9 +11,10 @@ Methods:
   e  SonarAdamW(max_grad_norm=1.0, split_experts=True): one request per expert slice
   f  SonarAdamW(max_grad_norm=1.0, zero_copy=False): (d) with each gradient copied through the
      shared-memory ring, as before zero copy (d reads gradients in place where the server can)
-  s  (d) with ring_layers=0: one expert tensor at a time waits for the server (the hooks wait
-     for each earlier update), the least memory
+  s  (d) with ring_layers=0: each hook waits for its own update, nothing waits for the server
+  o  (d) with ring_layers=1: one layer may wait (the updates overlap backward)
   h  (d) with ring_layers=2: two layers may wait
+  (d) leaves ring_layers unset: 0 where torch's threads take every core, else 1
   n  no optimizer: forward, backward and zero_grad only (the floor each method adds its
      update to; not run by default)
   g  (d) with a one-worker sonard (SONAR_WORKERS=1 in its environment) instead of one worker per
@@ -56,6 +57,7 @@ METHODS = {
     "f": "SonarAdamW batched, ring (zero_copy=False)",
     "g": "SonarAdamW batched, 1-worker sonard",
     "s": "SonarAdamW batched, ring_layers=0",
+    "o": "SonarAdamW batched, ring_layers=1",
     "h": "SonarAdamW batched, ring_layers=2",
     "n": "no optimizer (forward + backward only)",
 }
@@ -98,7 +100,7 @@ class Method:
             try:
                 self.sonar = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
                                                   split_experts=(key == "e"), zero_copy=False if key == "f" else None,
-                                                  ring_layers={"s": 0, "h": 2}.get(key, 1))
+                                                  ring_layers={"s": 0, "o": 1, "h": 2}.get(key))
             finally:
                 if saved is None:
                     os.environ.pop("SONAR_WORKERS", None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import os
 import secrets
 import subprocess
 import sys
@@ -54,12 +55,15 @@ class TinyMoE(nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("zero_copy", [True, False])
-def test_bitwise_either_way(dtype: torch.dtype, zero_copy: bool) -> None:
-    """Zero copy and the ring give torch's bits, with accumulation (k=2) and several steps."""
+@pytest.mark.parametrize("ring_layers", [0, 1])
+def test_bitwise_either_way(dtype: torch.dtype, zero_copy: bool, ring_layers: int) -> None:
+    """Zero copy and the ring give torch's bits, with accumulation (k=2) and several steps,
+    whether each hook waits for its update (0) or a layer may wait (1)."""
     torch.manual_seed(1)
     model = TinyMoE(dtype)
     ref = copy.deepcopy(model)
-    opt = sonar_moe.SonarAdamW(model, lr=3e-3, weight_decay=0.05, grad_accumulation_steps=2, zero_copy=zero_copy)
+    opt = sonar_moe.SonarAdamW(model, lr=3e-3, weight_decay=0.05, grad_accumulation_steps=2, zero_copy=zero_copy,
+                               ring_layers=ring_layers)
     topt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05)
     try:
         st = opt.stats()
@@ -84,8 +88,9 @@ def test_bitwise_either_way(dtype: torch.dtype, zero_copy: bool) -> None:
 @pytest.mark.parametrize("zero_copy", [True, False])
 @pytest.mark.parametrize("ring_layers", [0, 1, 2])
 def test_held_bytes_within_budget(ring_layers: int, zero_copy: bool) -> None:
-    """Gradients wait for the server within ring_layers of the largest layer (0: one expert
-    tensor at a time), held in place or in the ring, and the updates stay torch's bits."""
+    """Gradients wait for the server within ring_layers of the largest layer (0: none, each
+    hook waits for its own update), held in place or in the ring, and the updates stay
+    torch's bits."""
     torch.manual_seed(2 + ring_layers)
     model = TinyMoE(torch.float32)
     ref = copy.deepcopy(model)
@@ -105,7 +110,9 @@ def test_held_bytes_within_budget(ring_layers: int, zero_copy: bool) -> None:
             topt.step()
             topt.zero_grad()
         st = opt.stats()
-        assert st["zero_copy"] is zero_copy
+        assert st["zero_copy"] is zero_copy and st["ring_layers"] == ring_layers
+        if ring_layers == 0:
+            assert st["held_grad_bytes"] == 0 and st["step_requests"] == 3 * len(experts) * 2  # one per tensor
         if zero_copy:
             assert 0 < st["peak_expert_grad_bytes"] <= bound
         else:  # the ring, plus autograd's gradient while it is copied into its slot
@@ -115,6 +122,21 @@ def test_held_bytes_within_budget(ring_layers: int, zero_copy: bool) -> None:
             assert torch.equal(p, q), name
     finally:
         opt.close()
+
+
+def test_ring_layers_default_follows_the_cores() -> None:
+    """Unset, ring_layers is 0 (each hook waits for its update) where torch's threads take every
+    core this process may use, so the private server's work cannot overlap backward, and 1 where
+    a core is left over (docs/benchmarks.md, "How many gradients wait")."""
+    cores, saved = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    cases = [(cores, 0)] + ([(cores - 1, 1)] if cores > 1 else [])
+    try:
+        for threads, want in cases:
+            torch.set_num_threads(threads)
+            with sonar_moe.SonarAdamW(TinyMoE(torch.float32), lr=1e-3) as opt:
+                assert opt.stats()["ring_layers"] == want, threads
+    finally:
+        torch.set_num_threads(saved)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True])

@@ -113,7 +113,9 @@ class BackendOptions:
     split_experts: bool = False
     grad_accumulation_steps: int = 1
     max_expert_grad_norm: float | None = None
-    ring_layers: int = 1
+    # How many of the largest layer's expert gradients may wait for the server: 0 makes each
+    # hook wait for its own update; None: the path chooses (ServerBackend.default_ring_layers).
+    ring_layers: int | None = None
     namespace: str | None = None
     # CPU: sonard reads each gradient where autograd left it (None: when it can, else through
     # the shared-memory ring; True: required; False: always the ring).
@@ -252,6 +254,8 @@ class ServerBackend(ABC):
                  options: BackendOptions, counter: Counter, slices: Mapping[int, int] | None = None) -> None:
         self._conn = conn
         self._end_session = weakref.finalize(self, conn.end_session)  # also at exit, if never closed
+        if options.ring_layers is None:
+            options = dataclasses.replace(options, ring_layers=self.default_ring_layers(conn))
         self._options = options
         self._counter = counter
         self._experts = {id(p): Expert.of(name, p, slices) for name, p in named}
@@ -265,6 +269,11 @@ class ServerBackend(ABC):
         self._room_wait_s = 0.0  # time the gradient hooks waited for room in the ring
 
     # ------------------------------------------------------------ path-specific
+    def default_ring_layers(self, conn: Connection) -> int:
+        """``ring_layers`` when the caller gave none: one layer may wait, so that the server's
+        work overlaps backward (the CUDA path: the updates run on the GPU)."""
+        return 1
+
     @classmethod
     def _check_devices(cls, devices: set[torch.device]) -> None:
         """Refuse devices this path cannot serve, before anything starts."""
@@ -357,6 +366,9 @@ class ServerBackend(ABC):
         staged = self._stage(e, grad, owned)
         del grad
         self._queue(e, staged)
+        if self._options.ring_layers == 0:  # each hook waits for its own update (refusals: at step())
+            self._steps.flush()
+            self._conn.wait()
 
     def set_grad_accumulation_steps(self, k: int) -> None:
         pending = [e.name for e in self._experts.values() if e.micro > 0]
@@ -424,7 +436,8 @@ class ServerBackend(ABC):
     def stats(self) -> dict[str, Any]:
         return {"peak_expert_grad_bytes": self._peak, **self._memory_stats(),
                 "step_requests": self._steps.step_requests, "grads_sent": self._steps.grads_sent,
-                "bytes_sent": self._steps.bytes_sent, "room_wait_s": self._room_wait_s}
+                "bytes_sent": self._steps.bytes_sent, "room_wait_s": self._room_wait_s,
+                "ring_layers": self._options.ring_layers}
 
     def server_stats(self) -> dict[str, Any] | None:
         return self._conn.call("stats", {})

@@ -6,12 +6,13 @@ process's memory (``_direct``: zero copy, the default when it can), each gradien
 where it is, held until the server has answered the request that read it; otherwise it is
 copied into a slot of a ring and freed at once, and the slot is given back with the reply.
 Either way at most ``ring_layers`` of the largest layer of gradient bytes wait for the server
-(``ring_layers=0``: one expert tensor at a time).
+(``ring_layers=0``: none; each hook waits for its own update).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -80,6 +81,20 @@ class ShmBackend(ServerBackend):
                 log.info("sonard cannot read this process's memory (%s): expert gradients are copied through "
                          "a shared-memory ring", self.zero_copy_refused)
         self._place(list(self._experts.values()))
+
+    def default_ring_layers(self, conn: Connection) -> int:
+        """Measured (docs/benchmarks.md, "How many gradients wait"): where torch's threads
+        already take every core this process may use and the server runs on the same machine
+        (ipc://), the server's work cannot overlap backward, only compete with it; each hook
+        then waits for its own update (0), as fast and with a layer of gradients less at the
+        peak. With a core to spare, or a server elsewhere, one layer waits (1) and the updates
+        overlap backward."""
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        local = conn.address.startswith("ipc://")
+        return 0 if local and torch.get_num_threads() >= cores else 1
 
     def _place(self, experts: list[Expert]) -> None:
         """Move the parameters into a new shared segment for good (each at a page boundary) and

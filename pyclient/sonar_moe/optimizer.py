@@ -189,7 +189,8 @@ def open_backend(named: list[tuple[str, nn.Parameter]], server: str | None, opti
 
 
 def _check_options(grad_accumulation_steps: int, max_grad_norm: float | None, max_expert_grad_norm: float | None,
-                   nonfinite: str, ring_layers: int, grad_scaler: Any, expert_clipping: str | None = None) -> None:
+                   nonfinite: str, ring_layers: int | None, grad_scaler: Any,
+                   expert_clipping: str | None = None) -> None:
     if expert_clipping is not None:
         if expert_clipping not in EXPERT_CLIPPING_MODES:
             raise ValueError(f"expert_clipping must be None or one of {', '.join(map(repr, EXPERT_CLIPPING_MODES))}, "
@@ -210,8 +211,9 @@ def _check_options(grad_accumulation_steps: int, max_grad_norm: float | None, ma
                              "grad_accumulation_steps > 1 would clip micro-batches, not their sum: not supported")
     if nonfinite not in ("propagate", "skip"):
         raise ValueError(f"nonfinite must be 'propagate' or 'skip', got {nonfinite!r}")
-    if isinstance(ring_layers, bool) or not isinstance(ring_layers, int) or ring_layers < 0:
-        raise ValueError(f"ring_layers must be an int >= 0 (0: one expert tensor at a time), got {ring_layers!r}")
+    if ring_layers is not None and (isinstance(ring_layers, bool) or not isinstance(ring_layers, int) or ring_layers < 0):
+        raise ValueError(f"ring_layers must be None (chosen for the machine) or an int >= 0 (0: each hook waits for "
+                         f"its own update), got {ring_layers!r}")
     if grad_scaler is not None:
         if not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
@@ -305,7 +307,7 @@ class SonarAdamW(torch.optim.AdamW):
         split_experts: bool = False,
         nonfinite: str = "propagate",
         timeout: float = 10.0,
-        ring_layers: int = 1,
+        ring_layers: int | None = None,
         namespace: str | None = None,
         zero_copy: bool | None = None,
     ) -> None:
