@@ -415,13 +415,14 @@ def saving_target(tag: str, layers: int, got: float, theo: float) -> dict:
 
 
 def depth_section(res: dict) -> tuple[list[str], list[dict]]:
-    """Peak memory against depth: Sonar keeps about one layer more than the theoretical minimum."""
+    """Peak memory against depth, against the theoretical saving (all expert gradients but one layer)."""
     rows = [r for r in res["train"] if r["impl"] == "grouped_mm"] + res.get("depth", [])
     if not res.get("depth"):
         return [], []
     L = ["\n### Peak memory against depth (grouped_mm)\n",
          "The memory targets depend on the depth L: the theoretical saving is all expert gradients minus one "
-         "layer, and Sonar holds the one-layer gradient ring plus the layer autograd is still accumulating. "
+         "layer: the one autograd is still producing. Sonar also holds what waits for the server (with "
+         "`ring_layers` unset on these 2 cores: nothing beyond the gradient being updated). "
          "These extra runs measure memory only (methods a, c, d; two warm-up steps, then the profiled step) "
          "at the real models' depths.\n",
          "| model | layers | params | (a) MiB | (c) MiB | (d) MiB | (d) vs (a) | saving / theoretical | (d) vs (c) | "
@@ -790,14 +791,14 @@ def analysis(res: dict) -> list[str]:
     if mem_lines:
         L.append("- **Peak memory.** Standard training peaks at the end of backward with every gradient alive: "
                  "parameters + gradients + two AdamW states, four copies of the model (fp32). Sonar removes the "
-                 "expert gradients except those waiting for the server (at most `ring_layers` = one layer) and the "
-                 "layer autograd is still producing, so the saving relative to (a) is bounded by expert share x "
+                 "expert gradients except those waiting for the server (at most `ring_layers` layers; unset on these "
+                 "2 cores, none: each hook waits for its own update) and the layer autograd is still producing, so the saving relative to (a) is bounded by expert share x "
                  "(1 - 1/L) / 4 (about 20% at L = 8, 21.8% at L = 16 for OLMoE's share) and shrinks by the "
                  "activations, which are in both peaks (gradient checkpointing keeps them to about one layer here). "
                  "With zero copy (d) the gradients that wait are autograd's own, freed as the server answers, so "
-                 "(d) holds about what optimizer-in-backward (c) holds. With the ring (f) the ring's one layer is "
-                 "reserved for the whole run on top of the gradient autograd is producing, so (f) holds about one "
-                 "layer more: about (L - 2)/(L - 1) of the theoretical saving, 86% at L = 8, 93% at 16, 97% at 32. "
+                 "(d) holds about what optimizer-in-backward (c) holds. With the ring (f) the ring (the largest "
+                 "expert tensor with `ring_layers=0`, else `ring_layers` layers) is reserved for the whole run on "
+                 "top of the gradient autograd is producing, so (f) holds about that much more. "
                  "The eager backend builds each batched expert gradient from per-expert `select_backward` pieces "
                  "(a full-size zero tensor per expert, summed), which holds up to two full copies of "
                  "`gate_up_proj`'s gradient at once in every method; grouped_mm produces it in one piece. "
