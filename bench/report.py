@@ -221,7 +221,7 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
              "(e) `SonarAdamW(max_grad_norm=1.0, split_experts=True)` (one request per expert slice); "
              "(f) (d) with `zero_copy=False` (each gradient copied through the shared-memory ring, Sonar before "
              "zero copy); (g) (d) with a one-worker sonard instead of one worker per core; (s), (o) and (h): (d) "
-             "with `ring_layers` 0 (each hook waits for its own update), 1 and 2 (that many layers of gradients "
+             "with `ring_layers` 0 (the hook that sends a request waits for its reply), 1 and 2 (that many layers of gradients "
              "may wait for the server); (d) leaves it unset, which is 0 where torch's threads take every core "
              "(as here) and 1 with a core to spare; "
              "(n) no optimizer at all (forward, backward, `zero_grad`): the floor every method adds its "
@@ -355,8 +355,9 @@ def ring_section(res: dict) -> list[str]:
         return []
     L = ["\n### How many gradients wait: ring_layers\n",
          "`ring_layers` bounds the expert gradients that wait for the server: held in place (zero copy) or "
-         "in the shared-memory ring, which is reserved for the whole run (f). With 0 each gradient hook waits "
-         "until the server has applied its update; with 1 or 2 that many layers of gradients may wait, so the "
+         "in the shared-memory ring, which is reserved for the whole run (f; one layer with 0 or 1). With 0 the "
+         "hook that sends a request waits until the server has applied it (here, with batched expert tensors: "
+         "every hook); with 1 or 2 that many layers of gradients may wait, so the "
          "server's work overlaps backward. Same runs as above; the spare-core runs (torch on fewer threads "
          "than cores) last. Unset, `ring_layers` is 0 where torch's threads take every core this process may "
          "use and the server is on the same machine (`ipc://`), else 1: the column (d) shows what it chose.\n",
@@ -797,7 +798,7 @@ def analysis(res: dict) -> list[str]:
                  "activations, which are in both peaks (gradient checkpointing keeps them to about one layer here). "
                  "With zero copy (d) the gradients that wait are autograd's own, freed as the server answers, so "
                  "(d) holds about what optimizer-in-backward (c) holds. With the ring (f) the ring (the largest "
-                 "expert tensor with `ring_layers=0`, else `ring_layers` layers) is reserved for the whole run on "
+                 "layer with `ring_layers` 0 or 1, else `ring_layers` layers) is reserved for the whole run on "
                  "top of the gradient autograd is producing, so (f) holds about that much more. "
                  "The eager backend builds each batched expert gradient from per-expert `select_backward` pieces "
                  "(a full-size zero tensor per expert, summed), which holds up to two full copies of "

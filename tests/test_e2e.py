@@ -176,10 +176,13 @@ def test_auto_detection_and_predicate() -> None:
     assert sonar_moe.group_key("model.layers.0.mlp.experts.gate_up_proj") == "model.layers.0.mlp.experts.gate_up_proj"
 
 
-def test_modulelist_layer_is_one_request() -> None:
+@pytest.mark.parametrize("ring_layers", [0, 1])
+def test_modulelist_layer_is_one_request(ring_layers: int) -> None:
+    """A layer of per-expert tensors goes to the server in one request, also where each hook
+    that sends a request waits for its reply (0)."""
     cfg = tm.MoEConfig(layout="modulelist", num_layers=2, num_experts=4, top_k=4)  # every expert gets tokens
     model = tm.build(cfg, 1)
-    with sonar_moe.SonarAdamW(model) as opt:
+    with sonar_moe.SonarAdamW(model, ring_layers=ring_layers) as opt:
         x = next(data(1))
         loss, _ = model(x, labels=x)
         loss.backward()

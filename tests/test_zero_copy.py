@@ -88,8 +88,8 @@ def test_bitwise_either_way(dtype: torch.dtype, zero_copy: bool, ring_layers: in
 @pytest.mark.parametrize("zero_copy", [True, False])
 @pytest.mark.parametrize("ring_layers", [0, 1, 2])
 def test_held_bytes_within_budget(ring_layers: int, zero_copy: bool) -> None:
-    """Gradients wait for the server within ring_layers of the largest layer (0: none, each
-    hook waits for its own update), held in place or in the ring, and the updates stay
+    """Gradients wait for the server within ring_layers of the largest layer (0: a hook that
+    sends a request waits for its reply), held in place or in the ring, and the updates stay
     torch's bits."""
     torch.manual_seed(2 + ring_layers)
     model = TinyMoE(torch.float32)
@@ -97,7 +97,9 @@ def test_held_bytes_within_budget(ring_layers: int, zero_copy: bool) -> None:
     experts = [p.numel() * 4 for n, p in model.named_parameters() if "layers.0.mlp.experts" in n]
     if not zero_copy:  # a ring slot takes more than its gradient (page and cache-line padding)
         experts = [Ring.slot_bytes(b) for b in experts]
-    bound = max(experts) if ring_layers == 0 else ring_layers * sum(experts)
+    # 0: each batched tensor's hook waits for its update, so one tensor at most is held (the
+    # ring keeps one layer: a layer of per-expert tensors gathers before its request)
+    bound = max(experts) if ring_layers == 0 and zero_copy else max(ring_layers, 1) * sum(experts)
     opt = sonar_moe.SonarAdamW(model, lr=1e-3, ring_layers=ring_layers, zero_copy=zero_copy)
     topt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     try:
@@ -111,8 +113,6 @@ def test_held_bytes_within_budget(ring_layers: int, zero_copy: bool) -> None:
             topt.zero_grad()
         st = opt.stats()
         assert st["zero_copy"] is zero_copy and st["ring_layers"] == ring_layers
-        if ring_layers == 0:
-            assert st["held_grad_bytes"] == 0 and st["step_requests"] == 3 * len(experts) * 2  # one per tensor
         if zero_copy:
             assert 0 < st["peak_expert_grad_bytes"] <= bound
         else:  # the ring, plus autograd's gradient while it is copied into its slot
@@ -125,7 +125,7 @@ def test_held_bytes_within_budget(ring_layers: int, zero_copy: bool) -> None:
 
 
 def test_ring_layers_default_follows_the_cores() -> None:
-    """Unset, ring_layers is 0 (each hook waits for its update) where torch's threads take every
+    """Unset, ring_layers is 0 (a hook waits for the update it sent) where torch's threads take every
     core this process may use, so the private server's work cannot overlap backward, and 1 where
     a core is left over (docs/benchmarks.md, "How many gradients wait")."""
     cores, saved = len(os.sched_getaffinity(0)), torch.get_num_threads()

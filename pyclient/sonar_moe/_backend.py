@@ -113,8 +113,8 @@ class BackendOptions:
     split_experts: bool = False
     grad_accumulation_steps: int = 1
     max_expert_grad_norm: float | None = None
-    # How many of the largest layer's expert gradients may wait for the server: 0 makes each
-    # hook wait for its own update; None: the path chooses (ServerBackend.default_ring_layers).
+    # How many layers of expert gradients may wait for the server: 0, none beyond the request being
+    # made (its hook waits for the reply); None: the path chooses (ServerBackend.default_ring_layers).
     ring_layers: int | None = None
     namespace: str | None = None
     # CPU: sonard reads each gradient where autograd left it (None: when it can, else through
@@ -366,8 +366,9 @@ class ServerBackend(ABC):
         staged = self._stage(e, grad, owned)
         del grad
         self._queue(e, staged)
-        if self._options.ring_layers == 0:  # each hook waits for its own update (refusals: at step())
-            self._steps.flush()
+        if self._options.ring_layers == 0 and self._conn.in_flight:
+            # The hook that sent a request waits for its reply (a refusal is raised at step()):
+            # a batched expert tensor's own update, or a layer of per-expert tensors at its last.
             self._conn.wait()
 
     def set_grad_accumulation_steps(self, k: int) -> None:

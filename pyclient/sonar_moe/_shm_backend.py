@@ -6,7 +6,7 @@ process's memory (``_direct``: zero copy, the default when it can), each gradien
 where it is, held until the server has answered the request that read it; otherwise it is
 copied into a slot of a ring and freed at once, and the slot is given back with the reply.
 Either way at most ``ring_layers`` of the largest layer of gradient bytes wait for the server
-(``ring_layers=0``: none; each hook waits for its own update).
+(``ring_layers=0``: a hook that sends a request waits for its reply).
 """
 
 from __future__ import annotations
@@ -118,17 +118,19 @@ class ShmBackend(ServerBackend):
             self._ring_for(self._budget)
 
     def _ring_layers_bytes(self, size: Callable[[int], int]) -> int:
-        """ring_layers times the largest layer, each expert tensor counted as size(its bytes)."""
+        """ring_layers (at least one) times the largest layer, each expert tensor counted as
+        size(its bytes)."""
         layer: dict[str, int] = {}
         for e in self._experts.values():
             layer[e.layer] = layer.get(e.layer, 0) + size(e.nbytes)
-        return max(layer.values()) * self._options.ring_layers
+        # ring_layers=0 waits for each request it sends, but a layer of per-expert tensors is sent
+        # as one request once complete: one layer may still be gathering.
+        return max(layer.values()) * max(self._options.ring_layers or 0, 1)
 
     def _ring_for(self, nbytes: int) -> Ring:
         """The gradient ring, made (or made larger) to take `nbytes` of gradients of the
         largest layer; only while no gradient is in the ring."""
-        need = max(self._ring_layers_bytes(Ring.slot_bytes), Ring.slot_bytes(nbytes),
-                   max(Ring.slot_bytes(e.nbytes) for e in self._experts.values()))
+        need = max(self._ring_layers_bytes(Ring.slot_bytes), Ring.slot_bytes(nbytes))
         if self._ring is None or self._ring.capacity < need:
             if self._ring is not None:
                 if len(self._ring):

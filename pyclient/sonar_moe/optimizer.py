@@ -212,8 +212,8 @@ def _check_options(grad_accumulation_steps: int, max_grad_norm: float | None, ma
     if nonfinite not in ("propagate", "skip"):
         raise ValueError(f"nonfinite must be 'propagate' or 'skip', got {nonfinite!r}")
     if ring_layers is not None and (isinstance(ring_layers, bool) or not isinstance(ring_layers, int) or ring_layers < 0):
-        raise ValueError(f"ring_layers must be None (chosen for the machine) or an int >= 0 (0: each hook waits for "
-                         f"its own update), got {ring_layers!r}")
+        raise ValueError(f"ring_layers must be None (chosen for the machine) or an int >= 0 (0: a hook that sends "
+                         f"an update waits for it), got {ring_layers!r}")
     if grad_scaler is not None:
         if not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
