@@ -797,7 +797,7 @@ def analysis(res: dict) -> list[str]:
                  "(1 - 1/L) / 4 (about 20% at L = 8, 21.8% at L = 16 for OLMoE's share) and shrinks by the "
                  "activations, which are in both peaks (gradient checkpointing keeps them to about one layer here). "
                  "With zero copy (d) the gradients that wait are autograd's own, freed as the server answers, so "
-                 "(d) holds about what optimizer-in-backward (c) holds. With the ring (f) the ring (the largest "
+                 "(d) holds about what optimizer-in-backward (c) holds. With the ring (f) the ring (one "
                  "layer with `ring_layers` 0 or 1, else `ring_layers` layers) is reserved for the whole run on "
                  "top of the gradient autograd is producing, so (f) holds about that much more. "
                  "The eager backend builds each batched expert gradient from per-expert `select_backward` pieces "
