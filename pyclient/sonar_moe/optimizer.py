@@ -383,7 +383,11 @@ class SonarAdamW(torch.optim.AdamW):
                 stacklevel=2)
         else:
             from .distributed import watch_for_ddp  # distributed imports this module
-            watch_for_ddp(self, params if isinstance(params, nn.Module) else model)
+            try:
+                watch_for_ddp(self, params if isinstance(params, nn.Module) else model)
+            except BaseException:
+                self.close()  # a refused set-up leaves no session, hooks or server behind
+                raise
 
     # -------------------------------------------------------- parameter groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
