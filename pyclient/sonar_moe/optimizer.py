@@ -371,23 +371,22 @@ class SonarAdamW(torch.optim.AdamW):
         self._server = server
         self._started = True
         self._adopt(self.param_groups)
-        if self._clipper is not None and any(p.device.type != "cpu" for _, p in self._experts.values()):
-            self.close()
-            raise NotImplementedError("expert_clipping scales expert gradients on the server's CPU path only; "
-                                      "these expert tensors are on CUDA")
-        if not self._experts:
-            warnings.warn(NoExpertsWarning(
-                "SonarAdamW found no expert tensors, so it is plain torch.optim.AdamW here: no sonard, no update "
-                "during backward, no memory saved. Name them with expert_params=lambda name, param: ... (see "
-                "docs/models.md for the layouts found on their own), or ignore this warning for a dense model"),
-                stacklevel=2)
-        else:
-            from .distributed import watch_for_ddp  # distributed imports this module
-            try:
+        try:
+            if self._clipper is not None and any(p.device.type != "cpu" for _, p in self._experts.values()):
+                raise NotImplementedError("expert_clipping scales expert gradients on the server's CPU path only; "
+                                          "these expert tensors are on CUDA")
+            if not self._experts:
+                warnings.warn(NoExpertsWarning(
+                    "SonarAdamW found no expert tensors, so it is plain torch.optim.AdamW here: no sonard, no update "
+                    "during backward, no memory saved. Name them with expert_params=lambda name, param: ... (see "
+                    "docs/models.md for the layouts found on their own), or ignore this warning for a dense model"),
+                    stacklevel=2)
+            else:
+                from .distributed import watch_for_ddp  # distributed imports this module
                 watch_for_ddp(self, params if isinstance(params, nn.Module) else model)
-            except BaseException:
-                self.close()  # a refused set-up leaves no session, hooks or server behind
-                raise
+        except BaseException:
+            self.close()  # a set-up refused after the tensors went to the server leaves no session, hooks or server
+            raise
 
     # -------------------------------------------------------- parameter groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
