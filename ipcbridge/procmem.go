@@ -90,7 +90,7 @@ func (p *ProcessMemory) Check(addr uint64, n int64) error {
 	}
 	page := uint64(os.Getpagesize())
 	first, last := addr/page, (addr+uint64(n)-1)/page
-	probe := newPageProbe(p)
+	probe := &pageProbe{p: p}
 	if pm := p.pageMap(); pm != nil {
 		const chunk = 4096 // entries (8 bytes each) per read
 		ents := make([]byte, 8*chunk)
@@ -157,10 +157,6 @@ type pageProbe struct {
 }
 
 const iovMax = 1024
-
-func newPageProbe(p *ProcessMemory) *pageProbe {
-	return &pageProbe{p: p}
-}
 
 func (b *pageProbe) add(a uint64) error {
 	b.remote = append(b.remote, unix.RemoteIovec{Base: uintptr(a), Len: 1})

@@ -29,6 +29,14 @@ func (r *sliceReader) ReadGrad(dst []byte, off int) error {
 
 func reader(b []byte) *sliceReader { return &sliceReader{b: b, failAt: -1} }
 
+// readerCase is a float32 tensor of n elements to update: hyper-parameters,
+// random parameters and a random gradient.
+func readerCase(n int) (Hyper, []byte, []byte) {
+	r := rand.New(rand.NewPCG(7, 8))
+	return Hyper{LR: 1e-2, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 1e-2},
+		randBytes(r, Float32, n, 1, false), randBytes(r, Float32, n, 1e-2, false)
+}
+
 // TestApplyFromMatchesApply: an update whose gradient is read piece by piece
 // equals the update from the whole gradient in memory, bit for bit, for
 // every arithmetic (single-tensor, fused), both dtypes, amsgrad, sizes
@@ -96,10 +104,7 @@ func TestApplyFromMatchesApply(t *testing.T) {
 // tensor damaged (it refuses updates until its state is imported).
 func TestApplyFromReadFailure(t *testing.T) {
 	const n = 5*readChunk + 3
-	h := Hyper{LR: 1e-2, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 1e-2}
-	r := rand.New(rand.NewPCG(7, 8))
-	param := randBytes(r, Float32, n, 1, false)
-	g := randBytes(r, Float32, n, 1e-2, false)
+	h, param, g := readerCase(n)
 	e := &Engine{Workers: 1, MinChunk: 64}
 	bad := &sliceReader{b: g, failAt: 4 * readChunk * 4} // the fifth piece
 
@@ -184,10 +189,7 @@ func TestApplyFromScaledMatchesApplyScaled(t *testing.T) {
 // times nothing and updates alike.
 func TestPhases(t *testing.T) {
 	const n = 3*readChunk + 5
-	h := Hyper{LR: 1e-2, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 1e-2}
-	r := rand.New(rand.NewPCG(7, 8))
-	param := randBytes(r, Float32, n, 1, false)
-	g := randBytes(r, Float32, n, 1e-2, false)
+	h, param, g := readerCase(n)
 	for _, tc := range []struct {
 		name       string
 		fromReader bool

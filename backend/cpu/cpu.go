@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"math"
 	"runtime"
-	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -26,8 +25,7 @@ type Backend struct {
 	// the engine's default).
 	MinChunk int
 
-	phases     optimizer.Phases // of every session's engine
-	checkNanos atomic.Int64     // in ProcessMemory.Check
+	phases optimizer.Phases // of every session's engine, and of the page checks
 }
 
 // New returns a CPU backend (workers <= 0: one per core).
@@ -48,8 +46,8 @@ func (b *Backend) Describe() string { return fmt.Sprintf("CPU, %d workers", b.Wo
 
 // Stats implements backend.Backend: where the updates' time went.
 func (b *Backend) Stats() backend.Stats {
-	return backend.Stats{CheckSeconds: time.Duration(b.checkNanos.Load()).Seconds(),
-		ReadSeconds: b.phases.Read().Seconds(), KernelSeconds: b.phases.Kernel().Seconds()}
+	return backend.Stats{CheckSeconds: b.phases.Check().Seconds(), ReadSeconds: b.phases.Read().Seconds(),
+		KernelSeconds: b.phases.Kernel().Seconds()}
 }
 
 // Close implements backend.Backend.
@@ -135,7 +133,7 @@ func (b *Backend) gradOf(r backend.Ref) ([]byte, optimizer.GradReader, error) {
 	if p, ok := r.Seg.(*procSegment); ok {
 		t0 := time.Now()
 		err := p.pm.Check(uint64(r.Off), r.Len)
-		b.checkNanos.Add(int64(time.Since(t0)))
+		b.phases.AddCheck(t0)
 		if err != nil {
 			return nil, nil, err
 		}
