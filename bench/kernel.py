@@ -121,12 +121,14 @@ def _stats(times: list[float]) -> dict:
 
 
 def ipc_ping(n: int, go_bench: str | None = None) -> dict:
-    """Round trips of a request the server answers without touching tensor memory ("stats"),
+    """Round trips of a request the server answers without doing anything ("ping"),
     as SonarAdamW makes them (``Connection.call``), and where their microseconds go: the same
     request sent with bare pyzmq + msgpack (no sonar_moe client code), and (with go_bench) a
-    bare ZeroMQ ROUTER echo in Go (no decoding, no handler: the transport's floor). The three
+    bare ZeroMQ ROUTER echo in Go (no decoding, no handler: the transport's floor) and a plain
+    Unix seqpacket echo in Go (no ZeroMQ: the machine's floor). They
     are measured in interleaved rounds, so a change of the machine's load hits all alike. The
     client's CPU time per call (this process, all threads) is reported beside the wall time."""
+    import socket
     import subprocess
     import tempfile
 
@@ -142,6 +144,7 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
     raw.connect(conn.address)
     tmp = tempfile.mkdtemp(prefix="sonar-echo-")
     echo_proc, echo = None, None
+    unix_proc, unix = None, None
     if go_bench:
         addr = f"ipc://{tmp}/echo.sock"
         echo_proc = subprocess.Popen([go_bench, "-echo", addr], stdout=subprocess.PIPE, text=True)
@@ -149,10 +152,16 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
         echo = ctx.socket(zmq.DEALER)
         echo.setsockopt(zmq.LINGER, 0)
         echo.connect(addr)
-    req = msgpack.packb({"v": PROTOCOL_VERSION, "op": "stats", "id": 1, "body": {}}, use_bin_type=True)
+        # The machine's floor: the same Go process kind and client, a plain Unix socket, no ZeroMQ.
+        path = f"{tmp}/echo.unix"
+        unix_proc = subprocess.Popen([go_bench, "-unix-echo", path], stdout=subprocess.PIPE, text=True)
+        unix_proc.stdout.readline()  # "ready"
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        unix.connect(path)
+    req = msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping", "id": 1, "body": {}}, use_bin_type=True)
 
     def via_client() -> None:
-        conn.call("stats", {})
+        conn.call("ping", {})
 
     def via_pyzmq() -> None:
         raw.send(req)
@@ -162,9 +171,15 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
         echo.send(req)
         msgpack.unpackb(echo.recv(), raw=False)
 
+    def via_unix() -> None:
+        unix.send(req)
+        msgpack.unpackb(unix.recv(1 << 16), raw=False)
+
     cases = {"client": via_client, "pyzmq": via_pyzmq}
     if echo is not None:
         cases["echo"] = via_echo
+    if unix is not None:
+        cases["unix"] = via_unix
     times: dict[str, list[float]] = {k: [] for k in cases}
     cpu: dict[str, float] = {k: 0.0 for k in cases}
     try:
@@ -187,6 +202,11 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
         if echo_proc is not None:
             echo_proc.kill()
             echo_proc.wait()
+        if unix is not None:
+            unix.close()
+        if unix_proc is not None:
+            unix_proc.kill()
+            unix_proc.wait()
         conn.shutdown()
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
@@ -197,7 +217,7 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
     m = 20000
     t = time.perf_counter()
     for _ in range(m):
-        msgpack.packb({"v": PROTOCOL_VERSION, "op": "stats", "id": 1, "body": {}}, use_bin_type=True)
+        msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping", "id": 1, "body": {}}, use_bin_type=True)
         msgpack.unpackb(rep, raw=False)
     out["msgpack_s_per_call"] = (time.perf_counter() - t) / m
     return out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
 MiB = 2**20
@@ -315,8 +314,55 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
                 x = d["median_step_s"] / ms[k]["median_step_s"]
                 targets.append({"target": f"Sonar (d) step time <= {what}", "case": tag, "measured": f"{x:.3f}x ({k})",
                                 "met": x <= 1.0, "by": signed_pct(1 - x)})
+    for r in res.get("spin") or []:
+        ms = r["methods"]
+        d = ms.get("d")
+        tag = f"{MODEL_NAME[r['model']]} {r['impl']}, GOMP_SPINCOUNT={r['gomp_spincount']}"
+        for k, what in (("b", "(b) AdamW without clipping"), ("c", "(c) optimizer-in-backward")):
+            if d and k in ms:
+                x = d["median_step_s"] / ms[k]["median_step_s"]
+                targets.append({"target": f"Sonar (d) step time <= {what}", "case": tag, "measured": f"{x:.3f}x ({k})",
+                                "met": x <= 1.0, "by": signed_pct(1 - x)})
     dl, dt = depth_section(res)
-    return L + ring_section(res) + spare_section(res) + dl, targets + dt
+    return L + ring_section(res) + spare_section(res) + spin_section(res) + dl, targets + dt
+
+
+def spin_section(res: dict) -> list[str]:
+    """The 2-thread configs again with libgomp's spin-wait shortened, beside the default runs."""
+    runs = res.get("spin") or []
+    if not runs:
+        return []
+    count = runs[0]["gomp_spincount"]
+    L = ["\n### torch's OpenMP threads: spinning or sleeping\n",
+         "While a gradient hook waits for sonard (`ring_layers` 0: every hook here), torch's other OpenMP "
+         "threads have nothing to do, but libgomp lets an idle thread spin for a while before it sleeps "
+         "(measured here: 6-9 ms of CPU after each parallel region when nothing follows; `GOMP_SPINCOUNT` "
+         "unset). On a machine where torch's threads take every core, that spinning thread shares a core "
+         "with sonard's workers and slows the very update the trainer waits for: in a `perf` profile of "
+         "GraniteMoe, (d) spent 30% more samples in libgomp's spin loop than (b). "
+         f"`GOMP_SPINCOUNT={count}` (set in the environment before Python starts: libgomp reads it when torch "
+         "loads it) makes idle threads sleep after about half a millisecond. Same configs as the main tables, "
+         "every method in the same environment, so (b) and (c) are measured with it too; the default-spin "
+         "ratios are the main tables' (another run).\n",
+         "| model | (b) ms | (c) ms | (d) ms | (o) ring_layers=1 ms | (d) vs (b) | (d) vs (c) | "
+         "default spin: (d) vs (b) / (c) | CPU ms / step (b / c / d / o) | default spin: CPU (b / d) |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["model"], r["impl"]): r["methods"] for r in res["train"]}
+    for r in runs:
+        ms = r["methods"]
+        df = base.get((r["model"], r["impl"]), {})
+
+        def t(k: str) -> str:
+            return f"{1e3 * ms[k]['median_step_s']:.0f}" if k in ms else "-"
+
+        def ratio(m: dict, a: str, b: str) -> str:
+            return f"{m[a]['median_step_s'] / m[b]['median_step_s']:.3f}x" if a in m and b in m else "-"
+        cpu = " / ".join(f"{1e3 * ms[k]['cpu_s_per_step']:.0f}" for k in "bcdo" if k in ms)
+        dcpu = " / ".join(f"{1e3 * df[k]['cpu_s_per_step']:.0f}" for k in "bd" if k in df) or "-"
+        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {t('b')} | {t('c')} | {t('d')} | {t('o')} | "
+                 f"{ratio(ms, 'd', 'b')} | {ratio(ms, 'd', 'c')} | {ratio(df, 'd', 'b')} / {ratio(df, 'd', 'c')} | "
+                 f"{cpu} | {dcpu} |")
+    return L
 
 
 def cost_lines(ms: dict, impl: str) -> list[str]:
@@ -462,7 +508,7 @@ def ipc_targets(res: dict) -> list[dict]:
     p50 = ping["p50_s"]
     floor = ping.get("layers", {}).get("echo")
     note = f"; bare ZeroMQ echo {1e6 * floor['p50_s']:.0f} us" if floor else ""
-    out = [{"target": "round trip <= 50 us p50 (idle server)", "case": "stats request, Connection.call",
+    out = [{"target": "round trip <= 50 us p50 (idle server)", "case": "ping request, Connection.call",
             "measured": f"{1e6 * p50:.0f} us{note}", "met": p50 <= 50e-6, "by": f"{1e6 * (p50 - 50e-6):+.0f} us"}]
     small = res["torch"].get("step_small")
     if small:
@@ -477,7 +523,7 @@ def ipc_section(res: dict) -> list[str]:
     L = ["## 4. IPC overhead\n"]
     ping = res["torch"].get("ping")
     if ping:
-        L.append(f"Pure round trip (a `stats` request the server answers without touching tensor memory; ZeroMQ "
+        L.append(f"Pure round trip (a `ping` request, which the server answers without doing anything; ZeroMQ "
                  f"`ipc://` + msgpack), {ping['n']} requests on an idle server: p50 "
                  f"{1e6 * ping['p50_s']:.0f} us, p90 {1e6 * ping['p90_s']:.0f} us, p99 {1e6 * ping['p99_s']:.0f} us, "
                  f"max {1e3 * ping['max_s']:.1f} ms.\n")
@@ -485,12 +531,18 @@ def ipc_section(res: dict) -> list[str]:
         if "echo" in layers and "pyzmq" in layers:
             e, z, c = layers["echo"], layers["pyzmq"], layers["client"]
             us = lambda x: f"{1e6 * x:.0f}"  # noqa: E731
-            L.append("Where the microseconds go: the same request three ways, in interleaved rounds on an idle "
+            L.append("Where the microseconds go: the same request several ways, in interleaved rounds on an idle "
                      "server (p50 wall; the client process's CPU time per call beside it):\n")
             L.append("| path | p50 us | p90 us | p99 us | client CPU us / call | adds (p50) |")
             L.append("|---|---|---|---|---|---|")
+            if "unix" in layers:
+                u = layers["unix"]
+                L.append(f"| plain Unix seqpacket echo in Go (`sonar-bench -unix-echo`), Python socket client: the "
+                         f"machine's floor (no ZeroMQ) | {us(u['p50_s'])} | {us(u['p90_s'])} | {us(u['p99_s'])} | "
+                         f"{us(u['cpu_s_per_call'])} | - |")
             L.append(f"| bare ZeroMQ ROUTER echo in Go (`sonar-bench -echo`), pyzmq client: the transport's floor | "
-                     f"{us(e['p50_s'])} | {us(e['p90_s'])} | {us(e['p99_s'])} | {us(e['cpu_s_per_call'])} | - |")
+                     f"{us(e['p50_s'])} | {us(e['p90_s'])} | {us(e['p99_s'])} | {us(e['cpu_s_per_call'])} | "
+                     f"{'ZeroMQ: ' + us(e['p50_s'] - layers['unix']['p50_s']) if 'unix' in layers else '-'} |")
             L.append(f"| sonard, pyzmq + msgpack client (no sonar_moe code) | {us(z['p50_s'])} | {us(z['p90_s'])} | "
                      f"{us(z['p99_s'])} | {us(z['cpu_s_per_call'])} | sonard: {us(z['p50_s'] - e['p50_s'])} |")
             L.append(f"| sonard, `Connection.call` (what SonarAdamW uses) | {us(c['p50_s'])} | {us(c['p90_s'])} | "
@@ -520,7 +572,7 @@ def ipc_section(res: dict) -> list[str]:
             m = r["methods"].get(k)
             if m is None:
                 continue
-            s, srv = m["sonar"], m["server"]
+            srv = m["server"]
             blocked = (m["hook_s_median"] + m["drain_s_median"]) / m["median_step_s"]
             transport = (m["requests_per_step"] * ping["p50_s"] / m["median_step_s"]) if ping else float("nan")
             L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | ({k}) | {m['requests_per_step']:.0f} | "

@@ -34,13 +34,18 @@ PY = sys.executable
 # Training methods of the main configs (bench/train.py's letters), and of the spare-core runs:
 # torch limited to fewer threads than cores, so sonard has a core of its own.
 METHODS, SPARE_METHODS = "abcdefgsohn", "nbcdgso"
+# The same configs with libgomp's spin-wait shortened (GOMP_SPINCOUNT, read when torch loads
+# libgomp): torch's idle OpenMP threads then sleep instead of spinning while a hook waits for sonard.
+SPIN_METHODS, SPIN_COUNT = "bcdo", "10000"
 FULL = dict(sizes="1M,16M,64M", reps=9, pings=2000, layers=8, hidden=128, batch=4, seq=64, warmup=3, steps=30,
             models=[("olmoe", "eager"), ("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
             spare=[("olmoe", "grouped_mm", 1), ("granite", "grouped_mm", 1)],
+            spin=[("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
             depth=[("olmoe", "grouped_mm", 16), ("granite", "grouped_mm", 32)])
 QUICK = dict(sizes="1M,16M", reps=3, pings=500, layers=4, hidden=128, batch=4, seq=64, warmup=1, steps=5,
              models=[("olmoe", "eager"), ("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
              spare=[("olmoe", "grouped_mm", 1)],
+             spin=[("granite", "grouped_mm")],
              depth=[("olmoe", "grouped_mm", 8)])
 
 
@@ -97,6 +102,17 @@ def run_all(cfg: dict, quick: bool, env: dict[str, str]) -> dict:
                "--threads", str(threads), "--timeline", ""]
         res["spare"].append(common.run_json(cmd, env))
         cmds.append(cmd)
+    res["spin"] = []
+    for model, impl in cfg["spin"]:
+        print(f"training with GOMP_SPINCOUNT={SPIN_COUNT}: {model} / {impl}", file=sys.stderr, flush=True)
+        cmd = [PY, "bench/train.py", "--model", model, "--impl", impl, "--layers", str(cfg["layers"]),
+               "--hidden", str(cfg["hidden"]), "--batch", str(cfg["batch"]), "--seq", str(cfg["seq"]),
+               "--warmup", str(cfg["warmup"]), "--steps", str(cfg["steps"]), "--methods", SPIN_METHODS,
+               "--timeline", ""]
+        r = common.run_json(cmd, {**env, "GOMP_SPINCOUNT": SPIN_COUNT})
+        r["gomp_spincount"] = int(SPIN_COUNT)
+        res["spin"].append(r)
+        cmds.append([f"GOMP_SPINCOUNT={SPIN_COUNT}", *cmd])
     res["depth"] = []
     for model, impl, layers in cfg["depth"]:
         print(f"memory at depth {layers}: {model} / {impl}", file=sys.stderr, flush=True)

@@ -27,6 +27,7 @@ const (
 	OpImport   = "import"
 	OpDetach   = "detach"
 	OpStats    = "stats"
+	OpPing     = "ping" // no body -> no body: a bare round trip (liveness, latency)
 	OpBye      = "bye"
 	OpShutdown = "shutdown"
 	// CUDA path (optional: a server without CUDA answers them with an

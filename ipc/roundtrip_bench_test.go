@@ -4,6 +4,7 @@ import (
 	"context"
 	"path/filepath"
 	"testing"
+	"time"
 
 	zmq "github.com/pebbe/zmq4"
 	"github.com/vmihailenco/msgpack/v5"
@@ -34,8 +35,23 @@ func BenchmarkRoundTrip(b *testing.B) {
 		if err := srv.Bind(addr); err != nil {
 			b.Fatal(err)
 		}
+		// The socket is used and closed by the echo goroutine only (a ZeroMQ
+		// socket closed under a blocked receive aborts the process).
+		stop, done := make(chan struct{}), make(chan struct{})
 		go func() {
+			defer close(done)
+			defer srv.Close()
+			poller := zmq.NewPoller()
+			poller.Add(srv, zmq.POLLIN)
 			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if ready, err := poller.Poll(10 * time.Millisecond); err != nil || len(ready) == 0 {
+					continue
+				}
 				f, err := srv.RecvMessageBytes(0)
 				if err != nil {
 					return
@@ -46,7 +62,8 @@ func BenchmarkRoundTrip(b *testing.B) {
 			}
 		}()
 		roundTrips(b, addr, req)
-		srv.Close()
+		close(stop)
+		<-done
 	})
 	b.Run("transport", func(b *testing.B) {
 		addr := "ipc://" + filepath.Join(b.TempDir(), "run", "s.sock")

@@ -2,6 +2,7 @@ package ipc
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
@@ -221,8 +222,15 @@ func (t *Transport) Serve(ctx context.Context, h Handler) error {
 			}
 			return fmt.Errorf("poll: %w", err)
 		}
-		t.events(h)
-		if len(ready) == 0 {
+		message := false
+		for _, p := range ready {
+			if p.Socket == t.mon {
+				t.events(h)
+			} else {
+				message = true
+			}
+		}
+		if !message {
 			continue
 		}
 		frames, fd, err := t.recv()
@@ -299,7 +307,7 @@ func (t *Transport) receive(h Handler, frames [][]byte, fdText string) {
 		t.log.Warn("dropping message without routing id and payload", zap.Int("frames", len(frames)))
 		return
 	}
-	client := fmt.Sprintf("%x", frames[0])
+	client := hex.EncodeToString(frames[0])
 	if fd, err := strconv.Atoi(fdText); err == nil {
 		ok, first, gone := t.conns.message(fd, client)
 		if gone != "" {

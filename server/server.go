@@ -204,7 +204,7 @@ func (s *Server) Handle(client string, req ipc.Request) (any, error) {
 func knownOp(op string) string {
 	switch op {
 	case ipc.OpHello, ipc.OpAttach, ipc.OpRegister, ipc.OpStep, ipc.OpExport, ipc.OpImport,
-		ipc.OpDetach, ipc.OpStats, ipc.OpBye, ipc.OpShutdown, ipc.OpAttachCUDA, ipc.OpCUDAEvent, ipc.OpAttachProcess:
+		ipc.OpDetach, ipc.OpStats, ipc.OpPing, ipc.OpBye, ipc.OpShutdown, ipc.OpAttachCUDA, ipc.OpCUDAEvent, ipc.OpAttachProcess:
 		return op
 	}
 	return "unknown"
@@ -243,6 +243,8 @@ func (s *Server) handle(client string, req ipc.Request) (any, error) {
 		return decode(req, func(d ipc.Detach) (any, error) { return s.detach(s.sess(client), d) })
 	case ipc.OpStats:
 		return s.stats(), nil
+	case ipc.OpPing:
+		return nil, nil
 	case ipc.OpBye:
 		s.release(client)
 		return ipc.ByeReply{Bye: true}, nil

@@ -330,6 +330,13 @@ func TestAttachRegisterStep(t *testing.T) {
 	if stats.Tensors != 3 || stats.Requests != st.Requests+1 {
 		t.Errorf("stats op %+v", stats)
 	}
+	// A ping answers nothing, changes nothing, and is counted as a ping.
+	if body := w.must("passer-by", ipc.OpPing, nil); body != nil {
+		t.Errorf("ping answered %v", body)
+	}
+	if after := w.s.Stats(); after.Sessions != 1 || after.ByOp[ipc.OpPing] != 1 || after.Requests != stats.Requests+1 {
+		t.Errorf("after ping: %+v", after)
+	}
 	// A second client has its own session and ids.
 	seg := w.newSegment("sonar-c2", 4096)
 	w.attach("c2", seg)

@@ -148,3 +148,20 @@ def test_metrics_endpoint(sonard_binary: str, tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_ping_is_a_bare_round_trip() -> None:
+    """`ping` is answered without a body and changes nothing: no session, no segment, no tensor
+    (it is what docs/benchmarks.md times as the bare round trip)."""
+    conn = sonar_moe.start_private_server(timeout=10.0)
+    try:
+        before = conn.call("stats", {})
+        for _ in range(3):
+            assert conn.call("ping", {}) == {}
+        after = conn.call("stats", {})
+        assert after["by_op"].get("ping") == 3
+        assert after["requests"] == before["requests"] + 4  # three pings and this stats
+        for key in ("sessions", "segments", "tensors", "errors"):
+            assert after[key] == before[key], key
+    finally:
+        conn.shutdown()

@@ -6,6 +6,7 @@
 //
 //	sonar-bench -sizes 1M,16M,64M -dtypes float32,bfloat16 -reps 7 -fused -torch-lib .../libtorch_cpu.so
 //	sonar-bench -echo ipc:///tmp/echo.sock   # a bare ZeroMQ echo: the transport's floor
+//	sonar-bench -unix-echo /tmp/echo.unix    # a plain Unix socket echo: the machine's floor
 //
 // Timings are reported, never asserted: medians over -reps repeats after
 // one untimed warm-up (which faults the pages in and fills the state).
@@ -77,7 +78,15 @@ func main() {
 	torchLib := flag.String("torch-lib", "", "libtorch_cpu.so whose MKL vmsSqrt to measure as well (float32)")
 	fused := flag.Bool("fused", false, "also measure the fused arithmetic (torch.optim.AdamW(fused=True))")
 	echoAddr := flag.String("echo", "", "serve a bare ZeroMQ ROUTER echo on this address until killed (no kernels)")
+	unixEchoPath := flag.String("unix-echo", "", "serve a plain Unix seqpacket socket echo at this path until killed (no ZeroMQ)")
 	flag.Parse()
+	if *unixEchoPath != "" {
+		if err := unixEcho(*unixEchoPath); err != nil {
+			fmt.Fprintln(os.Stderr, "sonar-bench:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if *echoAddr != "" {
 		if err := echo(*echoAddr); err != nil {
 			fmt.Fprintln(os.Stderr, "sonar-bench:", err)
