@@ -508,6 +508,8 @@ def ipc_targets(res: dict) -> list[dict]:
     p50 = ping["p50_s"]
     floor = ping.get("layers", {}).get("echo")
     note = f"; bare ZeroMQ echo {1e6 * floor['p50_s']:.0f} us" if floor else ""
+    unix = ping.get("layers", {}).get("unix")
+    note += f", plain Unix socket {1e6 * unix['p50_s']:.0f} us" if unix else ""
     out = [{"target": "round trip <= 50 us p50 (idle server)", "case": "ping request, Connection.call",
             "measured": f"{1e6 * p50:.0f} us{note}", "met": p50 <= 50e-6, "by": f"{1e6 * (p50 - 50e-6):+.0f} us"}]
     small = res["torch"].get("step_small")
@@ -547,6 +549,15 @@ def ipc_section(res: dict) -> list[str]:
                      f"{us(z['p99_s'])} | {us(z['cpu_s_per_call'])} | sonard: {us(z['p50_s'] - e['p50_s'])} |")
             L.append(f"| sonard, `Connection.call` (what SonarAdamW uses) | {us(c['p50_s'])} | {us(c['p90_s'])} | "
                      f"{us(c['p99_s'])} | {us(c['cpu_s_per_call'])} | sonar_moe client: {us(c['p50_s'] - z['p50_s'])} |")
+            if "unix" in layers:
+                L.append(f"\nZeroMQ alone costs more than the 50 us target here: each message passes through "
+                         f"libzmq's I/O thread in both processes (four thread wake-ups per round trip on top of "
+                         f"the socket's own two, each a few microseconds to tens on these virtual cores), which "
+                         f"a plain Unix socket does not ({us(e['p50_s'])} against {us(layers['unix']['p50_s'])} "
+                         f"us). Within ZeroMQ, what Sonar adds is the server's loop, decoding and handler "
+                         f"({us(z['p50_s'] - e['p50_s'])} us) and the Python client around pyzmq "
+                         f"({us(c['p50_s'] - z['p50_s'])} us: request bookkeeping, liveness checks, reply "
+                         f"dispatch).")
             L.append(f"\nmsgpack on the client (pack one request, unpack one reply): "
                      f"{1e6 * ping['msgpack_s_per_call']:.1f} us per call.\n")
         small = res["torch"].get("step_small")
@@ -736,6 +747,18 @@ def spare_summary(res: dict) -> str:
     return "; ".join(parts) if parts else "not measured in this run"
 
 
+def spin_summary(res: dict) -> str:
+    """(d) against (b) and (c) in the runs with libgomp's spin-wait shortened, in words."""
+    parts = []
+    for r in res.get("spin") or []:
+        ms = r["methods"]
+        if all(k in ms for k in "bcd"):
+            parts.append(f"{MODEL_NAME[r['model']]} {r['impl']} (d) {ms['d']['median_step_s'] / ms['b']['median_step_s']:.2f}x "
+                         f"(b), {ms['d']['median_step_s'] / ms['c']['median_step_s']:.2f}x (c), CPU "
+                         f"{ms['d']['cpu_s_per_step'] / ms['b']['cpu_s_per_step']:.2f}x (b)")
+    return "; ".join(parts) if parts else "not measured in this run"
+
+
 def analysis(res: dict) -> list[str]:
     """Why targets are met or missed: the mechanisms, with this run's numbers."""
     L = ["## Why\n"]
@@ -868,7 +891,11 @@ def analysis(res: dict) -> list[str]:
                  "(`process_vm_readv`), checks every page of it first (so that a bad address changes nothing), "
                  "and decodes, schedules and answers each request; each training table above says how many "
                  "milliseconds a step each took. The hooks' own time is mostly the trainer waiting for a core "
-                 "while sonard runs (their CPU time was about half their wall time when profiled). With a core to spare "
+                 "while sonard runs (their CPU time was about half their wall time when profiled). While a hook "
+                 "waits, torch's other OpenMP thread has nothing to do but spins (libgomp's default, several ms) "
+                 "on a core sonard's workers need; with `GOMP_SPINCOUNT` set low it sleeps instead, and the "
+                 "CPU time sonard adds is about what the optimizer step it replaces costs: "
+                 + spin_summary(res) + ". With a core to spare "
                  "(torch on fewer threads), the update overlaps backward instead: " + spare_summary(res) +
                  ". Per-expert requests (e) multiply the round trips by the expert count. Measured: " +
                  "; ".join(time_lines) + ".")
