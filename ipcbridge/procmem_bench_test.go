@@ -1,0 +1,71 @@
+package ipcbridge
+
+import (
+	"fmt"
+	"os"
+	"testing"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// BenchmarkReadAtPieces reads 32 MiB of this process's memory through
+// ProcessMemory.ReadAt (process_vm_readv), which is how sonard reads a
+// zero-copy gradient, and copies it with copy() for comparison. The piece
+// size is the engine's read size (optimizer's readChunk is 32 KiB of
+// float32); "thp" puts the source on transparent huge pages (madvise), which
+// a trainer's allocator does not do by default. Measured 2026-12-01 on the
+// 2-core AMD EPYC VM: 2.7-3.3 GB/s for every piece size from 32 KiB to 1 MiB
+// (the cost is per page, not per call), 4.3-4.4 GB/s on huge pages, and
+// 8.5-9.9 GB/s for copy().
+func BenchmarkReadAtPieces(b *testing.B) {
+	const n = 32 << 20
+	for _, thp := range []bool{false, true} {
+		raw := make([]byte, n+(2<<20))
+		start := uintptr(unsafe.Pointer(&raw[0]))
+		skip := int(((start + (2<<20 - 1)) &^ (2<<20 - 1)) - start) // to a 2 MiB boundary
+		src := raw[skip : skip+n]
+		if thp {
+			if err := unix.Madvise(src, unix.MADV_HUGEPAGE); err != nil {
+				b.Skipf("madvise(MADV_HUGEPAGE): %v", err)
+			}
+		}
+		for i := range src { // faults the pages in (huge ones where advised)
+			src[i] = byte(i * 7)
+		}
+		p := &ProcessMemory{pid: os.Getpid()}
+		base := uint64(uintptr(unsafe.Pointer(&src[0])))
+		pieces := []int{32 << 10, 128 << 10, 1 << 20}
+		if thp {
+			pieces = []int{32 << 10}
+		}
+		for _, piece := range pieces {
+			name := fmt.Sprintf("readv-%dKiB", piece>>10)
+			if thp {
+				name += "-thp"
+			}
+			b.Run(name, func(b *testing.B) {
+				dst := make([]byte, piece)
+				b.SetBytes(n)
+				for i := 0; i < b.N; i++ {
+					for off := 0; off < n; off += piece {
+						if err := p.ReadAt(dst, base+uint64(off)); err != nil {
+							b.Fatal(err)
+						}
+					}
+				}
+			})
+		}
+		if !thp {
+			b.Run("copy-32KiB", func(b *testing.B) {
+				dst := make([]byte, 32<<10)
+				b.SetBytes(n)
+				for i := 0; i < b.N; i++ {
+					for off := 0; off < n; off += len(dst) {
+						copy(dst, src[off:])
+					}
+				}
+			})
+		}
+	}
+}
