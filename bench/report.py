@@ -305,26 +305,26 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
                             "measured": f"{t + 1:.3f}x (c)", "met": t <= 0, "by": signed_pct(-t)})
             targets.append({"target": "(d) within 5% of (c): memory", "case": tag, "measured": f"{signed_pct(mm)}",
                             "met": abs(mm) <= 0.05 or mm < 0, "by": f"{100 * (0.05 - mm):+.1f} points"})
-    for r in res.get("spare") or []:
-        ms = r["methods"]
-        d = ms.get("d")
-        tag = f"{MODEL_NAME[r['model']]} {r['impl']}, torch {r['threads']} thread(s) (a core to spare)"
-        for k, what in (("b", "(b) AdamW without clipping"), ("c", "(c) optimizer-in-backward")):
-            if d and k in ms:
-                x = d["median_step_s"] / ms[k]["median_step_s"]
-                targets.append({"target": f"Sonar (d) step time <= {what}", "case": tag, "measured": f"{x:.3f}x ({k})",
-                                "met": x <= 1.0, "by": signed_pct(1 - x)})
-    for r in res.get("spin") or []:
-        ms = r["methods"]
-        d = ms.get("d")
-        tag = f"{MODEL_NAME[r['model']]} {r['impl']}, GOMP_SPINCOUNT={r['gomp_spincount']}"
-        for k, what in (("b", "(b) AdamW without clipping"), ("c", "(c) optimizer-in-backward")):
-            if d and k in ms:
-                x = d["median_step_s"] / ms[k]["median_step_s"]
-                targets.append({"target": f"Sonar (d) step time <= {what}", "case": tag, "measured": f"{x:.3f}x ({k})",
-                                "met": x <= 1.0, "by": signed_pct(1 - x)})
+    targets += step_targets(res.get("spare") or [],
+                            lambda r: f"torch {r['threads']} thread(s) (a core to spare)")
+    targets += step_targets(res.get("spin") or [], lambda r: f"GOMP_SPINCOUNT={r['gomp_spincount']}")
     dl, dt = depth_section(res)
     return L + ring_section(res) + spare_section(res) + spin_section(res) + dl, targets + dt
+
+
+def step_targets(runs: list[dict], variant) -> list[dict]:
+    """(d)'s step time against (b) and (c) in extra runs of a config (variant(run) names the run)."""
+    out = []
+    for r in runs:
+        ms = r["methods"]
+        d = ms.get("d")
+        tag = f"{MODEL_NAME[r['model']]} {r['impl']}, {variant(r)}"
+        for k, what in (("b", "(b) AdamW without clipping"), ("c", "(c) optimizer-in-backward")):
+            if d and k in ms:
+                x = d["median_step_s"] / ms[k]["median_step_s"]
+                out.append({"target": f"Sonar (d) step time <= {what}", "case": tag, "measured": f"{x:.3f}x ({k})",
+                            "met": x <= 1.0, "by": signed_pct(1 - x)})
+    return out
 
 
 def spin_section(res: dict) -> list[str]:
@@ -736,26 +736,16 @@ def write(res: dict, out: Path) -> None:
     (out / "benchmarks.md").write_text("\n".join(L) + "\n")
 
 
-def spare_summary(res: dict) -> str:
-    """(d) against (b) and (c) in the spare-core runs, in words."""
+def ratio_summary(runs: list[dict], cpu: bool = False) -> str:
+    """(d) against (b) and (c) in extra runs of a config, in words (and (d)'s CPU against (b)'s)."""
     parts = []
-    for r in res.get("spare") or []:
+    for r in runs:
         ms = r["methods"]
         if all(k in ms for k in "bcd"):
-            parts.append(f"{MODEL_NAME[r['model']]} {r['impl']} (d) {ms['d']['median_step_s'] / ms['b']['median_step_s']:.2f}x "
-                         f"(b), {ms['d']['median_step_s'] / ms['c']['median_step_s']:.2f}x (c)")
-    return "; ".join(parts) if parts else "not measured in this run"
-
-
-def spin_summary(res: dict) -> str:
-    """(d) against (b) and (c) in the runs with libgomp's spin-wait shortened, in words."""
-    parts = []
-    for r in res.get("spin") or []:
-        ms = r["methods"]
-        if all(k in ms for k in "bcd"):
-            parts.append(f"{MODEL_NAME[r['model']]} {r['impl']} (d) {ms['d']['median_step_s'] / ms['b']['median_step_s']:.2f}x "
-                         f"(b), {ms['d']['median_step_s'] / ms['c']['median_step_s']:.2f}x (c), CPU "
-                         f"{ms['d']['cpu_s_per_step'] / ms['b']['cpu_s_per_step']:.2f}x (b)")
+            d = ms["d"]
+            parts.append(f"{MODEL_NAME[r['model']]} {r['impl']} (d) {d['median_step_s'] / ms['b']['median_step_s']:.2f}x "
+                         f"(b), {d['median_step_s'] / ms['c']['median_step_s']:.2f}x (c)" +
+                         (f", CPU {d['cpu_s_per_step'] / ms['b']['cpu_s_per_step']:.2f}x (b)" if cpu else ""))
     return "; ".join(parts) if parts else "not measured in this run"
 
 
@@ -901,8 +891,8 @@ def analysis(res: dict) -> list[str]:
                  "waits, torch's other OpenMP thread has nothing to do but spins (libgomp's default, several ms) "
                  "on a core sonard's workers need; with `GOMP_SPINCOUNT` set low it sleeps instead, and the "
                  "CPU time sonard adds is about what the optimizer step it replaces costs: "
-                 + spin_summary(res) + ". With a core to spare "
-                 "(torch on fewer threads), the update overlaps backward instead: " + spare_summary(res) +
+                 + ratio_summary(res.get("spin") or [], cpu=True) + ". With a core to spare "
+                 "(torch on fewer threads), the update overlaps backward instead: " + ratio_summary(res.get("spare") or []) +
                  ". Per-expert requests (e) multiply the round trips by the expert count. Measured: " +
                  "; ".join(time_lines) + ".")
     L.append("")
