@@ -36,6 +36,7 @@ from ._clipping import ExpertClipper
 from ._connection import Connection, SonarError
 from ._detect import group_key, layer_key
 from ._launch import connect
+from ._openmp import ADVICE
 from ._steps import StepQueue
 
 log = logging.getLogger("sonar_moe")
@@ -256,6 +257,7 @@ class ServerBackend(ABC):
         self._end_session = weakref.finalize(self, conn.end_session)  # also at exit, if never closed
         if options.ring_layers is None:
             options = dataclasses.replace(options, ring_layers=self.default_ring_layers(conn))
+        ADVICE.advise(options.ring_layers, torch.get_num_threads())
         self._options = options
         self._counter = counter
         self._experts = {id(p): Expert.of(name, p, slices) for name, p in named}
