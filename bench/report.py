@@ -336,7 +336,7 @@ def spin_section(res: dict) -> list[str]:
     L = ["\n### torch's OpenMP threads: spinning or sleeping\n",
          "While a gradient hook waits for sonard (`ring_layers` 0: every hook here), torch's other OpenMP "
          "threads have nothing to do, but libgomp lets an idle thread spin for a while before it sleeps "
-         "(measured here: 6-9 ms of CPU after each parallel region when nothing follows; `GOMP_SPINCOUNT` "
+         "(measured here: 6-10 ms of CPU after a torch op when nothing follows; `GOMP_SPINCOUNT` "
          "unset). On a machine where torch's threads take every core, that spinning thread shares a core "
          "with sonard's workers and slows the very update the trainer waits for: in a `perf` profile of "
          "GraniteMoe, (d) spent 30% more samples in libgomp's spin loop than (b). "
