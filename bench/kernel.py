@@ -143,19 +143,24 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(conn.address)
     tmp = tempfile.mkdtemp(prefix="sonar-echo-")
-    echo_proc, echo = None, None
-    unix_proc, unix = None, None
+    servers: list[subprocess.Popen[str]] = []
+    echo, unix = None, None
+
+    def serve(flag: str, where: str) -> None:
+        """Start a sonar-bench echo and wait until it listens."""
+        proc = subprocess.Popen([go_bench, flag, where], stdout=subprocess.PIPE, text=True)
+        servers.append(proc)
+        proc.stdout.readline()  # "ready"
+
     if go_bench:
         addr = f"ipc://{tmp}/echo.sock"
-        echo_proc = subprocess.Popen([go_bench, "-echo", addr], stdout=subprocess.PIPE, text=True)
-        echo_proc.stdout.readline()  # "ready"
+        serve("-echo", addr)
         echo = ctx.socket(zmq.DEALER)
         echo.setsockopt(zmq.LINGER, 0)
         echo.connect(addr)
         # The machine's floor: the same Go process kind and client, a plain Unix socket, no ZeroMQ.
         path = f"{tmp}/echo.unix"
-        unix_proc = subprocess.Popen([go_bench, "-unix-echo", path], stdout=subprocess.PIPE, text=True)
-        unix_proc.stdout.readline()  # "ready"
+        serve("-unix-echo", path)
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         unix.connect(path)
     req = msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping", "id": 1, "body": {}}, use_bin_type=True)
@@ -199,14 +204,11 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
         raw.close()
         if echo is not None:
             echo.close()
-        if echo_proc is not None:
-            echo_proc.kill()
-            echo_proc.wait()
         if unix is not None:
             unix.close()
-        if unix_proc is not None:
-            unix_proc.kill()
-            unix_proc.wait()
+        for proc in servers:
+            proc.kill()
+            proc.wait()
         conn.shutdown()
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)

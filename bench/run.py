@@ -85,42 +85,36 @@ def run_all(cfg: dict, quick: bool, env: dict[str, str]) -> dict:
               "--go-bench", "bin/sonar-bench", "--torch-lib", lib]
     res["torch"] = common.run_json(py_cmd, env)
     cmds.append(py_cmd)
+    def train(model: str, impl: str, methods: str, layers: int | None = None, warmup: int | None = None,
+              steps: int | None = None, extra: tuple[str, ...] = (), run_env: dict[str, str] | None = None,
+              prefix: tuple[str, ...] = ()) -> dict:
+        """One bench/train.py run of a config (the run's shape unless told otherwise)."""
+        cmd = [PY, "bench/train.py", "--model", model, "--impl", impl, "--layers", str(layers or cfg["layers"]),
+               "--hidden", str(cfg["hidden"]), "--batch", str(cfg["batch"]), "--seq", str(cfg["seq"]),
+               "--warmup", str(cfg["warmup"] if warmup is None else warmup),
+               "--steps", str(cfg["steps"] if steps is None else steps), "--methods", methods, *extra]
+        cmds.append([*prefix, *cmd])
+        return common.run_json(cmd, run_env or env)
+
     res["train"] = []
     for model, impl in cfg["models"]:
         print(f"training: {model} / {impl}", file=sys.stderr, flush=True)
-        cmd = [PY, "bench/train.py", "--model", model, "--impl", impl, "--layers", str(cfg["layers"]),
-               "--hidden", str(cfg["hidden"]), "--batch", str(cfg["batch"]), "--seq", str(cfg["seq"]),
-               "--warmup", str(cfg["warmup"]), "--steps", str(cfg["steps"]), "--methods", METHODS]
-        res["train"].append(common.run_json(cmd, env))
-        cmds.append(cmd)
+        res["train"].append(train(model, impl, METHODS))
     res["spare"] = []
     for model, impl, threads in cfg["spare"]:
         print(f"training with a spare core: {model} / {impl}, torch at {threads} thread(s)", file=sys.stderr, flush=True)
-        cmd = [PY, "bench/train.py", "--model", model, "--impl", impl, "--layers", str(cfg["layers"]),
-               "--hidden", str(cfg["hidden"]), "--batch", str(cfg["batch"]), "--seq", str(cfg["seq"]),
-               "--warmup", str(cfg["warmup"]), "--steps", str(cfg["steps"]), "--methods", SPARE_METHODS,
-               "--threads", str(threads), "--timeline", ""]
-        res["spare"].append(common.run_json(cmd, env))
-        cmds.append(cmd)
+        res["spare"].append(train(model, impl, SPARE_METHODS, extra=("--threads", str(threads), "--timeline", "")))
     res["spin"] = []
     for model, impl in cfg["spin"]:
         print(f"training with GOMP_SPINCOUNT={SPIN_COUNT}: {model} / {impl}", file=sys.stderr, flush=True)
-        cmd = [PY, "bench/train.py", "--model", model, "--impl", impl, "--layers", str(cfg["layers"]),
-               "--hidden", str(cfg["hidden"]), "--batch", str(cfg["batch"]), "--seq", str(cfg["seq"]),
-               "--warmup", str(cfg["warmup"]), "--steps", str(cfg["steps"]), "--methods", SPIN_METHODS,
-               "--timeline", ""]
-        r = common.run_json(cmd, {**env, "GOMP_SPINCOUNT": SPIN_COUNT})
+        r = train(model, impl, SPIN_METHODS, extra=("--timeline", ""), run_env={**env, "GOMP_SPINCOUNT": SPIN_COUNT},
+                  prefix=(f"GOMP_SPINCOUNT={SPIN_COUNT}",))
         r["gomp_spincount"] = int(SPIN_COUNT)
         res["spin"].append(r)
-        cmds.append([f"GOMP_SPINCOUNT={SPIN_COUNT}", *cmd])
     res["depth"] = []
     for model, impl, layers in cfg["depth"]:
         print(f"memory at depth {layers}: {model} / {impl}", file=sys.stderr, flush=True)
-        cmd = [PY, "bench/train.py", "--model", model, "--impl", impl, "--layers", str(layers),
-               "--hidden", str(cfg["hidden"]), "--batch", str(cfg["batch"]), "--seq", str(cfg["seq"]),
-               "--warmup", "2", "--steps", "0", "--methods", "acdf", "--timeline", ""]
-        res["depth"].append(common.run_json(cmd, env))
-        cmds.append(cmd)
+        res["depth"].append(train(model, impl, "acdf", layers=layers, warmup=2, steps=0, extra=("--timeline", "")))
     res["machine"]["load_end"] = common.load_avg()
     res["commands"] = [" ".join("$TORCH_LIB" if c == lib else c.replace(str(ROOT) + os.sep, "") if c != PY
                                 else "$PY" for c in cmd) for cmd in cmds]

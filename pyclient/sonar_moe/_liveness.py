@@ -50,10 +50,6 @@ class Link:
         self.dropped = False  # the connection was up, then closed
         self.lost_in_flight = 0  # requests in flight when it went down
 
-    @property
-    def monitor(self) -> zmq.Socket[Any]:
-        return self._mon
-
     def update(self, in_flight: int) -> None:
         """Take the monitor's events that arrived."""
         while self._mon.getsockopt(_EVENTS) & _POLLIN:
