@@ -216,7 +216,7 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
     L.append("Methods: (a) `torch.optim.AdamW` + `clip_grad_norm_(all params, 1.0)`; (b) `torch.optim.AdamW` "
              "without clipping; (c) optimizer-in-backward over all parameters (one `torch.optim.AdamW` per "
              "parameter stepped in `register_post_accumulate_grad_hook`, the PyTorch tutorial's method, no "
-             "clipping possible); (d) `SonarAdamW(max_grad_norm=1.0)` (batched expert tensors, dense clipping); "
+             "clipping possible); (d) `SonarAdamW(max_grad_norm=1.0)` (batched expert tensors, a layer's in one request, dense clipping); "
              "(e) `SonarAdamW(max_grad_norm=1.0, split_experts=True)` (one request per expert slice); "
              "(f) (d) with `zero_copy=False` (each gradient copied through the shared-memory ring, Sonar before "
              "zero copy); (g) (d) with a one-worker sonard instead of one worker per core; (s), (o) and (h): (d) "
@@ -334,7 +334,7 @@ def spin_section(res: dict) -> list[str]:
         return []
     count = runs[0]["gomp_spincount"]
     L = ["\n### torch's OpenMP threads: spinning or sleeping\n",
-         "While a gradient hook waits for sonard (`ring_layers` 0: every hook here), torch's other OpenMP "
+         "While a gradient hook waits for sonard (`ring_layers` 0: each layer's last hook here), torch's other OpenMP "
          "threads have nothing to do, but libgomp lets an idle thread spin for a while before it sleeps "
          "(measured here: 6-10 ms of CPU after a torch op when nothing follows; `GOMP_SPINCOUNT` "
          "unset). On a machine where torch's threads take every core, that spinning thread shares a core "
@@ -402,8 +402,8 @@ def ring_section(res: dict) -> list[str]:
     L = ["\n### How many gradients wait: ring_layers\n",
          "`ring_layers` bounds the expert gradients that wait for the server: held in place (zero copy) or "
          "in the shared-memory ring, which is reserved for the whole run (f; one layer with 0 or 1). With 0 the "
-         "hook that sends a request waits until the server has applied it (here, with batched expert tensors: "
-         "every hook); with 1 or 2 that many layers of gradients may wait, so the "
+         "hook that sends a request waits until the server has applied it (here: each layer's last hook, which "
+         "sends the layer's gate_up_proj and down_proj in one request); with 1 or 2 that many layers of gradients may wait, so the "
          "server's work overlaps backward. Same runs as above; the spare-core runs (torch on fewer threads "
          "than cores) last. Unset, `ring_layers` is 0 where torch's threads take every core this process may "
          "use and the server is on the same machine (`ipc://`), else 1: the column (d) shows what it chose.\n",
@@ -858,7 +858,7 @@ def analysis(res: dict) -> list[str]:
         L.append("- **Peak memory.** Standard training peaks at the end of backward with every gradient alive: "
                  "parameters + gradients + two AdamW states, four copies of the model (fp32). Sonar removes the "
                  "expert gradients except those waiting for the server (at most `ring_layers` layers; unset on these "
-                 "2 cores, none: each hook waits for its own update) and the layer autograd is still producing, so the saving relative to (a) is bounded by expert share x "
+                 "2 cores, none: the hook that sends a layer's request waits for it) and the layer autograd is still producing, so the saving relative to (a) is bounded by expert share x "
                  "(1 - 1/L) / 4 (about 20% at L = 8, 21.8% at L = 16 for OLMoE's share) and shrinks by the "
                  "activations, which are in both peaks (gradient checkpointing keeps them to about one layer here). "
                  "With zero copy (d) the gradients that wait are autograd's own, freed as the server answers, so "

@@ -171,9 +171,73 @@ def test_auto_detection_and_predicate() -> None:
     with sonar_moe.SonarAdamW(model, expert_params=lambda n, p: n.endswith("down_proj")) as opt:
         assert sorted(n for n, _ in opt.named_expert_parameters()) == sorted(
             n for n in tm.expert_param_names(model) if n.endswith("down_proj"))
-    # per-expert ModuleList params group per layer into one request
-    assert sonar_moe.group_key("layers.3.moe.experts.5.down.weight") == "layers.3.moe.experts"
-    assert sonar_moe.group_key("model.layers.0.mlp.experts.gate_up_proj") == "model.layers.0.mlp.experts.gate_up_proj"
+
+
+@pytest.mark.parametrize("name,block", [
+    ("model.layers.3.mlp.experts.gate_up_proj", "model.layers.3"),  # OLMoE, HF v5 batched
+    ("model.layers.3.mlp.experts.down_proj", "model.layers.3"),
+    ("model.layers.12.mlp.experts.gate_up_proj_bias", "model.layers.12"),  # gpt-oss expert bias
+    ("model.layers.3.block_sparse_moe.input_linear.weight", "model.layers.3"),  # GraniteMoe
+    ("model.layers.3.block_sparse_moe.output_linear.weight", "model.layers.3"),
+    ("layers.3.moe.experts.5.down.weight", "layers.3"),  # per-expert ModuleList: the expert index is not the layer
+    ("transformer.blocks.2.ffn.experts.mlp.w1", "transformer.blocks.2"),  # DBRX, flattened
+    ("encoder.block.0.layer.1.mlp.experts.expert_3.wi.weight", "encoder.block.0.layer.1"),  # Switch
+    ("decoder.block.0.layer.2.mlp.experts.expert_3.wi.weight", "decoder.block.0.layer.2"),
+    ("layers.0.self_attention.experts.input_linear.weight", "layers.0"),  # JetMoe: both MoE modules of a layer
+    ("experts.5.down.weight", "experts"),  # no layer index: the experts container
+    ("w_in", "w_in"),  # no layer index, not per-expert: its own block
+])
+def test_group_key_is_the_layer(name: str, block: str) -> None:
+    """group_key names the layer whose expert tensors go to the server in one request."""
+    assert sonar_moe.group_key(name) == block
+
+
+@pytest.mark.parametrize("ring_layers", [0, 1])
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_batched_layer_is_one_request(ring_layers: int, zero_copy: bool) -> None:
+    """A layer's batched expert tensors (gate_up_proj, down_proj) go to the server in one request,
+    still bitwise, and the gradients alive at once stay within one layer."""
+    cfg = tm.MoEConfig(num_layers=3, num_experts=4)
+    ref, mine = tm.build(cfg, 4), tm.build(cfg, 4)
+    by_name = dict(ref.named_parameters())
+    layer_bytes = sum(by_name[n].numel() * 4 for n in tm.expert_param_names(ref)) // cfg.num_layers
+    biggest = max(by_name[n].numel() * 4 for n in tm.expert_param_names(ref))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=2e-3)
+    with sonar_moe.SonarAdamW(mine, lr=2e-3, ring_layers=ring_layers, zero_copy=zero_copy) as opt:
+        for step, x in zip(range(3), data(5)):
+            ref_step(ref, ropt, x, None)
+            sonar_step(mine, opt, x)
+            assert_same(ref, mine, f"step {step + 1}")
+        st = opt.stats()
+    assert st["step_requests"] == 3 * cfg.num_layers and st["grads_sent"] == 3 * cfg.num_layers * 2
+    # Zero copy holds autograd's gradients of one layer; the ring holds one layer, and the gradient
+    # autograd just produced is alive while it is copied in.
+    assert st["peak_expert_grad_bytes"] <= layer_bytes + (0 if zero_copy else biggest)
+
+
+def test_incomplete_layer_is_sent_when_the_next_begins() -> None:
+    """A layer whose experts got no token never completes; it is sent when the next layer's
+    first gradient arrives, not held until step(). Still bitwise."""
+    cfg = tm.MoEConfig(layout="modulelist", num_layers=3, num_experts=8, top_k=1)
+    ref, mine = tm.build(cfg, 3), tm.build(cfg, 3)
+    x = next(data(7, batch=1, seq=6))
+    loss, _ = ref(x, labels=x)
+    loss.backward()
+    with_grad = {n.split(".experts.")[0] for n, p in ref.named_parameters() if ".experts." in n and p.grad is not None}
+    missing = {n.split(".experts.")[0] for n, p in ref.named_parameters() if ".experts." in n and p.grad is None}
+    assert missing & with_grad == with_grad, "every layer should have an expert without tokens"
+    ref.zero_grad()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=2e-3)
+    with sonar_moe.SonarAdamW(mine, lr=2e-3, ring_layers=0) as opt:
+        loss, _ = mine(x, labels=x)
+        loss.backward()
+        # The last layer (first in backward) and the middle one were sent when the next began.
+        assert opt.stats()["step_requests"] == cfg.num_layers - 1
+        opt.step()
+        assert opt.stats()["step_requests"] == cfg.num_layers
+        opt.zero_grad()
+    ref_step(ref, ropt, x, None)
+    assert_same(ref, mine, "one step")
 
 
 @pytest.mark.parametrize("ring_layers", [0, 1])

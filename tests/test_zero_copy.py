@@ -100,9 +100,9 @@ def test_held_bytes_within_budget(ring_layers: int, zero_copy: bool) -> None:
     experts = [p.numel() * 4 for n, p in model.named_parameters() if "layers.0.mlp.experts" in n]
     if not zero_copy:  # a ring slot takes more than its gradient (page and cache-line padding)
         experts = [Ring.slot_bytes(b) for b in experts]
-    # 0: each batched tensor's hook waits for its update, so one tensor at most is held (the
-    # ring keeps one layer: a layer of per-expert tensors gathers before its request)
-    bound = max(experts) if ring_layers == 0 and zero_copy else max(ring_layers, 1) * sum(experts)
+    # 0: the hook that sends a layer's request waits for it, so one layer at most is held (it
+    # gathers before its request; the ring keeps one layer too)
+    bound = max(ring_layers, 1) * sum(experts)
     opt = sonar_moe.SonarAdamW(model, lr=1e-3, ring_layers=ring_layers, zero_copy=zero_copy)
     topt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     try:

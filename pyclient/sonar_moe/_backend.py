@@ -34,7 +34,7 @@ from torch import nn
 
 from ._clipping import ExpertClipper
 from ._connection import Connection, SonarError
-from ._detect import group_key, layer_key
+from ._detect import group_key
 from ._launch import connect
 from ._openmp import ADVICE
 from ._steps import StepQueue
@@ -73,7 +73,7 @@ class Expert:
 
     name: str
     param: nn.Parameter
-    key: str  # tensors with the same key go to the server in one request
+    key: str  # the MoE block (group_key): its tensors go to the server in one request
     slices: int = 1  # experts stacked along dim 0 (split_experts makes one server tensor of each)
     parts: int = 1
     tids: list[int] = field(default_factory=list)
@@ -91,11 +91,6 @@ class Expert:
         if n is None:
             n = param.shape[0] if param.dim() >= 3 else 1
         return cls(name, param, group_key(name), slices=n)
-
-    @property
-    def layer(self) -> str:
-        """The MoE block (the gradient ring holds ring_layers of the largest)."""
-        return layer_key(self.name)
 
     @property
     def nbytes(self) -> int:
@@ -382,7 +377,7 @@ class ServerBackend(ABC):
 
     def _queue(self, e: Expert, staged: Staged) -> None:
         """Queue the step of e's staged gradient: one request per expert slice with
-        split_experts, else one per layer group; applied at the k-th micro-batch."""
+        split_experts, else one per MoE block (group_key); applied at the k-th micro-batch."""
         e.micro += 1
         apply = e.micro >= self._options.grad_accumulation_steps
         step, scalars = self._next_step(e) if apply else (0, {})

@@ -187,15 +187,21 @@ def is_expert_param(name: str, param: torch.Tensor) -> bool:
 
 
 def group_key(name: str) -> str:
-    """Tensors with the same key go to the server in one request: a layer's per-expert
-    module parameters share the key of their container; any other tensor is its own group."""
-    m = _PER_EXPERT.match(name)
-    return m.group(1) if m else name
+    """The MoE block an expert tensor belongs to. A block's expert tensors go to the server in
+    one request (once each has its gradient of this backward), and the gradient ring holds
+    whole blocks.
 
-
-def layer_key(name: str) -> str:
-    """The MoE block an expert tensor belongs to (the gradient ring holds whole blocks): the
-    path before its last ``experts`` component, else its module's parent."""
+    The block is the name up to its last layer index before the last ``experts`` component
+    (``model.layers.3`` for OLMoE's ``model.layers.3.mlp.experts.gate_up_proj``, GraniteMoe's
+    ``model.layers.3.block_sparse_moe.input_linear.weight`` and a per-expert
+    ``model.layers.3.mlp.experts.5.down_proj.weight`` alike; ``encoder.block.0.layer.1`` for
+    Switch Transformers). A name without a layer index is its own block, except per-expert
+    parameters, which share their ``experts`` container's."""
     parts = name.split(".")
     at = [i for i, c in enumerate(parts) if c == "experts"]
-    return ".".join(parts[:at[-1]] if at else parts[:-2])
+    head = parts[:at[-1]] if at else parts[:-1]
+    index = [i for i, c in enumerate(head) if c.isdigit()]
+    if index:
+        return ".".join(head[:index[-1] + 1])
+    m = _PER_EXPERT.match(name)
+    return m.group(1) if m else name

@@ -122,9 +122,9 @@ class ShmBackend(ServerBackend):
         size(its bytes)."""
         layer: dict[str, int] = {}
         for e in self._experts.values():
-            layer[e.layer] = layer.get(e.layer, 0) + size(e.nbytes)
-        # ring_layers=0 waits for each request it sends, but a layer of per-expert tensors is sent
-        # as one request once complete: one layer may still be gathering.
+            layer[e.key] = layer.get(e.key, 0) + size(e.nbytes)
+        # ring_layers=0 waits for each request it sends, but a layer's expert tensors are sent as
+        # one request once each has its gradient: one layer may still be gathering.
         return max(layer.values()) * max(self._options.ring_layers or 0, 1)
 
     def _ring_for(self, nbytes: int) -> Ring:
@@ -163,7 +163,8 @@ class ShmBackend(ServerBackend):
             # Per-tensor clipping, exactly clip_grad_norm_([p], c): NOT global-norm clipping.
             torch.nn.utils.clip_grad_norm_([p], clip)
         nbytes = e.nbytes
-        self._conn.poll(0)  # give back what finished requests held
+        if self._conn.in_flight:
+            self._conn.poll(0)  # give back what finished requests held
         if owned and self._process_seg is not None and self._readable(grad, p):
             while self._held and self._held + nbytes > self._budget:
                 if not self._make_room():

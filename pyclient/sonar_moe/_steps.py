@@ -1,8 +1,12 @@
 """Step requests of one session: items queued per layer group and sent without waiting.
 
-A layer's expert tensors (the group key of ``_detect.group_key``) go to the server in one
-``step`` request once each of them has a gradient. Each request carries the staging tokens
-of its gradients (ring offsets, CUDA gradient holders), released when its reply arrives.
+A layer's expert tensors (the MoE block of ``_detect.group_key``) go to the server in one
+``step`` request once each of them has a gradient: with batched expert tensors, one request
+per layer instead of one per tensor (measured in docs/benchmarks.md: each request costs the
+trainer a round trip it waits for). A layer whose gradients stop coming (experts that got no
+token) is sent when the next layer's first gradient arrives, so gradients of one layer at
+most wait to be sent. Each request carries the staging tokens of its gradients (ring
+offsets, CUDA gradient holders), released when its reply arrives.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class StepQueue:
         self._refused = refused  # told the items of every request the server refused
         self._body = dict(body)  # extra keys of every step request (CUDA: wait_event)
         self._groups: dict[str, _Group] = {}
+        self._open: _Group | None = None  # the group gathering items (at most one)
         self._errors: list[str] = []
         self.step_requests = 0
         self.grads_sent = 0
@@ -48,8 +53,11 @@ class StepQueue:
     def add(self, key: str, item: Item, token: Any) -> None:
         """Queue an item of group `key`; send the group once it is complete."""
         grp = self._groups[key]
+        if self._open is not None and self._open is not grp and self._open.items:
+            self._send_group(self._open)  # another layer's gradients arrive: that one is as complete as it gets
         if any(i["tensor"] == item["tensor"] for i in grp.items):
             self._send_group(grp)  # an earlier backward left this layer incomplete (experts without tokens)
+        self._open = grp
         grp.items.append(item)
         grp.tokens.append(token)
         if len(grp.items) >= grp.size:
