@@ -1,6 +1,6 @@
 """torch's OpenMP threads while a gradient hook waits for sonard.
 
-With ``ring_layers=0`` each hook waits for the update it sent. libgomp (the OpenMP runtime of
+With ``ring_layers=0`` the hook that sends a layer's request waits for it. libgomp (the OpenMP runtime of
 torch's Linux wheels) lets a thread that ran out of work spin for several milliseconds before it
 sleeps, so while the hook waits torch's other threads spin on the cores sonard's update needs.
 ``GOMP_SPINCOUNT`` (read when libgomp is loaded, so set before Python starts) shortens that; see
