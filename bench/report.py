@@ -222,7 +222,8 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
              "zero copy); (g) (d) with a one-worker sonard instead of one worker per core; (s), (o) and (h): (d) "
              "with `ring_layers` 0 (the hook that sends a request waits for its reply), 1 and 2 (that many layers of gradients "
              "may wait for the server); (d) leaves it unset, which is 0 where torch's threads take every core "
-             "(as here) and 1 with a core to spare; "
+             "(as here) and 1 with a core to spare, and its private sonard's workers unset: one per core, or "
+             "(since 2026-12-01) the cores torch leaves free, so with a core to spare (d) runs what (g) runs; "
              "(n) no optimizer at all (forward, backward, `zero_grad`): the floor every method adds its "
              "update to.\n")
     L.append("**How peak memory is measured.** One extra step per method runs under `torch.profiler` with "

@@ -18,7 +18,9 @@ Methods:
   n  no optimizer: forward, backward and zero_grad only (the floor each method adds its
      update to; not run by default)
   g  (d) with a one-worker sonard (SONAR_WORKERS=1 in its environment) instead of one worker per
-     core: fewer threads competing with torch's for the cores
+     core: fewer threads competing with torch's for the cores ((d)'s private sonard runs the
+     cores torch leaves free, one per core where it leaves none: with --threads 1 on 2 cores,
+     (d) and (g) are the same)
 
 Memory (per method, one extra profiled step after the timed ones): the trainer's tensor
 bytes are the bytes alive before the step (parameters outside shared memory, gradients,

@@ -24,6 +24,7 @@ from torch import nn
 
 import sonar_moe
 from sonar_moe import SonarError, start_private_server, torch_scalars
+from sonar_moe._launch import private_workers
 from sonar_moe._openmp import SpinAdvice, default_spin_runtime
 from sonar_moe._shm import PAGE, Ring, Segment
 
@@ -140,6 +141,26 @@ def test_ring_layers_default_follows_the_cores() -> None:
                 assert opt.stats()["ring_layers"] == want, threads
     finally:
         torch.set_num_threads(saved)
+
+
+def test_private_server_workers_follow_the_spare_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A private sonard updates with the cores torch's threads leave free (one per core where torch
+    takes them all), unless SONAR_WORKERS says otherwise (docs/benchmarks.md, "With a core to
+    spare")."""
+    cores, saved = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    monkeypatch.delenv("SONAR_WORKERS", raising=False)
+    cases = [(cores, cores)] + ([(cores - 1, 1)] if cores > 1 else [])
+    try:
+        for threads, want in cases:
+            torch.set_num_threads(threads)
+            with sonar_moe.SonarAdamW(TinyMoE(torch.float32), lr=1e-3) as opt:
+                assert opt.stats()["server_workers"] == want, threads
+        monkeypatch.setenv("SONAR_WORKERS", "3")
+        with sonar_moe.SonarAdamW(TinyMoE(torch.float32), lr=1e-3) as opt:
+            assert opt.stats()["server_workers"] == 3
+    finally:
+        torch.set_num_threads(saved)
+    assert [private_workers(t, 4) for t in (1, 3, 4, 8)] == [3, 1, None, None]
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True])

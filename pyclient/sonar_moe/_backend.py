@@ -264,6 +264,7 @@ class ServerBackend(ABC):
                                 options.clipper.add_expert_sq_norms if options.clipper is not None else None)
         self._peak = 0
         self._room_wait_s = 0.0  # time the gradient hooks waited for room in the ring
+        self._server_workers = int(hello.get("workers") or 0)  # the server's CPU update workers
 
     # ------------------------------------------------------------ path-specific
     def default_ring_layers(self, conn: Connection) -> int:
@@ -435,7 +436,7 @@ class ServerBackend(ABC):
         return {"peak_expert_grad_bytes": self._peak, **self._memory_stats(),
                 "step_requests": self._steps.step_requests, "grads_sent": self._steps.grads_sent,
                 "bytes_sent": self._steps.bytes_sent, "room_wait_s": self._room_wait_s,
-                "ring_layers": self._options.ring_layers}
+                "ring_layers": self._options.ring_layers, "server_workers": self._server_workers}
 
     def server_stats(self) -> dict[str, Any] | None:
         return self._conn.call("stats", {})

@@ -7,12 +7,34 @@ import secrets
 import subprocess
 import tempfile
 
+import torch
+
 from ._binary import find_sonard
 from ._connection import Connection
 
 
-def start_private_server(timeout: float, log_level: str = "warn") -> Connection:
-    """Start a sonard for this process on an ipc:// socket in a fresh 0700 directory.
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def private_workers(torch_threads: int, cores: int) -> int | None:
+    """The update workers of a private sonard: the cores torch's threads leave free, where they
+    leave some; None (sonard's default, one per core) where torch takes them all. Measured
+    (docs/benchmarks.md, "With a core to spare"): with torch on 1 thread of 2 cores, a
+    one-worker sonard made the step 4-8% shorter than two workers (OLMoE and GraniteMoe, two
+    runs), whose second worker preempts torch's thread; with torch on every core, one or two
+    workers were within noise of each other."""
+    return cores - torch_threads if 0 < torch_threads < cores else None
+
+
+def start_private_server(timeout: float, log_level: str = "warn", workers: int | None = None) -> Connection:
+    """Start a sonard for this process on an ipc:// socket in a fresh 0700 directory, with
+    ``workers`` update workers (None: sonard's default; ``SONAR_WORKERS`` in the environment
+    wins over both).
 
     Nothing about this process's torch is passed on the command line: each client names its
     float32 sqrt in ``hello``, so the same plain server serves any client."""
@@ -31,6 +53,8 @@ def start_private_server(timeout: float, log_level: str = "warn") -> Connection:
     # then removes this run directory (--run-dir), which this process can no longer do.
     args = [binary, "--listen", f"ipc://{sock}", "--log-level", log_level,
             "--parent-pid", str(os.getpid()), "--admin-token-file", token_path, "--run-dir", rundir]
+    if workers is not None and not os.environ.get("SONAR_WORKERS"):
+        args += ["--workers", str(workers)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             args,
@@ -44,10 +68,11 @@ def start_private_server(timeout: float, log_level: str = "warn") -> Connection:
 
 def connect(server: str | None, timeout: float) -> Connection:
     """A connection to ``server`` ("ipc://..." or "tcp://..."); for None, to this node's shared
-    sonard when a launcher started several ranks here (``_node.py``), else to a new private one."""
+    sonard when a launcher started several ranks here (``_node.py``), else to a new private one
+    (with the cores torch leaves free as its workers, where it leaves some)."""
     if server is not None:
         return Connection(server, timeout)
     from ._node import node_connection, node_ranks  # _node imports this module
     if node_ranks() is not None:
         return node_connection(timeout)
-    return start_private_server(timeout)
+    return start_private_server(timeout, workers=private_workers(torch.get_num_threads(), usable_cores()))

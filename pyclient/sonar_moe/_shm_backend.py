@@ -12,7 +12,6 @@ Either way at most ``ring_layers`` of the largest layer of gradient bytes wait f
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch import nn
 from ._backend import Counter, BackendOptions, Expert, MemRef, ServerBackend, Staged, Transfer, no_ref, say_hello
 from ._connection import Connection, SonarError, SonarRefused
 from ._direct import attach_process
+from ._launch import usable_cores
 from ._shm import PAGE, Ring, Segment
 from ._sqrt import check_session_sqrt, needed_sqrt_lib
 
@@ -89,12 +89,8 @@ class ShmBackend(ServerBackend):
         then waits for its own update (0), for about 3% of step time and a layer of gradients
         less at the peak. With a core to spare, or a server elsewhere, one layer waits (1) and the updates
         overlap backward."""
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
         local = conn.address.startswith("ipc://")
-        return 0 if local and torch.get_num_threads() >= cores else 1
+        return 0 if local and torch.get_num_threads() >= usable_cores() else 1
 
     def _place(self, experts: list[Expert]) -> None:
         """Move the parameters into a new shared segment for good (each at a page boundary) and
