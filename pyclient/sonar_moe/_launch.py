@@ -25,7 +25,7 @@ def private_workers(torch_threads: int, cores: int) -> int | None:
     """The update workers of a private sonard: the cores torch's threads leave free, where they
     leave some; None (sonard's default, one per core) where torch takes them all. Measured
     (docs/benchmarks.md, "With a core to spare"): with torch on 1 thread of 2 cores, a
-    one-worker sonard made the step 4-8% shorter than two workers (OLMoE and GraniteMoe, two
+    one-worker sonard made the step 3.5-8% shorter than two workers (OLMoE and GraniteMoe, two
     runs), whose second worker preempts torch's thread; with torch on every core, one or two
     workers were within noise of each other."""
     return cores - torch_threads if 0 < torch_threads < cores else None
