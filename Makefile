@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 GO      ?= go
 export SONARD := $(CURDIR)/bin/sonard
 
-.PHONY: all setup system-deps venv build demo test test-go test-py lint fuzz soak quality bench bench-quick clean
+.PHONY: all setup system-deps venv build demo test test-go test-avx512 test-py lint fuzz soak quality bench bench-quick clean
 
 all: build
 
@@ -40,7 +40,13 @@ test-go: system-deps
 test-py: setup build
 	$(PY) -m pytest -q --timeout=600 tests
 
-test: lint test-go test-py
+# The AVX-512 kernels lane for lane against the Go code, on an emulated AVX-512 CPU (Bochs, a
+# Linux guest; ~1 min, installs what it needs): this project's machines lack AVX-512.
+test-avx512: system-deps
+	CGO_ENABLED=0 $(GO) test -c -o build/emu/optimizer.test ./optimizer
+	scripts/emu-avx512 --timeout 900 build/emu/optimizer.test -test.run 'Assembly|ISA' -test.v -require-isa avx512
+
+test: lint test-go test-avx512 test-py
 
 # Coverage-guided fuzzing of message decoding and request handling (the corpus is committed).
 FUZZTIME ?= 10m

@@ -237,7 +237,8 @@ def go_engine(go_bench: str, lib: str | None, dtype: str, n: int, reps: int) -> 
     copies = [c["gb_per_s_read_write"] for c in out["copy"]]  # right before and after the kernels
     # AdamW's own access pattern (4 read + 3 write streams) at this size, before and after.
     streams = [st["gb_per_s"] for st in out.get("stream", [])]
-    return [{**k, "copies_gbps": copies, "streams_gbps": streams} for k in out["kernels"]]
+    isa = {"isa": out.get("isa", ""), "cpu_isa": out.get("cpu_isa", "")}  # the vector instructions the kernels ran
+    return [{**k, **isa, "copies_gbps": copies, "streams_gbps": streams} for k in out["kernels"]]
 
 
 def go_copy(go_bench: str, mb: int, reps: int) -> dict:

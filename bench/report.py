@@ -79,6 +79,10 @@ def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
              f"{res['torch']['threads']} threads, the Go engine with {res['torch']['go_kernels'][0]['workers']} workers "
              "(= cores). torch's default on CPU is the "
              f"`{res['torch']['default_path']}` path (neither foreach nor fused is chosen by default).\n")
+    gk = res["torch"]["go_kernels"][0]
+    if gk.get("isa"):
+        L.append(f"The Go engine's kernels ran on **{gk['isa']}** (this CPU's widest: {gk['cpu_isa']}; sonard and "
+                 "`sonar-bench -isa` choose among avx512, avx2 and go, all bitwise alike).\n")
     L.append("Copy bandwidth of this machine, measured in the same run on 256 MiB buffers (read + write bytes "
              "per second):\n")
     L.append("| measurement | GB/s |\n|---|---|")

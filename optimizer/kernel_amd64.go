@@ -7,8 +7,30 @@ import (
 	"golang.org/x/sys/cpu"
 )
 
-// useAVX2 selects the assembly passes (amd64 with AVX2 and FMA).
-var useAVX2 = cpu.X86.HasAVX2 && cpu.X86.HasFMA
+// detectISA: AVX-512 Foundation where the CPU and the operating system have
+// it (x/sys/cpu checks both), AVX2 with FMA, else the Go code.
+func detectISA() ISA {
+	switch {
+	case !cpu.X86.HasAVX2 || !cpu.X86.HasFMA:
+		return ISAGo
+	case cpu.X86.HasAVX512F:
+		return ISAAVX512
+	}
+	return ISAAVX2
+}
+
+// lanes splits the head of an n-element block between the assembly levels:
+// wide elements (a multiple of 16) for AVX-512, then narrow ones (a multiple
+// of 8) for AVX2; the caller's Go code does the rest.
+func lanes(n int) (wide, narrow int) {
+	if vecISA >= ISAAVX512 {
+		wide = n &^ 15
+	}
+	if vecISA >= ISAAVX2 {
+		narrow = (n - wide) &^ 7
+	}
+	return wide, narrow
+}
 
 type pass1Consts struct {
 	decay, c, b2, omb2 float32
@@ -31,17 +53,31 @@ func pass2AVX2(pp, mm, sq *float32, n int, k *pass2Consts)
 //go:noescape
 func sqrtAVX(dst, src *float32, n int)
 
+//go:noescape
+func pass1AVX512(pp, gg, mm, vv, out *float32, n int, k *pass1Consts)
+
+//go:noescape
+func pass2AVX512(pp, mm, sq *float32, n int, k *pass2Consts)
+
+//go:noescape
+func sqrtAVX512(dst, src *float32, n int)
+
 // stepF32Vec runs the vectorizable head of one block (a multiple of 8
 // elements) in assembly and returns how many elements it did; the caller
 // finishes the rest with the scalar code.
 func stepF32Vec(p, g, m, v, out []float32, s Scalars, k f32) int {
-	n := len(p) &^ 7
-	if !useAVX2 || n == 0 || s.Amsgrad {
+	w, n := lanes(len(p))
+	if w+n == 0 || s.Amsgrad {
 		return 0
 	}
 	c1 := newPass1Consts(s, k)
-	pass1AVX2(&p[0], &g[0], &m[0], &v[0], &out[0], n, &c1)
-	return n
+	if w > 0 {
+		pass1AVX512(&p[0], &g[0], &m[0], &v[0], &out[0], w, &c1)
+	}
+	if n > 0 {
+		pass1AVX2(&p[w], &g[w], &m[w], &v[w], &out[w], n, &c1)
+	}
+	return w + n
 }
 
 // newPass1Consts packs the decay, lerp and exp_avg_sq constants: with
@@ -69,22 +105,26 @@ func lerpConsts(decay, w, b2, omb2 float32, applyDecay, maximize bool) pass1Cons
 }
 
 func pass2Vec(p, m, sq []float32, k f32) int {
-	n := len(p) &^ 7
-	if !useAVX2 || n == 0 {
-		return 0
-	}
+	w, n := lanes(len(p))
 	c2 := pass2Consts{bc2s: k.bc2s, eps: k.eps, negStep: k.negStep}
-	pass2AVX2(&p[0], &m[0], &sq[0], n, &c2)
-	return n
+	if w > 0 {
+		pass2AVX512(&p[0], &m[0], &sq[0], w, &c2)
+	}
+	if n > 0 {
+		pass2AVX2(&p[w], &m[w], &sq[w], n, &c2)
+	}
+	return w + n
 }
 
 func sqrtVec(dst, src []float32) int {
-	n := len(src) &^ 7
-	if !useAVX2 || n == 0 {
-		return 0
+	w, n := lanes(len(src))
+	if w > 0 {
+		sqrtAVX512(&dst[0], &src[0], w)
 	}
-	sqrtAVX(&dst[0], &src[0], n)
-	return n
+	if n > 0 {
+		sqrtAVX(&dst[w], &src[w], n)
+	}
+	return w + n
 }
 
 // vecConsts is read by stepBF16AVX2, fusedF32AVX2 and fusedBF16AVX2 at fixed
@@ -98,17 +138,25 @@ type vecConsts struct {
 //go:noescape
 func stepBF16AVX2(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 
+//go:noescape
+func stepBF16AVX512(pp, gg, mm, vv *uint16, n int, k *vecConsts)
+
 // stepBF16Vec runs the head of a bfloat16 step (a multiple of 8 elements)
 // in assembly and returns how many elements it did.
 func stepBF16Vec(p, g, m, v []uint16, s Scalars, k f32, epsBF float32) int {
-	n := len(p) &^ 7
-	if !useAVX2 || n == 0 || s.Amsgrad {
+	w, n := lanes(len(p))
+	if w+n == 0 || s.Amsgrad {
 		return 0
 	}
 	c := vecConsts{pass1Consts: newPass1Consts(s, k), bc2s: k.bc2s, eps: epsBF, negStep: k.negStep}
 	c.setRounding(0x7FC0)
-	stepBF16AVX2(&p[0], &g[0], &m[0], &v[0], n, &c)
-	return n
+	if w > 0 {
+		stepBF16AVX512(&p[0], &g[0], &m[0], &v[0], w, &c)
+	}
+	if n > 0 {
+		stepBF16AVX2(&p[w], &g[w], &m[w], &v[w], n, &c)
+	}
+	return w + n
 }
 
 //go:noescape
@@ -116,6 +164,12 @@ func fusedF32AVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
 
 //go:noescape
 func fusedBF16AVX2(pp, gg, mm, vv *uint16, n int, k *vecConsts)
+
+//go:noescape
+func fusedF32AVX512(pp, gg, mm, vv *float32, n int, k *vecConsts)
+
+//go:noescape
+func fusedBF16AVX512(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 
 // newFusedConsts packs a fused step's constants for the assembly: decay,
 // lerp and exp_avg_sq constants as newPass1Consts packs them.
@@ -139,22 +193,34 @@ func (c *vecConsts) setRounding(nan uint32) {
 // build, no amsgrad) in assembly, a multiple of 8 from the start, and
 // returns how many it did.
 func fusedF32Vec(p, g, m, v []float32, k fusedScalars) int {
-	n := len(p) &^ 7
-	if !useAVX2 || n == 0 || !k.fma || k.amsgrad {
+	w, n := lanes(len(p))
+	if w+n == 0 || !k.fma || k.amsgrad {
 		return 0
 	}
+	g, m, v = g[:w+n], m[:w+n], v[:w+n]
 	c := newFusedConsts(k)
-	fusedF32AVX2(&p[0], &g[:n][0], &m[:n][0], &v[:n][0], n, &c)
-	return n
+	if w > 0 {
+		fusedF32AVX512(&p[0], &g[0], &m[0], &v[0], w, &c)
+	}
+	if n > 0 {
+		fusedF32AVX2(&p[w], &g[w], &m[w], &v[w], n, &c)
+	}
+	return w + n
 }
 
 // fusedBF16Vec is fusedF32Vec for bfloat16 bit patterns.
 func fusedBF16Vec(p, g, m, v []uint16, k fusedScalars) int {
-	n := len(p) &^ 7
-	if !useAVX2 || n == 0 || !k.fma || k.amsgrad {
+	w, n := lanes(len(p))
+	if w+n == 0 || !k.fma || k.amsgrad {
 		return 0
 	}
+	g, m, v = g[:w+n], m[:w+n], v[:w+n]
 	c := newFusedConsts(k)
-	fusedBF16AVX2(&p[0], &g[:n][0], &m[:n][0], &v[:n][0], n, &c)
-	return n
+	if w > 0 {
+		fusedBF16AVX512(&p[0], &g[0], &m[0], &v[0], w, &c)
+	}
+	if n > 0 {
+		fusedBF16AVX2(&p[w], &g[w], &m[w], &v[w], n, &c)
+	}
+	return w + n
 }

@@ -10,3 +10,5 @@ func stepBF16Vec(p, g, m, v []uint16, s Scalars, k f32, epsBF float32) int { ret
 
 func fusedF32Vec(p, g, m, v []float32, k fusedScalars) int { return 0 }
 func fusedBF16Vec(p, g, m, v []uint16, k fusedScalars) int { return 0 }
+
+func detectISA() ISA { return ISAGo }

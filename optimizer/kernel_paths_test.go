@@ -2,19 +2,99 @@ package optimizer
 
 import (
 	"bytes"
+	"flag"
 	"math"
 	"math/rand/v2"
+	"os"
 	"testing"
 	"unsafe"
 )
 
-// TestAssemblyMatchesScalarPath runs every kernel with the assembly passes
-// on and off and requires identical bytes: the two paths must perform the
-// same IEEE operations lane for lane.
-func TestAssemblyMatchesScalarPath(t *testing.T) {
-	if !useAVX2 {
-		t.Skip("no AVX2+FMA on this CPU: only the scalar path exists")
+// asmLevels are the assembly levels this CPU runs, each compared with the Go
+// code by the tests below.
+func asmLevels(t *testing.T) []ISA {
+	var l []ISA
+	for i := ISAAVX2; i <= cpuISA; i++ {
+		l = append(l, i)
 	}
+	if len(l) == 0 {
+		t.Skip("no AVX2+FMA on this CPU: only the Go code exists")
+	}
+	return l
+}
+
+// withISA runs f with the kernels at level l.
+func withISA(l ISA, f func() [][]byte) [][]byte {
+	old := vecISA
+	vecISA = l
+	defer func() { vecISA = old }()
+	return f()
+}
+
+var requireISA = flag.String("require-isa", os.Getenv("SONAR_REQUIRE_ISA"),
+	"fail unless the kernels run at this level (avx512, avx2, go); env SONAR_REQUIRE_ISA")
+
+// TestRequiredISA fails where -require-isa (or SONAR_REQUIRE_ISA) names a
+// level this CPU lacks, so a run meant to check AVX-512 (make test-avx512,
+// scripts/gpu-check) cannot pass by skipping it.
+func TestRequiredISA(t *testing.T) {
+	name := *requireISA
+	if name == "" {
+		t.Skip("-require-isa not given")
+	}
+	want, err := ParseISA(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cpuISA < want || vecISA < want {
+		t.Fatalf("this CPU runs %v (kernels at %v), the run requires %v", cpuISA, vecISA, want)
+	}
+	t.Logf("kernels at %v", vecISA)
+}
+
+func TestISANames(t *testing.T) {
+	for _, l := range []ISA{ISAGo, ISAAVX2, ISAAVX512} {
+		got, err := ParseISA(l.String())
+		if err != nil || got != l {
+			t.Errorf("ParseISA(%q) = %v, %v", l.String(), got, err)
+		}
+	}
+	if _, err := ParseISA("sse"); err == nil {
+		t.Error("ParseISA(sse): no error")
+	}
+	old := vecISA
+	defer func() { vecISA = old }()
+	if got := LimitISA(ISAAVX512 + 1); got != cpuISA {
+		t.Errorf("LimitISA above the CPU = %v, want the CPU's %v", got, cpuISA)
+	}
+	if got := LimitISA(ISAGo); got != ISAGo || KernelISA() != ISAGo {
+		t.Errorf("LimitISA(go) = %v, KernelISA %v", got, KernelISA())
+	}
+}
+
+// specials are the inputs whose handling differs most between instruction
+// sets: NaN, infinities, signed zeros, subnormals and the largest finite value.
+var specials = []float32{float32(math.NaN()), float32(math.Inf(1)), float32(math.Inf(-1)), 0, float32(math.Copysign(0, -1)),
+	math.SmallestNonzeroFloat32, 1e-39, -3e-40, math.MaxFloat32}
+
+// sprinkle writes the specials over x at scattered places (|s| where square).
+func sprinkle(x []float32, r *rand.Rand, square bool) {
+	if len(x) <= 40 {
+		return
+	}
+	for j, s := range specials {
+		if square && s < 0 {
+			s = -s
+		}
+		x[(j*37+r.IntN(5))%len(x)] = s
+	}
+}
+
+// TestAssemblyMatchesScalarPath runs every kernel at each assembly level and
+// in Go and requires identical bytes: the paths must perform the same IEEE
+// operations lane for lane.
+func TestAssemblyMatchesScalarPath(t *testing.T) {
+	levels := asmLevels(t)
 	cases := []struct {
 		name string
 		h    Hyper
@@ -26,7 +106,7 @@ func TestAssemblyMatchesScalarPath(t *testing.T) {
 	}
 	r := rand.New(rand.NewPCG(7, 8))
 	for _, c := range cases {
-		for _, n := range []int{8, 9, 511, 512, 513, 1031, 4096 + 77} {
+		for _, n := range []int{8, 9, 16, 24, 31, 33, 511, 512, 513, 1031, 4096 + 77, 4096 + 512 + 24} {
 			mk := func() []float32 {
 				x := make([]float32, n)
 				for i := range x {
@@ -38,11 +118,12 @@ func TestAssemblyMatchesScalarPath(t *testing.T) {
 			for i := range v {
 				v[i] *= v[i]
 			}
+			sprinkle(p, r, false)
+			sprinkle(g, r, false)
+			sprinkle(m, r, false)
+			sprinkle(v, r, true)
 			for _, bf := range []bool{false, true} {
-				run := func(asm bool) [][]byte {
-					old := useAVX2
-					useAVX2 = asm
-					defer func() { useAVX2 = old }()
+				run := func() [][]byte {
 					if bf {
 						cv := func(x []float32) []uint16 {
 							o := make([]uint16, n)
@@ -63,15 +144,48 @@ func TestAssemblyMatchesScalarPath(t *testing.T) {
 					}
 					return [][]byte{f32b(pp), f32b(mm), f32b(vv)}
 				}
-				a, s := run(true), run(false)
-				for i := range a {
-					if !bytes.Equal(a[i], s[i]) {
-						t.Fatalf("%s n=%d bf16=%v: buffer %d differs between assembly and scalar paths", c.name, n, bf, i)
+				// Against Go, a NaN may come out with another sign or payload
+				// (which NaN operand an instruction passes on is not fixed in Go
+				// code; the Python tests compare NaN positions only). The
+				// assembly levels share their operand order: identical bytes.
+				s := withISA(ISAGo, run)
+				var prev [][]byte
+				for _, l := range levels {
+					a := withISA(l, run)
+					for i := range a {
+						if j := firstDiff(a[i], s[i], bf); j >= 0 {
+							t.Fatalf("%s n=%d bf16=%v: buffer %d element %d differs between %v and Go", c.name, n, bf, i, j, l)
+						}
+						if prev != nil && !bytes.Equal(a[i], prev[i]) {
+							t.Fatalf("%s n=%d bf16=%v: buffer %d differs between %v and %v", c.name, n, bf, i, l, l-1)
+						}
 					}
+					prev = a
 				}
 			}
 		}
 	}
+}
+
+// firstDiff is the first element where a and b (float32, or bfloat16 bit
+// patterns) differ, counting two NaNs as equal; -1 if none.
+func firstDiff(a, b []byte, bf bool) int {
+	if bf {
+		x, y := b2u16(a), b2u16(b)
+		for i := range x {
+			if x[i] != y[i] && !(x[i]&0x7FFF > 0x7F80 && y[i]&0x7FFF > 0x7F80) {
+				return i
+			}
+		}
+		return -1
+	}
+	x, y := b2f32(a), b2f32(b)
+	for i := range x {
+		if math.Float32bits(x[i]) != math.Float32bits(y[i]) && !(x[i] != x[i] && y[i] != y[i]) {
+			return i
+		}
+	}
+	return -1
 }
 
 func f32b(x []float32) []byte { return unsafe.Slice((*byte)(unsafe.Pointer(&x[0])), 4*len(x)) }
@@ -80,11 +194,10 @@ func u16b(x []uint16) []byte  { return unsafe.Slice((*byte)(unsafe.Pointer(&x[0]
 // TestFusedAssemblyMatchesScalarPath is TestAssemblyMatchesScalarPath for the
 // fused kernels: every hyper-parameter branch, sizes with and without a
 // tail, chunks that start inside the tensor (as the engine's workers get
-// them), float32 and bfloat16 with 8 and 16 lanes, special values included.
+// them), float32 and bfloat16 with 8, 16 and 32 lanes (torch's AVX2 and AVX-512
+// builds), special values included.
 func TestFusedAssemblyMatchesScalarPath(t *testing.T) {
-	if !useAVX2 {
-		t.Skip("no AVX2+FMA on this CPU: only the scalar path exists")
-	}
+	levels := asmLevels(t)
 	cases := []struct {
 		name string
 		h    Hyper
@@ -95,11 +208,9 @@ func TestFusedAssemblyMatchesScalarPath(t *testing.T) {
 		{"lerp-weight-over-half", Hyper{LR: 5e-2, Beta1: 0.3, Beta2: 0.95, Eps: 1e-3, WeightDecay: 0.5}},
 		{"amsgrad", Hyper{LR: 1e-3, Beta1: 0.8, Beta2: 0.99, Eps: 1e-8, WeightDecay: 0.01, Amsgrad: true}},
 	}
-	specials := []float32{float32(math.NaN()), float32(math.Inf(1)), float32(math.Inf(-1)), 0, float32(math.Copysign(0, -1)),
-		math.SmallestNonzeroFloat32, 1e-39, -3e-40, math.MaxFloat32}
 	r := rand.New(rand.NewPCG(9, 10))
 	for _, c := range cases {
-		for _, n := range []int{8, 15, 16, 17, 511, 1031, 4096 + 77} {
+		for _, n := range []int{8, 15, 16, 17, 24, 33, 63, 511, 1031, 4096 + 77, 4096 + 512 + 24} {
 			mk := func(square bool) []float32 {
 				x := make([]float32, n)
 				for i := range x {
@@ -108,23 +219,13 @@ func TestFusedAssemblyMatchesScalarPath(t *testing.T) {
 						x[i] *= x[i]
 					}
 				}
-				if n > 40 {
-					for j, s := range specials {
-						if square && s < 0 {
-							s = -s
-						}
-						x[(j*37+r.IntN(5))%n] = s
-					}
-				}
+				sprinkle(x, r, square)
 				return x
 			}
 			p, g, m, v, vm := mk(false), mk(false), mk(false), mk(true), mk(true)
-			for _, lanes := range []int{8, 16} {
+			for _, lanes := range []int{8, 16, 32} {
 				for _, bf := range []bool{false, true} {
-					run := func(asm bool) [][]byte {
-						old := useAVX2
-						useAVX2 = asm
-						defer func() { useAVX2 = old }()
+					run := func() [][]byte {
 						var out [][]byte
 						// Two chunks, as two engine workers would update them.
 						cut := (n / 2) &^ 3
@@ -149,10 +250,13 @@ func TestFusedAssemblyMatchesScalarPath(t *testing.T) {
 						}
 						return out
 					}
-					a, s := run(true), run(false)
-					for i := range a {
-						if !bytes.Equal(a[i], s[i]) {
-							t.Fatalf("%s n=%d lanes=%d bf16=%v: buffer %d differs between assembly and scalar paths", c.name, n, lanes, bf, i)
+					s := withISA(ISAGo, run)
+					for _, l := range levels {
+						a := withISA(l, run)
+						for i := range a {
+							if !bytes.Equal(a[i], s[i]) {
+								t.Fatalf("%s n=%d lanes=%d bf16=%v: buffer %d differs between %v and Go", c.name, n, lanes, bf, i, l)
+							}
 						}
 					}
 				}

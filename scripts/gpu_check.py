@@ -29,6 +29,9 @@ docs/gpu-results.md and docs/gpu-results.json (and copies both to $OUT when that
    outside torch's allocator, cross-checked by NVML per process where it answers) and median
    step time, against the paper's -19..22% memory and -17..23% step time.
 4. bench: kernel throughput on one OLMoE layer's experts, against torch's foreach AdamW.
+5. cpu-kernels: the CPU update kernels at every vector level the host CPU has (AVX-512 where
+   it has it; this repository's own machines lack it), lane for lane against the Go code
+   (the optimizer package's tests, built by `scripts/gpu-check prepare`).
 
 `--cpu-selftest` runs the sonard and full checks' harness on the CPU (shared-memory path, tiny
 config): a test of this script, not of the GPU path. Without a GPU the script writes a report
@@ -1152,6 +1155,35 @@ def environment(ctx: argparse.Namespace, gpu: bool) -> dict[str, Any]:
     return env
 
 
+def cpu_isa() -> str:
+    """The widest CPU kernel level of this host (as the optimizer package detects it)."""
+    flags: set[str] = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    if not {"avx2", "fma"} <= flags:
+        return "go"
+    return "avx512" if "avx512f" in flags else "avx2"
+
+
+def check_cpu_kernels(ctx: argparse.Namespace) -> None:
+    """The optimizer package's kernel tests on this host's CPU, required to run its widest level."""
+    test = ctx.optimizer_test
+    if not (test and os.access(test, os.X_OK)):
+        record("cpu-kernels", "ERROR", f"{test} not found: `scripts/gpu-check prepare` builds it")
+        return
+    isa = cpu_isa()
+    env = {**os.environ, "SONAR_REQUIRE_ISA": isa}
+    run = subprocess.run([test, "-test.run", "Assembly|ISA", "-test.v", "-test.count=1"], capture_output=True,
+                         text=True, env=env, timeout=max(10.0, G.check_deadline - time.monotonic()))
+    tail = (run.stdout + run.stderr).strip().splitlines()[-12:]
+    status = "PASS" if run.returncode == 0 else "FAIL"
+    record("cpu-kernels", status, f"CPU kernels at {isa} vs the Go code: exit {run.returncode}", isa=isa,
+           output="\n".join(tail))
+
+
 def kernelcheck_info(ctx: argparse.Namespace) -> None:
     kc = ctx.kernelcheck
     if not (kc and os.access(kc, os.X_OK)):
@@ -1249,7 +1281,7 @@ def start_watchdog(limit_s: float) -> None:
     signal.signal(signal.SIGTERM, lambda *_: abort("terminated (SIGTERM, e.g. the wrapper's timeout)", 124))
 
 
-CHECKS = ["ipc", "sonard-start", "kernel", "sonard", "full", "bench"]
+CHECKS = ["ipc", "sonard-start", "kernel", "sonard", "full", "bench", "cpu-kernels"]
 
 
 def main() -> int:
@@ -1257,6 +1289,8 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="checks: " + ", ".join(CHECKS) + ". See docs/gpu.md.")
     ap.add_argument("--kernelcheck", default="build/gpu/sonar-kernelcheck", help="the sonar-kernelcheck binary")
+    ap.add_argument("--optimizer-test", default="build/gpu/optimizer.test",
+                    help="the optimizer package's test binary (CPU kernels)")
     ap.add_argument("--out", default="docs/gpu-results.md", help="report (Markdown); the JSON goes next to it")
     ap.add_argument("--budget", type=float, default=440, help="seconds for all checks (default 440)")
     ap.add_argument("--grace", type=float, default=20, help="the watchdog stops the run this long after the budget")
@@ -1318,7 +1352,8 @@ def main() -> int:
     # key, function, at most (s), at least (s) to be worth starting
     plan: list[tuple[str, Callable[[argparse.Namespace], None], float, float]] = [
         ("ipc", check_ipc, 90, 20), ("sonard-start", check_sonard_start, 45, 5), ("kernel", check_kernel, 120, 15),
-        ("sonard", check_sonard, 150, 20), ("full", check_full, 240, 90), ("bench", check_bench, 40, 10)]
+        ("sonard", check_sonard, 150, 20), ("full", check_full, 240, 90), ("bench", check_bench, 40, 10),
+        ("cpu-kernels", check_cpu_kernels, 60, 10)]
     if any(k in selected for k in ("sonard", "full")) and "ipc" not in selected:
         selected.insert(0, "ipc")  # the others depend on it
     plan = [p for p in plan if p[0] in selected]

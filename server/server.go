@@ -285,7 +285,7 @@ func (s *Server) hello(ss *session, h ipc.Hello) (any, error) {
 	s.log.Info("client connected", zap.String("client", ss.client), zap.String("name", h.Client), zap.Int("pid", h.PID),
 		zap.String("torch", h.Torch), zap.Int("threads", h.Threads), zap.String("capability", h.Capability), zap.String("sqrt", name))
 	rep := ipc.HelloReply{Server: Version, Protocol: ipc.Version, PID: os.Getpid(), Workers: s.Workers, Sqrt: name,
-		ReconnectGraceMillis: s.ReconnectGrace.Milliseconds(), Features: []string{ipc.FeatureGradScale}}
+		ISA: optimizer.KernelISA().String(), ReconnectGraceMillis: s.ReconnectGrace.Milliseconds(), Features: []string{ipc.FeatureGradScale}}
 	if b := s.backends["cuda"]; b != nil {
 		rep.CUDA = b.Describe()
 	}

@@ -42,6 +42,35 @@ def _grads(params: list[tuple[str, torch.nn.Parameter]], g: torch.Generator, ste
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("hyper", list(HYPERS), ids=list(HYPERS))
 def test_kernel_matches_torch(dtype: torch.dtype, hyper: str) -> None:
+    _train_and_compare(dtype, hyper)
+
+
+def _server_isa() -> str:
+    """The instruction set a private sonard's kernels run at with SONAR_ISA as it is now."""
+    p = torch.nn.Parameter(torch.randn(8))
+    with sonar_moe.SonarAdamW([("experts.w", p)], expert_params=lambda n, q: True) as opt:
+        return str(opt.stats()["server_isa"])
+
+
+ISAS = ["go", "avx2", "avx512"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_instruction_set_matches_torch(dtype: torch.dtype, isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SONAR_ISA caps the server's kernels at a narrower level (never above the CPU's): each
+    level this CPU has is bitwise torch's, and the server says which it runs."""
+    monkeypatch.delenv("SONAR_ISA", raising=False)
+    widest = _server_isa()  # the CPU's
+    monkeypatch.setenv("SONAR_ISA", isa)
+    want = ISAS[min(ISAS.index(isa), ISAS.index(widest))]
+    for hyper in ("default", "maximize", "odd_betas"):
+        assert _train_and_compare(dtype, hyper) == want
+
+
+def _train_and_compare(dtype: torch.dtype, hyper: str) -> str:
+    """STEPS steps of HYPERS[hyper] through SonarAdamW and torch.optim.AdamW, compared after each
+    step, then the state; returns the server's kernel instruction set."""
     kw = HYPERS[hyper]
     seed = hash((str(dtype), hyper)) & 0xFFFF
     ref = _params(dtype, seed)
@@ -67,6 +96,7 @@ def test_kernel_matches_torch(dtype: torch.dtype, hyper: str) -> None:
                     pytest.fail(f"{hyper}/{dtype} step {step + 1}: {name} differs at {int((diff > 0).sum())} "
                                 f"elements, first at {int(diff.flatten().nonzero()[0])}")
         sd = opt.state_dict()
+        isa = opt.stats()["server_isa"]
     # The optimizer state matches torch's too, in torch's format.
     rsd = ropt.state_dict()
     assert sd["param_groups"][0].keys() == rsd["param_groups"][0].keys()
@@ -74,6 +104,7 @@ def test_kernel_matches_torch(dtype: torch.dtype, hyper: str) -> None:
         assert sd["state"][i].keys() == rsd["state"][i].keys()
         for k, v in rsd["state"][i].items():
             assert torch.equal(sd["state"][i][k], v), (i, k)
+    return isa
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -5,6 +5,7 @@
 // one JSON document; bench/run.py turns it into docs/benchmarks.md.
 //
 //	sonar-bench -sizes 1M,16M,64M -dtypes float32,bfloat16 -reps 7 -fused -torch-lib .../libtorch_cpu.so
+//	sonar-bench -isa avx2 -sizes 16M          # the AVX2 kernels on an AVX-512 CPU (before/after)
 //	sonar-bench -echo ipc:///tmp/echo.sock   # a bare ZeroMQ echo: the transport's floor
 //	sonar-bench -unix-echo /tmp/echo.unix    # a plain Unix socket echo: the machine's floor
 //
@@ -63,6 +64,8 @@ type Report struct {
 	NumCPU     int      `json:"num_cpu"`
 	Reps       int      `json:"reps"`
 	TorchLib   string   `json:"torch_lib,omitempty"`
+	ISA        string   `json:"isa"`     // the kernels' vector instruction set (-isa, capped at the CPU's)
+	CPUISA     string   `json:"cpu_isa"` // the CPU's widest
 	Copy       []Copy   `json:"copy"`
 	Stream     []Stream `json:"stream,omitempty"`
 	Kernels    []Result `json:"kernels"`
@@ -77,6 +80,7 @@ func main() {
 	streamM := flag.Int("stream-m", 0, "also measure AdamW's streaming pattern over four arrays of this many Mi float32 elements (0: not)")
 	torchLib := flag.String("torch-lib", "", "libtorch_cpu.so whose MKL vmsSqrt to measure as well (float32)")
 	fused := flag.Bool("fused", false, "also measure the fused arithmetic (torch.optim.AdamW(fused=True))")
+	isa := flag.String("isa", "", "cap the kernels' vector instruction set: avx512, avx2 or go (default: the CPU's widest)")
 	echoAddr := flag.String("echo", "", "serve a bare ZeroMQ ROUTER echo on this address until killed (no kernels)")
 	unixEchoPath := flag.String("unix-echo", "", "serve a plain Unix seqpacket socket echo at this path until killed (no ZeroMQ)")
 	flag.Parse()
@@ -95,6 +99,14 @@ func main() {
 		return
 	}
 
+	if *isa != "" {
+		l, err := optimizer.ParseISA(*isa)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "sonar-bench:", err)
+			os.Exit(2)
+		}
+		optimizer.LimitISA(l)
+	}
 	ns, err := parseSizes(*sizes)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "sonar-bench:", err)
@@ -108,7 +120,7 @@ func main() {
 		}
 	}
 	rep := Report{GoVersion: runtime.Version(), GOMAXPROCS: runtime.GOMAXPROCS(0), NumCPU: runtime.NumCPU(),
-		Reps: *reps, TorchLib: *torchLib}
+		Reps: *reps, TorchLib: *torchLib, ISA: optimizer.KernelISA().String(), CPUISA: optimizer.CPUISA().String()}
 	if *copyMB > 0 {
 		rep.Copy = append(rep.Copy, copyBandwidth(*copyMB<<20, *workers, *reps))
 	}

@@ -94,6 +94,7 @@ func run() int {
 	adminToken := fs.String("admin-token-file", os.Getenv("SONAR_ADMIN_TOKEN_FILE"), "file (mode 0600) of the secret a shutdown request must carry; without it shutdown is refused (stop sonard with SIGTERM) (env SONAR_ADMIN_TOKEN_FILE)")
 	grace := fs.Duration("reconnect-grace", envDuration("SONAR_RECONNECT_GRACE", server.DefaultReconnectGrace), "keep a session this long after its connection closed, for its client to reconnect (env SONAR_RECONNECT_GRACE)")
 	heartbeat := fs.Duration("heartbeat-timeout", envDuration("SONAR_HEARTBEAT_TIMEOUT", 10*time.Second), "close a connection that answers no heartbeat (sent every second) for this long; its session is then released (env SONAR_HEARTBEAT_TIMEOUT)")
+	isa := fs.String("isa", os.Getenv("SONAR_ISA"), "widest vector instruction set of the CPU update kernels: avx512, avx2 or go (all bitwise alike; default: the CPU's widest) (env SONAR_ISA)")
 	version := fs.Bool("version", false, "print the version and exit")
 	fs.SetOutput(os.Stdout)
 	fs.Usage = func() {
@@ -130,6 +131,14 @@ func run() int {
 	if err := ipc.CheckEndpoint(*listen, curve != nil); err != nil {
 		fmt.Fprintf(os.Stderr, "sonard: --listen: %v (tcp:// needs --curve-secret-file and --curve-clients-file, see --gen-curve-keys)\n", err)
 		return exitUsage
+	}
+	if *isa != "" {
+		l, err := optimizer.ParseISA(*isa)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "sonard: --isa:", err)
+			return exitUsage
+		}
+		optimizer.LimitISA(l)
 	}
 	budget, sessionBudget, err := stateBudgets(*maxState, *maxSession)
 	if err != nil {
@@ -225,6 +234,7 @@ func run() int {
 	}
 	log.Info("sonard listening", zap.String("addr", *listen), zap.String("version", sonar.Version),
 		zap.Int("protocol", ipc.Version), zap.Int("workers", *workers), zap.Int("pid", os.Getpid()),
+		zap.Stringer("isa", optimizer.KernelISA()), zap.Stringer("cpu_isa", optimizer.CPUISA()),
 		zap.String("max_state_bytes", budgetString(budget)), zap.String("max_session_state_bytes", budgetString(sessionBudget)))
 	announceCUDA() // after "sonard listening", which stays the first line
 	serveErr := tr.Serve(ctx, srv)

@@ -265,6 +265,7 @@ class ServerBackend(ABC):
         self._peak = 0
         self._room_wait_s = 0.0  # time the gradient hooks waited for room in the ring
         self._server_workers = int(hello.get("workers") or 0)  # the server's CPU update workers
+        self._server_isa = str(hello.get("isa") or "")  # the vector instructions of its CPU kernels
 
     # ------------------------------------------------------------ path-specific
     def default_ring_layers(self, conn: Connection) -> int:
@@ -436,7 +437,8 @@ class ServerBackend(ABC):
         return {"peak_expert_grad_bytes": self._peak, **self._memory_stats(),
                 "step_requests": self._steps.step_requests, "grads_sent": self._steps.grads_sent,
                 "bytes_sent": self._steps.bytes_sent, "room_wait_s": self._room_wait_s,
-                "ring_layers": self._options.ring_layers, "server_workers": self._server_workers}
+                "ring_layers": self._options.ring_layers, "server_workers": self._server_workers,
+                "server_isa": self._server_isa}
 
     def server_stats(self) -> dict[str, Any] | None:
         return self._conn.call("stats", {})

@@ -1,0 +1,60 @@
+package optimizer
+
+import "fmt"
+
+// ISA is the vector instruction set the element kernels run on. Every level
+// performs the same IEEE operations lane for lane, so they differ in speed
+// only: the tests compare each level the CPU has with the portable Go code.
+type ISA int
+
+const (
+	// ISAGo is the portable Go code (every architecture).
+	ISAGo ISA = iota
+	// ISAAVX2 is AVX2 with FMA, 8 float32 lanes (amd64).
+	ISAAVX2
+	// ISAAVX512 is AVX-512 Foundation, 16 float32 lanes (amd64); what is left
+	// of a block below 16 elements runs on AVX2.
+	ISAAVX512
+)
+
+var isaNames = [...]string{ISAGo: "go", ISAAVX2: "avx2", ISAAVX512: "avx512"}
+
+func (i ISA) String() string {
+	if i < 0 || int(i) >= len(isaNames) {
+		return fmt.Sprintf("ISA(%d)", int(i))
+	}
+	return isaNames[i]
+}
+
+// ParseISA returns the ISA named "go", "avx2" or "avx512".
+func ParseISA(name string) (ISA, error) {
+	for i, n := range isaNames {
+		if n == name {
+			return ISA(i), nil
+		}
+	}
+	return 0, fmt.Errorf("optimizer: unknown instruction set %q (want go, avx2 or avx512)", name)
+}
+
+// cpuISA is the widest level this CPU (and its operating system) supports,
+// detected once; vecISA is the level the kernels use: cpuISA unless lowered
+// by LimitISA (or by a test).
+var (
+	cpuISA = detectISA()
+	vecISA = cpuISA
+)
+
+// CPUISA returns the widest instruction set this CPU supports.
+func CPUISA() ISA { return cpuISA }
+
+// KernelISA returns the instruction set the kernels use.
+func KernelISA() ISA { return vecISA }
+
+// LimitISA caps the kernels' instruction set at max (it never raises it above
+// the CPU's) and returns the level now in use. It is meant for start-up (a
+// benchmark's baseline, or a user who wants the narrower path): call it
+// before any step runs, not while one does.
+func LimitISA(max ISA) ISA {
+	vecISA = min(max, cpuISA)
+	return vecISA
+}

@@ -1,0 +1,280 @@
+#include "textflag.h"
+
+// AVX-512F versions of the passes in kernel_amd64.s: the same IEEE
+// single-precision operations in the same order, 16 lanes at a time (so the
+// results are bitwise those of the AVX2 passes and of the scalar Go code).
+// Only AVX-512 Foundation instructions are used: the bitwise logic is the
+// integer VPANDD/VPORD/VPXORD family (VANDPS and friends on Z registers need
+// AVX-512DQ), a NaN test yields a mask register, and bfloat16 is narrowed
+// with VPMOVDW. The AVX-512 BF16 conversion (VCVTNEPS2BF16) is not used: it
+// flushes subnormal inputs to zero and keeps a NaN's payload, where torch
+// rounds subnormals to nearest even and writes one fixed NaN pattern.
+//
+// n must be a multiple of 16 in every function here.
+
+// func pass1AVX512(pp, gg, mm, vv, out *float32, n int, k *pass1Consts)
+TEXT ·pass1AVX512(SB), NOSPLIT, $0-56
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ out+32(FP), R10
+	MOVQ n+40(FP), CX
+	MOVQ k+48(FP), AX
+	VBROADCASTSS 0(AX), Z8   // decay
+	VBROADCASTSS 4(AX), Z9   // lerp coefficient: w, or w-1
+	VBROADCASTSS 8(AX), Z10  // beta2
+	VBROADCASTSS 12(AX), Z11 // 1-beta2
+	VPBROADCASTD 16(AX), Z12 // sign mask (maximize)
+	VPBROADCASTD 20(AX), Z13 // base mask: all ones when the lerp base is the gradient
+	XORQ BX, BX
+loop1:
+	CMPQ BX, CX
+	JGE done1
+	VMOVUPS (SI)(BX*4), Z0
+	VPXORD Z12, Z0, Z0        // g = maximize ? -g : g
+	VMOVUPS (DI)(BX*4), Z1
+	VMULPS Z8, Z1, Z1         // p *= decay
+	VMOVUPS Z1, (DI)(BX*4)
+	VMOVUPS (R8)(BX*4), Z2    // m
+	VSUBPS Z2, Z0, Z3         // d = g - m
+	VPANDD Z13, Z0, Z4
+	VPANDND Z2, Z13, Z5
+	VPORD Z5, Z4, Z4          // base = mask ? g : m
+	VFMADD231PS Z3, Z9, Z4    // m' = fma(c, d, base)
+	VMOVUPS Z4, (R8)(BX*4)
+	VMOVUPS (R9)(BX*4), Z5
+	VMULPS Z10, Z5, Z5        // v *= beta2
+	VMULPS Z11, Z0, Z6        // (1-beta2)*g
+	VFMADD231PS Z0, Z6, Z5    // v = fma((1-beta2)*g, g, v)
+	VMOVUPS Z5, (R9)(BX*4)
+	VMOVUPS Z5, (R10)(BX*4)
+	ADDQ $16, BX
+	JMP loop1
+done1:
+	VZEROUPPER
+	RET
+
+// func pass2AVX512(pp, mm, sq *float32, n int, k *pass2Consts)
+TEXT ·pass2AVX512(SB), NOSPLIT, $0-40
+	MOVQ pp+0(FP), DI
+	MOVQ mm+8(FP), SI
+	MOVQ sq+16(FP), R8
+	MOVQ n+24(FP), CX
+	MOVQ k+32(FP), AX
+	VBROADCASTSS 0(AX), Z8  // bias_correction2_sqrt
+	VBROADCASTSS 4(AX), Z9  // eps
+	VBROADCASTSS 8(AX), Z10 // -step_size
+	XORQ BX, BX
+loop2:
+	CMPQ BX, CX
+	JGE done2
+	VMOVUPS (R8)(BX*4), Z0
+	VDIVPS Z8, Z0, Z0         // sqrt(v) / bc2s
+	VADDPS Z9, Z0, Z0         // + eps
+	VMOVUPS (SI)(BX*4), Z1
+	VMULPS Z10, Z1, Z1        // value * m
+	VDIVPS Z0, Z1, Z1         // / denom
+	VMOVUPS (DI)(BX*4), Z2
+	VADDPS Z1, Z2, Z2         // p + ...
+	VMOVUPS Z2, (DI)(BX*4)
+	ADDQ $16, BX
+	JMP loop2
+done2:
+	VZEROUPPER
+	RET
+
+// func sqrtAVX512(dst, src *float32, n int)
+TEXT ·sqrtAVX512(SB), NOSPLIT, $0-24
+	MOVQ dst+0(FP), DI
+	MOVQ src+8(FP), SI
+	MOVQ n+16(FP), CX
+	XORQ BX, BX
+loop3:
+	CMPQ BX, CX
+	JGE done3
+	VSQRTPS (SI)(BX*4), Z0
+	VMOVUPS Z0, (DI)(BX*4)
+	ADDQ $16, BX
+	JMP loop3
+done3:
+	VZEROUPPER
+	RET
+
+// ZRNDCONSTS loads the rounding masks of a vecConsts (AX) into Z16-Z19.
+#define ZRNDCONSTS \
+	VPBROADCASTD 0(AX), Z16; \
+	VPBROADCASTD 32(AX), Z17; \
+	VPBROADCASTD 64(AX), Z18; \
+	VPBROADCASTD 96(AX), Z19
+
+// ZRNDBF rounds the float32 lanes of x to bfloat16 precision in place, as
+// RNDBF does: round to nearest even, a NaN becomes the pattern in Z19.
+#define ZRNDBF(x, t1) \
+	VPSRLD $16, x, t1; \
+	VPANDD Z16, t1, t1; \
+	VPADDD Z17, t1, t1; \
+	VPADDD x, t1, t1; \
+	VPANDD Z18, t1, t1; \
+	VCMPPS $3, x, x, K1; \
+	VBLENDMPS Z19, t1, K1, x
+
+// ZLOADBF widens 16 bfloat16 values at addr to float32 lanes of x.
+#define ZLOADBF(addr, x) \
+	VPMOVZXWD addr, x; \
+	VPSLLD $16, x, x
+
+// ZSTOREBF stores the 16 lanes of x (already rounded by ZRNDBF) as bfloat16.
+#define ZSTOREBF(x, t, addr) \
+	VPSRLD $16, x, t; \
+	VPMOVDW t, addr
+
+// func stepBF16AVX512(pp, gg, mm, vv *uint16, n int, k *vecConsts)
+TEXT ·stepBF16AVX512(SB), NOSPLIT, $0-48
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ n+32(FP), CX
+	MOVQ k+40(FP), AX
+	ZRNDCONSTS
+	VBROADCASTSS 128(AX), Z8  // decay
+	VBROADCASTSS 132(AX), Z9  // lerp coefficient
+	VBROADCASTSS 136(AX), Z10 // beta2
+	VBROADCASTSS 140(AX), Z11 // 1-beta2
+	VPBROADCASTD 144(AX), Z12 // sign mask
+	VPBROADCASTD 148(AX), Z13 // base mask
+	VBROADCASTSS 152(AX), Z14 // bias_correction2_sqrt
+	VBROADCASTSS 156(AX), Z15 // eps rounded to bfloat16
+	VBROADCASTSS 160(AX), Z20 // -step_size
+	XORQ BX, BX
+loopb:
+	CMPQ BX, CX
+	JGE doneb
+	ZLOADBF((SI)(BX*2), Z0)
+	VPXORD Z12, Z0, Z0        // g
+	ZLOADBF((DI)(BX*2), Z1)
+	VMULPS Z8, Z1, Z1
+	ZRNDBF(Z1, Z6)            // p = bf16(p * decay)
+	ZLOADBF((R8)(BX*2), Z2)
+	VSUBPS Z2, Z0, Z3
+	VPANDD Z13, Z0, Z4
+	VPANDND Z2, Z13, Z5
+	VPORD Z5, Z4, Z4
+	VFMADD231PS Z3, Z9, Z4
+	ZRNDBF(Z4, Z6)            // m = bf16(lerp(m, g, w))
+	ZSTOREBF(Z4, Z5, (R8)(BX*2))
+	ZLOADBF((R9)(BX*2), Z5)
+	VMULPS Z10, Z5, Z5
+	ZRNDBF(Z5, Z6)            // v = bf16(v * beta2)
+	VMULPS Z11, Z0, Z3
+	VFMADD231PS Z0, Z3, Z5
+	ZRNDBF(Z5, Z6)            // v = bf16(fma((1-beta2)*g, g, v))
+	ZSTOREBF(Z5, Z3, (R9)(BX*2))
+	VSQRTPS Z5, Z3
+	ZRNDBF(Z3, Z6)
+	VDIVPS Z14, Z3, Z3
+	ZRNDBF(Z3, Z6)
+	VADDPS Z15, Z3, Z3
+	ZRNDBF(Z3, Z6)            // denom
+	VMULPS Z4, Z20, Z2
+	VDIVPS Z3, Z2, Z2
+	VADDPS Z2, Z1, Z1
+	ZRNDBF(Z1, Z6)            // p = bf16(p + (value*m)/denom)
+	ZSTOREBF(Z1, Z2, (DI)(BX*2))
+	ADDQ $16, BX
+	JMP loopb
+doneb:
+	VZEROUPPER
+	RET
+
+// ZFUSED16 is FUSED8 (kernel_amd64.s) on 16 lanes: Z0 = g, Z1 = p (in:
+// loaded, out: updated, unrounded), Z2 = m (in), Z5 = v (in); out: Z4 = new
+// m, Z5 = new v, Z6 = denominator.
+#define ZFUSED16 \
+	VPXORD Z12, Z0, Z0; \
+	VMULPS Z8, Z1, Z1; \
+	VSUBPS Z2, Z0, Z3; \
+	VPANDD Z13, Z0, Z4; \
+	VPANDND Z2, Z13, Z6; \
+	VPORD Z6, Z4, Z4; \
+	VFMADD231PS Z3, Z9, Z4; \
+	VMULPS Z10, Z5, Z5; \
+	VMULPS Z11, Z0, Z6; \
+	VFMADD231PS Z0, Z6, Z5; \
+	VSQRTPS Z5, Z6; \
+	VDIVPS Z14, Z6, Z6; \
+	VADDPS Z15, Z6, Z6; \
+	VMULPS Z4, Z20, Z7; \
+	VDIVPS Z6, Z7, Z7; \
+	VADDPS Z7, Z1, Z1
+
+// ZFUSEDCONSTS broadcasts the step's constants (AX points at vecConsts).
+#define ZFUSEDCONSTS \
+	VBROADCASTSS 128(AX), Z8; \
+	VBROADCASTSS 132(AX), Z9; \
+	VBROADCASTSS 136(AX), Z10; \
+	VBROADCASTSS 140(AX), Z11; \
+	VPBROADCASTD 144(AX), Z12; \
+	VPBROADCASTD 148(AX), Z13; \
+	VBROADCASTSS 152(AX), Z14; \
+	VBROADCASTSS 156(AX), Z15; \
+	VBROADCASTSS 160(AX), Z20
+
+// func fusedF32AVX512(pp, gg, mm, vv *float32, n int, k *vecConsts)
+TEXT ·fusedF32AVX512(SB), NOSPLIT, $0-48
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ n+32(FP), CX
+	MOVQ k+40(FP), AX
+	ZFUSEDCONSTS
+	XORQ BX, BX
+loopf:
+	CMPQ BX, CX
+	JGE donef
+	VMOVUPS (SI)(BX*4), Z0
+	VMOVUPS (DI)(BX*4), Z1
+	VMOVUPS (R8)(BX*4), Z2
+	VMOVUPS (R9)(BX*4), Z5
+	ZFUSED16
+	VMOVUPS Z4, (R8)(BX*4)
+	VMOVUPS Z5, (R9)(BX*4)
+	VMOVUPS Z1, (DI)(BX*4)
+	ADDQ $16, BX
+	JMP loopf
+donef:
+	VZEROUPPER
+	RET
+
+// func fusedBF16AVX512(pp, gg, mm, vv *uint16, n int, k *vecConsts)
+TEXT ·fusedBF16AVX512(SB), NOSPLIT, $0-48
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ n+32(FP), CX
+	MOVQ k+40(FP), AX
+	ZRNDCONSTS
+	ZFUSEDCONSTS
+	XORQ BX, BX
+loopfb:
+	CMPQ BX, CX
+	JGE donefb
+	ZLOADBF((SI)(BX*2), Z0)
+	ZLOADBF((DI)(BX*2), Z1)
+	ZLOADBF((R8)(BX*2), Z2)
+	ZLOADBF((R9)(BX*2), Z5)
+	ZFUSED16
+	ZRNDBF(Z4, Z2)
+	ZSTOREBF(Z4, Z2, (R8)(BX*2))
+	ZRNDBF(Z5, Z2)
+	ZSTOREBF(Z5, Z2, (R9)(BX*2))
+	ZRNDBF(Z1, Z2)
+	ZSTOREBF(Z1, Z2, (DI)(BX*2))
+	ADDQ $16, BX
+	JMP loopfb
+donefb:
+	VZEROUPPER
+	RET
