@@ -2,7 +2,8 @@
 // scripts/emu-avx512 boots inside the Bochs emulator (an AVX-512 capable CPU
 // model on hosts that lack AVX-512). It owns the guest's whole user space:
 // it mounts the few pseudo file systems a test binary may expect, runs
-// /payload with the arguments stored in /payload.args (NUL-separated) with
+// /payload with the arguments stored in /payload.args and the environment
+// additions in /payload.env (both NUL-separated) with
 // its stdout and stderr on the console (the emulated serial port), reports
 // the payload's exit status between fixed markers and powers the machine off.
 //
@@ -33,6 +34,7 @@ import (
 const (
 	payloadPath = "/payload"
 	argsPath    = "/payload.args"
+	envPath     = "/payload.env"
 )
 
 func main() {
@@ -72,7 +74,11 @@ func run() int {
 		fmt.Printf("SONAR-EMU-CPU %s\n", cpuFlags(data))
 	}
 
-	args, err := readArgs()
+	args, err := readNULs(argsPath)
+	var env []string
+	if err == nil {
+		env, err = readNULs(envPath)
+	}
 	if err != nil {
 		fmt.Printf("sonar-emuinit: %v\n", err)
 		fmt.Println("SONAR-EMU-START")
@@ -84,12 +90,12 @@ func run() int {
 	cmd.Stdin = nil
 	cmd.Stdout = os.Stdout
 	cmd.Stderr = os.Stdout
-	cmd.Env = []string{
+	cmd.Env = append([]string{
 		"PATH=/",
 		"HOME=/",
 		"TMPDIR=/tmp",
 		"SONAR_EMU=1",
-	}
+	}, env...)
 
 	fmt.Println("SONAR-EMU-START")
 	os.Stdout.Sync()
@@ -131,10 +137,10 @@ func mountAll() {
 	}
 }
 
-// readArgs returns the NUL-separated payload arguments, or none when the
-// file is absent.
-func readArgs() ([]string, error) {
-	data, err := os.ReadFile(argsPath)
+// readNULs returns the NUL-separated strings of path (the payload's
+// arguments or environment), or none when the file is absent.
+func readNULs(path string) ([]string, error) {
+	data, err := os.ReadFile(path)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
 	}
