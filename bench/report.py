@@ -32,6 +32,12 @@ def signed_pct(x: float) -> str:
     return f"{100 * x:+.1f}%"
 
 
+def lanes_of(k: dict) -> str:
+    """How wide the Go engine's kernels ran in a measurement (its instruction set)."""
+    return {"avx512": "16-wide (AVX-512)", "avx2": "8-wide (AVX2)", "go": "in plain Go"}.get(
+        k.get("isa", ""), "8-wide (AVX2)")
+
+
 def kernel_rows(res: dict) -> tuple[list[dict], float, dict]:
     rows = []
     for k in res["torch"]["go_kernels"]:
@@ -806,13 +812,15 @@ def analysis(res: dict) -> list[str]:
         L.append(f"- **Kernel, bfloat16** ({size_name(big)}: Go {gb['gb_per_s']:.1f} vs fused {fb['gb_per_s']:.1f} GB/s). "
                  "The Go kernel rounds to bfloat16 after every op, as torch's single-tensor path does (the "
                  "bit-for-bit reference); fused computes in float32 and rounds once per state, so it does less "
-                 "work per element (and gives different bits). The Go bf16 kernel is 8-wide AVX2 and compute "
+                 f"work per element (and gives different bits). The Go bf16 kernel ran {lanes_of(gb)} and compute "
                  f"bound: its rate hardly changes with size ({bf_rates} "
                  "G elem/s from the smallest to the largest tensor). Every element of every AdamW variant needs one "
                  "square root and two divisions, which run on the core's one divider and cannot be replaced "
                  "without changing the bits; the fused kernels (Go and torch) issue exactly the same ones, so in "
-                 "bfloat16 and in cache both are divider-bound and their ratio moves with the machine. This "
-                 "machine has no AVX-512: an AVX-512 kernel could not be verified here and was not written.")
+                 "bfloat16 and in cache both are divider-bound and their ratio moves with the machine."
+                 + ("" if gb.get("cpu_isa") == "avx512" else
+                    " This machine has no AVX-512: the AVX-512 kernels (16 lanes) are verified lane for lane on an "
+                    "emulated CPU (`make test-avx512`) but could not be timed here."))
     fused_parts = []
     for dt in ("float32", "bfloat16"):
         per = ", ".join(f"{size_name(n)} {by[('torch-fused', dt, n)]['median_s'] / by[('go-fused', dt, n)]['median_s']:.2f}x"
