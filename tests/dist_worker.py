@@ -38,7 +38,9 @@ class Mismatch(Exception):
 
 
 def say(rank: int, msg: str) -> None:
-    print(f"[rank {rank}] {msg}", flush=True)
+    # One write per line (see tests/launch_worker.py's say): ranks share one output pipe.
+    sys.stdout.write(f"[rank {rank}] {msg}\n")
+    sys.stdout.flush()
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

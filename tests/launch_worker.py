@@ -52,7 +52,10 @@ RANK = int(os.environ.get("RANK", "0"))
 
 
 def say(msg: str) -> None:
-    print(f"[rank {RANK}] {msg}", flush=True)
+    # One write per line: print() writes the newline separately, which an unbuffered stdout
+    # (PYTHONUNBUFFERED) makes two system calls, and another rank's output can land in between.
+    sys.stdout.write(f"[rank {RANK}] {msg}\n")
+    sys.stdout.flush()
 
 
 def olmoe(seed: int = 0) -> Any:
