@@ -129,6 +129,21 @@ done3:
 	VPSRLD $16, x, t; \
 	VPMOVDW t, addr
 
+// ZSTEPCONSTS broadcasts a vecConsts step's constants (AX points at it) into
+// Z8-Z15 and Z20: decay, lerp coefficient, beta2, 1-beta2, sign mask, base
+// mask, bias_correction2_sqrt, eps (bfloat16-rounded for the bf16 step),
+// -step_size.
+#define ZSTEPCONSTS \
+	VBROADCASTSS 128(AX), Z8; \
+	VBROADCASTSS 132(AX), Z9; \
+	VBROADCASTSS 136(AX), Z10; \
+	VBROADCASTSS 140(AX), Z11; \
+	VPBROADCASTD 144(AX), Z12; \
+	VPBROADCASTD 148(AX), Z13; \
+	VBROADCASTSS 152(AX), Z14; \
+	VBROADCASTSS 156(AX), Z15; \
+	VBROADCASTSS 160(AX), Z20
+
 // func stepBF16AVX512(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 TEXT ·stepBF16AVX512(SB), NOSPLIT, $0-48
 	MOVQ pp+0(FP), DI
@@ -138,15 +153,7 @@ TEXT ·stepBF16AVX512(SB), NOSPLIT, $0-48
 	MOVQ n+32(FP), CX
 	MOVQ k+40(FP), AX
 	ZRNDCONSTS
-	VBROADCASTSS 128(AX), Z8  // decay
-	VBROADCASTSS 132(AX), Z9  // lerp coefficient
-	VBROADCASTSS 136(AX), Z10 // beta2
-	VBROADCASTSS 140(AX), Z11 // 1-beta2
-	VPBROADCASTD 144(AX), Z12 // sign mask
-	VPBROADCASTD 148(AX), Z13 // base mask
-	VBROADCASTSS 152(AX), Z14 // bias_correction2_sqrt
-	VBROADCASTSS 156(AX), Z15 // eps rounded to bfloat16
-	VBROADCASTSS 160(AX), Z20 // -step_size
+	ZSTEPCONSTS
 	XORQ BX, BX
 loopb:
 	CMPQ BX, CX
@@ -209,18 +216,6 @@ doneb:
 	VDIVPS Z6, Z7, Z7; \
 	VADDPS Z7, Z1, Z1
 
-// ZFUSEDCONSTS broadcasts the step's constants (AX points at vecConsts).
-#define ZFUSEDCONSTS \
-	VBROADCASTSS 128(AX), Z8; \
-	VBROADCASTSS 132(AX), Z9; \
-	VBROADCASTSS 136(AX), Z10; \
-	VBROADCASTSS 140(AX), Z11; \
-	VPBROADCASTD 144(AX), Z12; \
-	VPBROADCASTD 148(AX), Z13; \
-	VBROADCASTSS 152(AX), Z14; \
-	VBROADCASTSS 156(AX), Z15; \
-	VBROADCASTSS 160(AX), Z20
-
 // func fusedF32AVX512(pp, gg, mm, vv *float32, n int, k *vecConsts)
 TEXT ·fusedF32AVX512(SB), NOSPLIT, $0-48
 	MOVQ pp+0(FP), DI
@@ -229,7 +224,7 @@ TEXT ·fusedF32AVX512(SB), NOSPLIT, $0-48
 	MOVQ vv+24(FP), R9
 	MOVQ n+32(FP), CX
 	MOVQ k+40(FP), AX
-	ZFUSEDCONSTS
+	ZSTEPCONSTS
 	XORQ BX, BX
 loopf:
 	CMPQ BX, CX
@@ -257,7 +252,7 @@ TEXT ·fusedBF16AVX512(SB), NOSPLIT, $0-48
 	MOVQ n+32(FP), CX
 	MOVQ k+40(FP), AX
 	ZRNDCONSTS
-	ZFUSEDCONSTS
+	ZSTEPCONSTS
 	XORQ BX, BX
 loopfb:
 	CMPQ BX, CX

@@ -6,6 +6,9 @@ is torch.optim.AdamW with default options (the single-tensor path) on clones.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import pytest
 import torch
 
@@ -45,8 +48,11 @@ def test_kernel_matches_torch(dtype: torch.dtype, hyper: str) -> None:
     _train_and_compare(dtype, hyper)
 
 
-def _server_isa() -> str:
-    """The instruction set a private sonard's kernels run at with SONAR_ISA as it is now."""
+@functools.cache
+def _widest_isa() -> str:
+    """The instruction set a private sonard's kernels run at without SONAR_ISA: the CPU's widest
+    (asked once; call it with SONAR_ISA unset)."""
+    assert "SONAR_ISA" not in os.environ
     p = torch.nn.Parameter(torch.randn(8))
     with sonar_moe.SonarAdamW([("experts.w", p)], expert_params=lambda n, q: True) as opt:
         return str(opt.stats()["server_isa"])
@@ -61,7 +67,7 @@ def test_every_instruction_set_matches_torch(dtype: torch.dtype, isa: str, monke
     """SONAR_ISA caps the server's kernels at a narrower level (never above the CPU's): each
     level this CPU has is bitwise torch's, and the server says which it runs."""
     monkeypatch.delenv("SONAR_ISA", raising=False)
-    widest = _server_isa()  # the CPU's
+    widest = _widest_isa()
     monkeypatch.setenv("SONAR_ISA", isa)
     want = ISAS[min(ISAS.index(isa), ISAS.index(widest))]
     for hyper in ("default", "maximize", "odd_betas"):
