@@ -120,6 +120,9 @@ def _stats(times: list[float]) -> dict:
             "times_s": times}
 
 
+IDLE_GAPS_S = (0.001, 0.005)
+
+
 def ipc_ping(n: int, go_bench: str | None = None) -> dict:
     """Round trips of a request the server answers without doing anything ("ping"),
     as SonarAdamW makes them (``Connection.call``), and where their microseconds go: the same
@@ -187,6 +190,7 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
         cases["unix"] = via_unix
     times: dict[str, list[float]] = {k: [] for k in cases}
     cpu: dict[str, float] = {k: 0.0 for k in cases}
+    gapped: dict[float, dict[str, list[float]]] = {}
     try:
         for f in cases.values():
             for _ in range(50):
@@ -200,6 +204,16 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
                     f()
                     times[k].append(time.perf_counter() - t)
                 cpu[k] += time.process_time() - c0
+        # The same round trips after an idle gap, as in training, where requests come between
+        # stretches of backward: every thread on the path has gone to sleep (and, on a virtual
+        # machine, its virtual CPU may have halted), so each hand-over is a wake-up.
+        for gap in IDLE_GAPS_S:
+            for _ in range(max(20, n // 10)):
+                for k, f in cases.items():
+                    time.sleep(gap)
+                    t = time.perf_counter()
+                    f()
+                    gapped.setdefault(gap, {}).setdefault(k, []).append(time.perf_counter() - t)
     finally:
         raw.close()
         if echo is not None:
@@ -213,7 +227,8 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
     out = {**_stats(times["client"]), "cpu_s_per_call": cpu["client"] / len(times["client"]),
-           "layers": {k: {**_stats(v), "cpu_s_per_call": cpu[k] / len(v)} for k, v in times.items()}}
+           "layers": {k: {**_stats(v), "cpu_s_per_call": cpu[k] / len(v)} for k, v in times.items()},
+           "after_idle": [{"gap_s": gap, "layers": {k: _stats(v) for k, v in by.items()}} for gap, by in gapped.items()]}
     # msgpack's share on the client: one request packed and one reply unpacked.
     rep = msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "ok": True, "body": {"requests": 1}}, use_bin_type=True)
     m = 20000

@@ -571,6 +571,25 @@ def ipc_section(res: dict) -> list[str]:
                          f"dispatch).")
             L.append(f"\nmsgpack on the client (pack one request, unpack one reply): "
                      f"{1e6 * ping['msgpack_s_per_call']:.1f} us per call.\n")
+        idle = ping.get("after_idle") or []
+        if idle and layers:
+            names = {"unix": "plain Unix socket", "echo": "bare ZeroMQ echo", "pyzmq": "sonard, pyzmq client",
+                     "client": "sonard, `Connection.call`"}
+            keys = [k for k in ("unix", "echo", "pyzmq", "client") if k in layers]
+            L.append("After an idle gap (the client sleeps before each request, as a trainer computes between "
+                     "its requests), the same round trips, p50 us:\n")
+            L.append("| idle before each request | " + " | ".join(names[k] for k in keys) + " |")
+            L.append("|---|" + "---|" * len(keys))
+            L.append("| none (back to back, above) | " + " | ".join(f"{1e6 * layers[k]['p50_s']:.0f}" for k in keys)
+                     + " |")
+            for g in idle:
+                L.append(f"| {1e3 * g['gap_s']:g} ms | " + " | ".join(
+                    f"{1e6 * g['layers'][k]['p50_s']:.0f}" for k in keys if k in g["layers"]) + " |")
+            L.append("\nEvery thread on the path sleeps during the gap, and on a virtual machine its virtual CPU "
+                     "may halt, so each hand-over (client, its ZeroMQ I/O thread, sonard's, sonard's loop and back) "
+                     "is a wake-up; the more threads a path hands a message through, the more the gap costs it. "
+                     "Training requests come after such gaps, so their transport costs more than the "
+                     "back-to-back figure.\n")
         small = res["torch"].get("step_small")
         if small:
             srv_us = small.get("server_step_us_p50") or 0.0
@@ -831,8 +850,9 @@ def analysis(res: dict) -> list[str]:
         L.append(f"- **Kernel, fused arithmetic** (Go fused vs torch fused: {'; '.join(fused_parts)}). Both make one "
                  "pass over memory with the same 8-lane AVX2 instructions in the same order (torch's wheel has no "
                  "AVX-512 copy of this kernel, docs/fused-adamw-cpu.md), so neither does less arithmetic; they differ "
-                 "in how the tensor is split over the cores (the Go engine: one contiguous chunk per worker, "
-                 "goroutines that stay busy; torch: OpenMP threads joined at the end of the step) and in the "
+                 "in how the tensor is split over the cores (the Go engine: eight chunks per worker taken from a "
+                 "shared counter, so a worker whose core is busy with another thread takes fewer; torch: OpenMP "
+                 "threads joined at the end of the step) and in the "
                  "bfloat16 narrowing sequence. In bfloat16 the fused arithmetic rounds once per stored buffer, "
                  "so it costs about what float32 does per element while moving half the bytes.")
     mk = by.get(("go-mkl", "float32", big))

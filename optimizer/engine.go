@@ -18,6 +18,7 @@ import (
 	"runtime"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -464,11 +465,54 @@ func (e *Engine) kernel(t *Tensor, g []byte, s Scalars, lo, hi int) {
 	}
 }
 
-// parallel splits [0, n) into contiguous chunks, one per worker, aligned to
-// 64 elements, and waits for all. Each chunk runs under fault.Catch (the
-// memory may be a client's shared memory); the first fault is returned,
-// after every chunk has finished.
+// parallel runs fn over [0, n) in contiguous chunks aligned to 64 elements
+// and waits for all. Up to Workers goroutines take the chunks in order from a
+// shared counter, several each (chunksPerWorker), so a worker whose core is
+// busy with another thread (torch's, another process's) takes fewer and the
+// others take its share, instead of everyone waiting for the slowest fixed
+// half. The chunks' bounds depend on n and Workers only, never on timing, so
+// sums kept by position (positionSums) are the same whoever ran which chunk.
+// Each chunk runs under fault.Catch (the memory may be a client's shared
+// memory); the first fault is returned, after every chunk has finished.
 func (e *Engine) parallel(n int, fn func(lo, hi int)) error {
+	w, chunk := e.split(n)
+	if w <= 1 {
+		return fault.Catch(func() { fn(0, n) })
+	}
+	chunks := (n + chunk - 1) / chunk
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make([]error, 0, w)
+	var mu sync.Mutex
+	for range min(w, chunks) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := int(next.Add(1)) - 1
+				if i >= chunks {
+					return
+				}
+				lo := i * chunk
+				hi := min(lo+chunk, n)
+				if err := fault.Catch(func() { fn(lo, hi) }); err != nil {
+					mu.Lock()
+					errs = append(errs, err)
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if len(errs) > 0 {
+		return errs[0]
+	}
+	return nil
+}
+
+// split says how many workers parallel uses for n elements and how long its
+// chunks are (n when one worker does it all).
+func (e *Engine) split(n int) (workers, chunk int) {
 	w := e.Workers
 	if w < 1 {
 		w = 1
@@ -481,34 +525,21 @@ func (e *Engine) parallel(n int, fn func(lo, hi int)) error {
 		w = max
 	}
 	if w <= 1 {
-		return fault.Catch(func() { fn(0, n) })
+		return 1, n
 	}
-	chunk := (n + w - 1) / w
-	chunk = (chunk + 63) &^ 63
-	var wg sync.WaitGroup
-	errs := make([]error, 0, w)
-	var mu sync.Mutex
-	for lo := 0; lo < n; lo += chunk {
-		hi := lo + chunk
-		if hi > n {
-			hi = n
-		}
-		wg.Add(1)
-		go func(lo, hi int) {
-			defer wg.Done()
-			if err := fault.Catch(func() { fn(lo, hi) }); err != nil {
-				mu.Lock()
-				errs = append(errs, err)
-				mu.Unlock()
-			}
-		}(lo, hi)
-	}
-	wg.Wait()
-	if len(errs) > 0 {
-		return errs[0]
-	}
-	return nil
+	chunk = (n + w*chunksPerWorker - 1) / (w * chunksPerWorker)
+	chunk = max(chunk, minDynamicChunk)
+	return w, (chunk + 63) &^ 63
 }
+
+// chunksPerWorker is how many chunks parallel cuts per worker: enough that a
+// worker slowed to half speed costs the step a sixteenth of its time, not
+// half; minDynamicChunk keeps each chunk long enough (64 KiB of float32) that
+// taking one costs nothing next to its arithmetic.
+const (
+	chunksPerWorker = 8
+	minDynamicChunk = 16384
+)
 
 // f32s views b as float32s (b must be 4-byte aligned; all engine and shared
 // memory buffers are).

@@ -4,8 +4,11 @@ import (
 	"bytes"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 	"unsafe"
 )
 
@@ -471,6 +474,70 @@ func TestStaggered(t *testing.T) {
 	}
 }
 
+// TestParallelStalledWorker: while one worker is stuck in its first chunk
+// (its core taken by another thread), the other workers take every other
+// chunk; with one fixed chunk per worker the rest of its share would wait.
+func TestParallelStalledWorker(t *testing.T) {
+	const n = 1 << 20
+	e := &Engine{Workers: 2, MinChunk: 1}
+	var mu sync.Mutex
+	done := 0
+	rest := make(chan struct{})
+	finished := make(chan error, 1)
+	go func() {
+		finished <- e.parallel(n, func(lo, hi int) {
+			if lo == 0 {
+				select { // stuck until every other chunk is done
+				case <-rest:
+				case <-time.After(10 * time.Second):
+				}
+			}
+			mu.Lock()
+			done += hi - lo
+			if _, chunk := e.split(n); done == n-chunk {
+				close(rest)
+			}
+			mu.Unlock()
+		})
+	}()
+	select {
+	case err := <-finished:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the other worker did not take the stalled worker's share")
+	}
+	if done != n {
+		t.Fatalf("%d of %d elements done", done, n)
+	}
+}
+
+// TestParallelBoundsFixed: the chunks depend on n and the workers only.
+func TestParallelBoundsFixed(t *testing.T) {
+	for _, n := range []int{65, 100003, 1 << 20, 3<<20 + 17} {
+		e := &Engine{Workers: 2, MinChunk: 1 << 16}
+		var want [][2]int
+		for run := range 3 {
+			var mu sync.Mutex
+			var got [][2]int
+			if err := e.parallel(n, func(lo, hi int) {
+				mu.Lock()
+				got = append(got, [2]int{lo, hi})
+				mu.Unlock()
+			}); err != nil {
+				t.Fatal(err)
+			}
+			slices.SortFunc(got, func(a, b [2]int) int { return a[0] - b[0] })
+			if run == 0 {
+				want = got
+			} else if !slices.Equal(got, want) {
+				t.Fatalf("n=%d: chunks %v, then %v", n, want, got)
+			}
+		}
+	}
+}
+
 func TestParallelCoversOnce(t *testing.T) {
 	for _, n := range []int{1, 7, 63, 64, 65, 1000, 100003} {
 		for _, w := range []int{0, 1, 2, 3, 8, 64} {
@@ -492,7 +559,7 @@ func TestParallelCoversOnce(t *testing.T) {
 						t.Fatalf("n=%d w=%d mc=%d: chunk [%d, %d)", n, w, mc, c[0], c[1])
 					}
 				}
-				if count > max(w, 1) {
+				if count > max(w, 1)*chunksPerWorker {
 					t.Fatalf("n=%d w=%d mc=%d: %d chunks", n, w, mc, count)
 				}
 				for i, h := range hits {
