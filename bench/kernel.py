@@ -60,10 +60,11 @@ def make(n: int, dtype: torch.dtype, seed: int) -> tuple[nn.Parameter, torch.Ten
     return p, grad
 
 
-def torch_adamw(n: int, dtype: torch.dtype, reps: int) -> list[dict]:
-    """The three variants on equal tensors, timed round-robin (so load drift hits all alike)."""
+def torch_adamw(n: int, dtype: torch.dtype, reps: int, variants: tuple[str, ...] = tuple(VARIANTS)) -> list[dict]:
+    """The variants on equal tensors, timed round-robin (so load drift hits all alike)."""
     runs = {}
-    for i, (name, kw) in enumerate(VARIANTS.items()):
+    for name in variants:
+        kw = VARIANTS[name]
         p, grad = make(n, dtype, 1)
         p.grad = grad
         opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, **kw)
@@ -256,6 +257,36 @@ def go_engine(go_bench: str, lib: str | None, dtype: str, n: int, reps: int) -> 
     return [{**k, **isa, "copies_gbps": copies, "streams_gbps": streams} for k in out["kernels"]]
 
 
+def contended(go_bench: str, n: int, reps: int, rounds: int = 3) -> dict:
+    """The kernels while another process keeps one core busy (a busy loop), as on a shared machine
+    or beside a trainer's own threads: torch's AdamW, and the Go engine with its default chunking
+    (several chunks per worker from a shared counter) and with one fixed chunk per worker (the
+    engine before 2026-12-01: the worker that shares a core finishes last and the others wait).
+    Interleaved rounds of each, medians over all repeats."""
+    import subprocess
+    import sys
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        times: dict[tuple[str, str, int], list[float]] = {}
+        for _ in range(rounds):
+            for dn in ("float32", "bfloat16"):
+                dtype = DTYPES[dn]
+                for r in torch_adamw(n, dtype, reps, ("single", "fused")):
+                    times.setdefault((r["impl"], dn, 0), []).extend(r["times_s"])
+                for chunks in (1, 0):
+                    cmd = [go_bench, "-sizes", str(n), "-dtypes", dn, "-reps", str(reps), "-copy-mb", "0", "-fused",
+                           "-chunks", str(chunks)]
+                    out = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE).stdout)
+                    for k in out["kernels"]:
+                        times.setdefault((f"go-{k['impl']}", dn, chunks), []).extend(k["times_s"])
+    finally:
+        busy.kill()
+        busy.wait()
+    rows = [{"impl": impl, "dtype": dn, "chunks_per_worker": chunks, "numel": n, "median_s": common.median(t),
+             "times_s": t} for (impl, dn, chunks), t in times.items()]
+    return {"numel": n, "busy_processes": 1, "rows": rows}
+
+
 def go_copy(go_bench: str, mb: int, reps: int) -> dict:
     import subprocess
     cmd = [go_bench, "-sizes", "", "-copy-mb", str(mb), "-reps", str(reps)]
@@ -287,6 +318,8 @@ def main() -> None:
     ap.add_argument("--pings", type=int, default=2000)
     ap.add_argument("--go-bench", help="cmd/sonar-bench binary: measure the Go engine next to each torch case")
     ap.add_argument("--torch-lib", help="libtorch_cpu.so for the Go engine's MKL sqrt variant")
+    ap.add_argument("--contended", default="", help="size (K/M suffix) of the kernels also timed with one core "
+                    "kept busy by another process (needs --go-bench); empty: not")
     a = ap.parse_args()
     res: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                  "capability": torch.backends.cpu.get_cpu_capability(), "default_path": default_path(),
@@ -309,6 +342,8 @@ def main() -> None:
         res["ping"] = ipc_ping(a.pings, a.go_bench)
         # A step request whose kernel is negligible (64 elements): what a step costs beyond it.
         res["step_small"] = sonard_e2e(64, torch.float32, max(50, a.pings // 4))
+    if a.contended and a.go_bench:
+        res["contended"] = contended(a.go_bench, parse_sizes(a.contended)[0], a.reps)
     res["copy"].append(copy_bandwidth(a.copy_mb, a.reps))
     if a.go_bench:
         res["go_copy"].append(go_copy(a.go_bench, a.copy_mb, a.reps))

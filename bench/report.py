@@ -72,6 +72,32 @@ def _stream_cells(r: dict) -> str:
     return f"{st:.1f} | {pct(r['gb_per_s'] / st)}" if st else "- | -"
 
 
+def contended_section(c: dict | None) -> list[str]:
+    """The kernels with one core kept busy by another process."""
+    if not c:
+        return []
+    rows = {(r["impl"], r["dtype"], r["chunks_per_worker"]): r for r in c["rows"]}
+    L = [f"\n### With one core busy\n\nThe same kernels ({size_name(c['numel'])} elements) while another "
+         "process keeps one core busy (a Python busy loop), as on a shared machine or beside a trainer's own "
+         "threads; interleaved rounds, medians of all repeats. The Go engine cuts a tensor into eight chunks "
+         "per worker that its workers take from a shared counter, so a worker whose core is shared takes fewer; "
+         "`one chunk per worker` is the engine before 2026-12-01 (`sonar-bench -chunks 1`), where the other "
+         "worker waits for it.\n",
+         "| dtype | torch single ms | torch fused ms | Go single: one chunk / worker ms | Go single: shared "
+         "counter ms | Go fused: one chunk / worker ms | Go fused: shared counter ms | Go fused time, counter "
+         "/ one chunk | Go fused speed vs torch fused |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    for dt in ("float32", "bfloat16"):
+        cells = [rows.get(k) for k in (("torch-single", dt, 0), ("torch-fused", dt, 0), ("go-single", dt, 1),
+                                       ("go-single", dt, 0), ("go-fused", dt, 1), ("go-fused", dt, 0))]
+        if any(x is None for x in cells):
+            continue
+        ms = [f"{1e3 * x['median_s']:.2f}" for x in cells]
+        L.append(f"| {dt} | " + " | ".join(ms) + f" | {cells[5]['median_s'] / cells[4]['median_s']:.2f}x | "
+                 f"{cells[1]['median_s'] / cells[5]['median_s']:.2f}x |")
+    return L
+
+
 def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
     rows, copy_bw, copies = kernel_rows(res)
     L: list[str] = []
@@ -140,6 +166,7 @@ def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
             L.append(f"| {r['dtype']} | {size_name(r['numel'])} | {r.get('arithmetic', 'single')} | "
                      f"{1e3 * r['median_s']:.2f} | "
                      f"{(r['server_step_us_p50'] or 0) / 1e3:.2f} | {r['elements_per_s'] / 1e9:.3f} |")
+    L += contended_section(res["torch"].get("contended"))
     # Targets
     L.append("\n### Kernel targets\n")
     L.append("| target | case | measured | verdict |")

@@ -37,12 +37,12 @@ METHODS, SPARE_METHODS = "abcdefgsohn", "nbcdgso"
 # The same configs with libgomp's spin-wait shortened (GOMP_SPINCOUNT, read when torch loads
 # libgomp): torch's idle OpenMP threads then sleep instead of spinning while a hook waits for sonard.
 SPIN_METHODS, SPIN_COUNT = "bcdo", "10000"
-FULL = dict(sizes="1M,16M,64M", reps=9, pings=2000, layers=8, hidden=128, batch=4, seq=64, warmup=3, steps=30,
+FULL = dict(sizes="1M,16M,64M", contended="16M", reps=9, pings=2000, layers=8, hidden=128, batch=4, seq=64, warmup=3, steps=30,
             models=[("olmoe", "eager"), ("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
             spare=[("olmoe", "grouped_mm", 1), ("granite", "grouped_mm", 1)],
             spin=[("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
             depth=[("olmoe", "grouped_mm", 16), ("granite", "grouped_mm", 32)])
-QUICK = dict(sizes="1M,16M", reps=3, pings=500, layers=4, hidden=128, batch=4, seq=64, warmup=1, steps=5,
+QUICK = dict(sizes="1M,16M", contended="1M", reps=3, pings=500, layers=4, hidden=128, batch=4, seq=64, warmup=1, steps=5,
              models=[("olmoe", "eager"), ("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
              spare=[("olmoe", "grouped_mm", 1)],
              spin=[("granite", "grouped_mm")],
@@ -82,7 +82,7 @@ def run_all(cfg: dict, quick: bool, env: dict[str, str]) -> dict:
     print("kernels: Go engine (cmd/sonar-bench), torch AdamW, copy, sonard end to end (bench/kernel.py)",
           file=sys.stderr, flush=True)
     py_cmd = [PY, "bench/kernel.py", "--sizes", cfg["sizes"], "--reps", str(cfg["reps"]), "--pings", str(cfg["pings"]),
-              "--go-bench", "bin/sonar-bench", "--torch-lib", lib]
+              "--go-bench", "bin/sonar-bench", "--torch-lib", lib, "--contended", cfg["contended"]]
     res["torch"] = common.run_json(py_cmd, env)
     cmds.append(py_cmd)
     def train(model: str, impl: str, methods: str, layers: int | None = None, warmup: int | None = None,

@@ -252,6 +252,10 @@ type Engine struct {
 	// Phases, when set, sums the time spent reading gradients and in the
 	// arithmetic.
 	Phases *Phases
+	// ChunksPerWorker is how many chunks a tensor is cut into per worker
+	// (0: chunksPerWorker; 1: one fixed chunk each, the engine before
+	// 2026-12-01, kept for benchmarks).
+	ChunksPerWorker int
 }
 
 // NewEngine returns an engine using all cores.
@@ -527,8 +531,14 @@ func (e *Engine) split(n int) (workers, chunk int) {
 	if w <= 1 {
 		return 1, n
 	}
-	chunk = (n + w*chunksPerWorker - 1) / (w * chunksPerWorker)
-	chunk = max(chunk, minDynamicChunk)
+	per := e.ChunksPerWorker
+	if per < 1 {
+		per = chunksPerWorker
+	}
+	chunk = (n + w*per - 1) / (w * per)
+	if per > 1 {
+		chunk = max(chunk, minDynamicChunk)
+	}
 	return w, (chunk + 63) &^ 63
 }
 

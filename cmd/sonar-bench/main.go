@@ -40,6 +40,7 @@ type Result struct {
 	Sqrt       string    `json:"sqrt"`            // "ieee" or "mkl"
 	Lanes      int       `json:"lanes,omitempty"` // fused: the vector width whose tail the kernel reproduces
 	Workers    int       `json:"workers"`
+	Chunks     int       `json:"chunks_per_worker"` // 0: the engine's default
 	BytesPerEl int       `json:"bytes_per_element"`
 	MedianS    float64   `json:"median_s"`
 	MinS       float64   `json:"min_s"`
@@ -76,6 +77,7 @@ func main() {
 	dtypes := flag.String("dtypes", "float32,bfloat16", "dtypes, comma separated")
 	reps := flag.Int("reps", 7, "timed repeats per case (median reported)")
 	workers := flag.Int("workers", runtime.NumCPU(), "engine workers (goroutines per tensor)")
+	chunks := flag.Int("chunks", 0, "chunks per worker the engine cuts a tensor into (0: its default; 1: one fixed chunk each)")
 	copyMB := flag.Int("copy-mb", 256, "size of the copy-bandwidth buffer in MiB (0: no copy measurement)")
 	streamM := flag.Int("stream-m", 0, "also measure AdamW's streaming pattern over four arrays of this many Mi float32 elements (0: not)")
 	torchLib := flag.String("torch-lib", "", "libtorch_cpu.so whose MKL vmsSqrt to measure as well (float32)")
@@ -137,12 +139,12 @@ func main() {
 			os.Exit(2)
 		}
 		for _, n := range ns {
-			rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *reps, nil, false))
+			rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *chunks, *reps, nil, false))
 			if d == optimizer.Float32 && sq != nil {
-				rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *reps, sq, false))
+				rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *chunks, *reps, sq, false))
 			}
 			if *fused {
-				rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *reps, nil, true))
+				rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *chunks, *reps, nil, true))
 			}
 			runtime.GC()
 			debug.FreeOSMemory()
@@ -251,7 +253,7 @@ func fusedLanes(d optimizer.DType) int {
 	return 8
 }
 
-func kernel(d optimizer.DType, n, workers, reps int, sq *vml.Sqrt, fused bool) Result {
+func kernel(d optimizer.DType, n, workers, chunks, reps int, sq *vml.Sqrt, fused bool) Result {
 	r := rand.New(rand.NewPCG(1, uint64(n)))
 	sz := d.Size()
 	param := staggered(n*sz, 0)
@@ -278,7 +280,7 @@ func kernel(d optimizer.DType, n, workers, reps int, sq *vml.Sqrt, fused bool) R
 		panic(err)
 	}
 	eng := optimizer.NewEngine()
-	eng.Workers = workers
+	eng.Workers, eng.ChunksPerWorker = workers, chunks
 	name := "ieee"
 	if sq != nil {
 		eng.Sqrt, eng.SqrtName, name = sq.Apply, "mkl:"+sq.Path, "mkl"
@@ -295,7 +297,7 @@ func kernel(d optimizer.DType, n, workers, reps int, sq *vml.Sqrt, fused bool) R
 		return time.Since(start).Seconds()
 	}
 	step() // warm-up: faults the state in, step 1
-	res := Result{Impl: "single", DType: d.String(), Numel: n, Sqrt: name, Workers: workers, BytesPerEl: 7 * sz}
+	res := Result{Impl: "single", DType: d.String(), Numel: n, Sqrt: name, Workers: workers, Chunks: chunks, BytesPerEl: 7 * sz}
 	if fused {
 		res.Impl, res.Lanes = "fused", fusedLanes(d)
 	}
