@@ -43,6 +43,9 @@ type pass2Consts struct{ bc2s, eps, negStep float32 }
 var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.pass1Consts)-128]
 var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.bc2s)-152]
 var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.negStep)-160]
+var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.wide)-164]
+var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.lsb)-484]
+var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.inf)-548]
 
 //go:noescape
 func pass1AVX2(pp, gg, mm, vv, out *float32, n int, k *pass1Consts)
@@ -133,6 +136,13 @@ type vecConsts struct {
 	one, r7fff, hiMask, nan [8]uint32 // 0, 32, 64, 96
 	pass1Consts                       // 128: decay, c, b2, omb2, sign (144), baseMask (148)
 	bc2s, eps, negStep      float32   // 152, 156, 160
+	// wide holds the nine scalars from 128 to 160 (decay ... negStep)
+	// broadcast to 8 lanes, then ^baseMask: memory operands for the kernel
+	// that needs every register for data (fusedBF16AVX2). 164 + 32*i.
+	wide [10][8]uint32
+	// lsb, abs and inf are the masks of the bfloat16 rounding in integer
+	// operations only (RNDBFOR): 0x10000, 0x7FFFFFFF, 0x7F800000. 484, 516, 548.
+	lsb, abs, inf [8]uint32
 }
 
 //go:noescape
@@ -178,7 +188,21 @@ func newFusedConsts(k fusedScalars) vecConsts {
 		eps: k.eps, negStep: k.negStep}
 	// Vector-loop NaNs become 0xFFFF, as torch's vectorized bfloat16 conversion makes them.
 	c.setRounding(0xFFFF)
+	c.setWide()
 	return c
+}
+
+// setWide fills c.wide from the scalars.
+func (c *vecConsts) setWide() {
+	words := [9]uint32{math.Float32bits(c.decay), math.Float32bits(c.c), math.Float32bits(c.b2),
+		math.Float32bits(c.omb2), c.sign, c.baseMask, math.Float32bits(c.bc2s), math.Float32bits(c.eps),
+		math.Float32bits(c.negStep)}
+	for i := range c.wide[0] {
+		for j, w := range words {
+			c.wide[j][i] = w
+		}
+		c.wide[9][i] = ^c.baseMask
+	}
 }
 
 // setRounding fills the masks RNDBF reads: round to nearest even, and a NaN
@@ -186,6 +210,7 @@ func newFusedConsts(k fusedScalars) vecConsts {
 func (c *vecConsts) setRounding(nan uint32) {
 	for i := range c.one {
 		c.one[i], c.r7fff[i], c.hiMask[i], c.nan[i] = 1, 0x7FFF, 0xFFFF0000, nan<<16
+		c.lsb[i], c.abs[i], c.inf[i] = 0x10000, 0x7FFFFFFF, 0x7F800000
 	}
 }
 
