@@ -160,6 +160,7 @@ func stepBF16Vec(p, g, m, v []uint16, s Scalars, k f32, epsBF float32) int {
 	}
 	c := vecConsts{pass1Consts: newPass1Consts(s, k), bc2s: k.bc2s, eps: epsBF, negStep: k.negStep}
 	c.setRounding(0x7FC0)
+	c.setWide()
 	if w > 0 {
 		stepBF16AVX512(&p[0], &g[0], &m[0], &v[0], w, &c)
 	}

@@ -121,8 +121,71 @@ done3:
 	VPERMQ $0x08, t, t; \
 	VMOVDQU tx, addr
 
-// func stepBF16AVX2(pp, gg, mm, vv *uint16, n int, k *bf16Consts)
+// The stages of one 8-lane block of the bfloat16 single-tensor step, on the
+// registers g, p, m, v, t, u (tx: t's X register) with the block at byte
+// offset off, the step's constants read from vecConsts.wide and the
+// roundings' temporaries Y12, Y13. The operations, their operands' order
+// and their roundings are those of the one-block loop this replaced (see
+// StepBF16); only products swap factors, which changes no bit.
+#define SB1(off, g) \
+	LOADBF(off(SI)(BX*2), g); \
+	VXORPS 292(AX), g, g
+
+#define SB2(off, p) \
+	LOADBF(off(DI)(BX*2), p); \
+	VMULPS 164(AX), p, p; \
+	RNDBF(p, Y12, Y13)
+
+// SB3: u = bf16(lerp(m, g, w)), stored.
+#define SB3(off, g, m, t, tx, u) \
+	LOADBF(off(R8)(BX*2), m); \
+	VSUBPS m, g, t; \
+	VANDPS 324(AX), g, u; \
+	VANDPS 452(AX), m, m; \
+	VORPS m, u, u; \
+	VFMADD231PS 196(AX), t, u; \
+	RNDBF(u, Y12, Y13); \
+	STOREBF(u, t, tx, off(R8)(BX*2))
+
+// SB4: v = bf16(fma((1-beta2)*g, g, bf16(v*beta2))), stored.
+#define SB4(off, g, v, t, tx) \
+	LOADBF(off(R9)(BX*2), v); \
+	VMULPS 228(AX), v, v; \
+	RNDBF(v, Y12, Y13); \
+	VMULPS 260(AX), g, t; \
+	VFMADD231PS g, t, v; \
+	RNDBF(v, Y12, Y13); \
+	STOREBF(v, t, tx, off(R9)(BX*2))
+
+// SB5: t = the denominator.
+#define SB5(v, t) \
+	VSQRTPS v, t; \
+	RNDBF(t, Y12, Y13); \
+	VDIVPS Y14, t, t; \
+	RNDBF(t, Y12, Y13); \
+	VADDPS Y15, t, t; \
+	RNDBF(t, Y12, Y13)
+
+// SB6: p = bf16(p + (value*m)/denom), stored (g clobbered).
+#define SB6(off, g, gx, p, t, u) \
+	VBROADCASTSS 160(AX), g; \
+	VMULPS u, g, g; \
+	VDIVPS t, g, g; \
+	VADDPS g, p, p; \
+	RNDBF(p, Y12, Y13); \
+	STOREBF(p, g, gx, off(DI)(BX*2))
+
+// func stepBF16AVX2(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 // n must be a multiple of 8.
+//
+// Two blocks of 8 lanes an iteration, their stages interleaved. Rounding
+// after every operation makes each block one long chain of dependent
+// instructions (about 100 of them, most waiting on the one before), and
+// the core's floating-point scheduler holds too few of them to reach the
+// next block's independent chain on its own; written side by side, the two
+// chains overlap. The registers this takes leave the step's constants as
+// memory operands (vecConsts.wide), except bias_correction2_sqrt and eps.
+// A last block of 8 runs alone.
 TEXT ·stepBF16AVX2(SB), NOSPLIT, $0-48
 	MOVQ pp+0(FP), DI
 	MOVQ gg+8(FP), SI
@@ -130,52 +193,37 @@ TEXT ·stepBF16AVX2(SB), NOSPLIT, $0-48
 	MOVQ vv+24(FP), R9
 	MOVQ n+32(FP), CX
 	MOVQ k+40(FP), AX
-	VBROADCASTSS 128(AX), Y8  // decay
-	VBROADCASTSS 132(AX), Y9  // lerp coefficient
-	VBROADCASTSS 136(AX), Y10 // beta2
-	VBROADCASTSS 140(AX), Y11 // 1-beta2
-	VBROADCASTSS 144(AX), Y12 // sign mask
-	VBROADCASTSS 148(AX), Y13 // base mask
 	VBROADCASTSS 152(AX), Y14 // bias_correction2_sqrt
 	VBROADCASTSS 156(AX), Y15 // eps rounded to bfloat16
+	MOVQ CX, DX
+	ANDQ $-16, DX
 	XORQ BX, BX
-loopb:
+loopb2:
+	CMPQ BX, DX
+	JGE tailb
+	SB1(0, Y0)
+	SB1(16, Y6)
+	SB2(0, Y1)
+	SB2(16, Y7)
+	SB3(0, Y0, Y2, Y4, X4, Y5)
+	SB3(16, Y6, Y8, Y10, X10, Y11)
+	SB4(0, Y0, Y3, Y4, X4)
+	SB4(16, Y6, Y9, Y10, X10)
+	SB5(Y3, Y4)
+	SB5(Y9, Y10)
+	SB6(0, Y0, X0, Y1, Y4, Y5)
+	SB6(16, Y6, X6, Y7, Y10, Y11)
+	ADDQ $16, BX
+	JMP loopb2
+tailb:
 	CMPQ BX, CX
 	JGE doneb
-	LOADBF((SI)(BX*2), Y0)
-	VXORPS Y12, Y0, Y0        // g
-	LOADBF((DI)(BX*2), Y1)
-	VMULPS Y8, Y1, Y1
-	RNDBF(Y1, Y6, Y7)         // p = bf16(p * decay)
-	LOADBF((R8)(BX*2), Y2)
-	VSUBPS Y2, Y0, Y3
-	VANDPS Y13, Y0, Y4
-	VANDNPS Y2, Y13, Y5
-	VORPS Y5, Y4, Y4
-	VFMADD231PS Y3, Y9, Y4
-	RNDBF(Y4, Y6, Y7)         // m = bf16(lerp(m, g, w))
-	STOREBF(Y4, Y5, X5, (R8)(BX*2))
-	LOADBF((R9)(BX*2), Y5)
-	VMULPS Y10, Y5, Y5
-	RNDBF(Y5, Y6, Y7)         // v = bf16(v * beta2)
-	VMULPS Y11, Y0, Y3
-	VFMADD231PS Y0, Y3, Y5
-	RNDBF(Y5, Y6, Y7)         // v = bf16(fma((1-beta2)*g, g, v))
-	STOREBF(Y5, Y3, X3, (R9)(BX*2))
-	VSQRTPS Y5, Y3
-	RNDBF(Y3, Y6, Y7)
-	VDIVPS Y14, Y3, Y3
-	RNDBF(Y3, Y6, Y7)
-	VADDPS Y15, Y3, Y3
-	RNDBF(Y3, Y6, Y7)         // denom
-	VBROADCASTSS 160(AX), Y2
-	VMULPS Y4, Y2, Y2
-	VDIVPS Y3, Y2, Y2
-	VADDPS Y2, Y1, Y1
-	RNDBF(Y1, Y6, Y7)         // p = bf16(p + (value*m)/denom)
-	STOREBF(Y1, Y2, X2, (DI)(BX*2))
-	ADDQ $8, BX
-	JMP loopb
+	SB1(0, Y0)
+	SB2(0, Y1)
+	SB3(0, Y0, Y2, Y4, X4, Y5)
+	SB4(0, Y0, Y3, Y4, X4)
+	SB5(Y3, Y4)
+	SB6(0, Y0, X0, Y1, Y4, Y5)
 doneb:
 	VZEROUPPER
 	RET
