@@ -351,6 +351,15 @@ donef:
 	VMOVDQU addr, x; \
 	VPAND Y12, x, x
 
+// FWHALF widens g, p, m and v of one half with load (FWLOADLO or FWLOADHI)
+// and computes it: p, m and v out in Y1, Y4 and Y5.
+#define FWHALF(load) \
+	load((SI)(BX*2), Y0); \
+	load((DI)(BX*2), Y1); \
+	load((R8)(BX*2), Y2); \
+	load((R9)(BX*2), Y5); \
+	FUSEDW(Y0, Y1, Y2, Y5, Y3, Y4, Y6, Y7)
+
 // FWSTORE rounds the odd block's x, merges it with the even block's (e,
 // already moved down by VPMADDWD) and stores the 16 elements at addr.
 #define FWSTORE(x, e, addr) \
@@ -392,22 +401,14 @@ TEXT ·fusedBF16AVX2(SB), NOSPLIT, $0-48
 loopfw:
 	CMPQ BX, DX
 	JGE tailfb
-	FWLOADLO((SI)(BX*2), Y0)
-	FWLOADLO((DI)(BX*2), Y1)
-	FWLOADLO((R8)(BX*2), Y2)
-	FWLOADLO((R9)(BX*2), Y5)
-	FUSEDW(Y0, Y1, Y2, Y5, Y3, Y4, Y6, Y7)
+	FWHALF(FWLOADLO)
 	RNDBFOR(Y1, Y8, Y3)
 	VPMADDWD Y11, Y8, Y8
 	RNDBFOR(Y4, Y9, Y3)
 	VPMADDWD Y11, Y9, Y9
 	RNDBFOR(Y5, Y10, Y3)
 	VPMADDWD Y11, Y10, Y10
-	FWLOADHI((SI)(BX*2), Y0)
-	FWLOADHI((DI)(BX*2), Y1)
-	FWLOADHI((R8)(BX*2), Y2)
-	FWLOADHI((R9)(BX*2), Y5)
-	FUSEDW(Y0, Y1, Y2, Y5, Y3, Y4, Y6, Y7)
+	FWHALF(FWLOADHI)
 	FWSTORE(Y4, Y9, (R8)(BX*2))
 	FWSTORE(Y5, Y10, (R9)(BX*2))
 	FWSTORE(Y1, Y8, (DI)(BX*2))
