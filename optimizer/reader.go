@@ -123,7 +123,7 @@ func (e *Engine) AccumulateFrom(t *Tensor, r GradReader) error {
 
 // pieces runs fn over t's elements, each worker in pieces of readChunk
 // elements whose gradient r reads into the worker's buffer first. It returns
-// the first failed read (the worker stops there; the others finish) and
+// the first failed read (its chunk stops there; the other chunks finish) and
 // parallel's memory fault.
 func (e *Engine) pieces(t *Tensor, r GradReader, fn func(lo, hi int, g []byte)) (failed, fault error) {
 	sz := t.DType.Size()
