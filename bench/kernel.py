@@ -241,15 +241,20 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
     return out
 
 
+def run_go_bench(go_bench: str, *args: str) -> dict:
+    """One run of cmd/sonar-bench with args; its JSON report."""
+    import subprocess
+    return json.loads(subprocess.run([go_bench, *args], check=True, stdout=subprocess.PIPE).stdout)
+
+
 def go_engine(go_bench: str, lib: str | None, dtype: str, n: int, reps: int) -> list[dict]:
     """The Go engine in-process (cmd/sonar-bench): single-tensor arithmetic with the IEEE sqrt and
     (float32) MKL vmsSqrt, and the fused arithmetic."""
-    import subprocess
-    cmd = [go_bench, "-sizes", str(n), "-dtypes", dtype, "-reps", str(reps), "-copy-mb", "256", "-fused",
-           "-stream-m", str(max(1, (n if dtype == "float32" else n // 2) >> 20))]  # the same bytes as the case
+    args = ["-sizes", str(n), "-dtypes", dtype, "-reps", str(reps), "-copy-mb", "256", "-fused",
+            "-stream-m", str(max(1, (n if dtype == "float32" else n // 2) >> 20))]  # the same bytes as the case
     if lib:
-        cmd += ["-torch-lib", lib]
-    out = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE).stdout)
+        args += ["-torch-lib", lib]
+    out = run_go_bench(go_bench, *args)
     copies = [c["gb_per_s_read_write"] for c in out["copy"]]  # right before and after the kernels
     # AdamW's own access pattern (4 read + 3 write streams) at this size, before and after.
     streams = [st["gb_per_s"] for st in out.get("stream", [])]
@@ -274,9 +279,8 @@ def contended(go_bench: str, n: int, reps: int, rounds: int = 3) -> dict:
                 for r in torch_adamw(n, dtype, reps, ("single", "fused")):
                     times.setdefault((r["impl"], dn, 0), []).extend(r["times_s"])
                 for chunks in (1, 0):
-                    cmd = [go_bench, "-sizes", str(n), "-dtypes", dn, "-reps", str(reps), "-copy-mb", "0", "-fused",
-                           "-chunks", str(chunks)]
-                    out = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE).stdout)
+                    out = run_go_bench(go_bench, "-sizes", str(n), "-dtypes", dn, "-reps", str(reps), "-copy-mb", "0",
+                                       "-fused", "-chunks", str(chunks))
                     for k in out["kernels"]:
                         times.setdefault((f"go-{k['impl']}", dn, chunks), []).extend(k["times_s"])
     finally:
@@ -288,9 +292,7 @@ def contended(go_bench: str, n: int, reps: int, rounds: int = 3) -> dict:
 
 
 def go_copy(go_bench: str, mb: int, reps: int) -> dict:
-    import subprocess
-    cmd = [go_bench, "-sizes", "", "-copy-mb", str(mb), "-reps", str(reps)]
-    return json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE).stdout)["copy"][0]
+    return run_go_bench(go_bench, "-sizes", "", "-copy-mb", str(mb), "-reps", str(reps))["copy"][0]
 
 
 def merge(a: list[dict], b: list[dict]) -> list[dict]:
