@@ -360,6 +360,13 @@ donef:
 	load((R9)(BX*2), Y5); \
 	FUSEDW(Y0, Y1, Y2, Y5, Y3, Y4, Y6, Y7)
 
+// FWKEEP rounds the even block's x into e and moves each bfloat16 down to
+// the low half of its lane (VPMADDWD: times 1 in the high word, 0 in the
+// low), where FWSTORE merges it with the odd block's.
+#define FWKEEP(x, e) \
+	RNDBFOR(x, e, Y3); \
+	VPMADDWD Y11, e, e
+
 // FWSTORE rounds the odd block's x, merges it with the even block's (e,
 // already moved down by VPMADDWD) and stores the 16 elements at addr.
 #define FWSTORE(x, e, addr) \
@@ -402,12 +409,9 @@ loopfw:
 	CMPQ BX, DX
 	JGE tailfb
 	FWHALF(FWLOADLO)
-	RNDBFOR(Y1, Y8, Y3)
-	VPMADDWD Y11, Y8, Y8
-	RNDBFOR(Y4, Y9, Y3)
-	VPMADDWD Y11, Y9, Y9
-	RNDBFOR(Y5, Y10, Y3)
-	VPMADDWD Y11, Y10, Y10
+	FWKEEP(Y1, Y8)
+	FWKEEP(Y4, Y9)
+	FWKEEP(Y5, Y10)
 	FWHALF(FWLOADHI)
 	FWSTORE(Y4, Y9, (R8)(BX*2))
 	FWSTORE(Y5, Y10, (R9)(BX*2))
