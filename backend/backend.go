@@ -111,9 +111,9 @@ type Item struct {
 type Client struct {
 	// Name is the transport's identity of the client (for logs).
 	Name string
-	// Sqrt is the float32 square root of the client's torch (nil: IEEE)
-	// and SqrtName says which ("ieee", "mkl:<library>").
-	Sqrt     optimizer.VecSqrt
+	// Sqrt is the float32 square root of the client's torch (the zero
+	// value: IEEE) and SqrtName says which ("ieee", "mkl:<library>").
+	Sqrt     optimizer.Sqrt
 	SqrtName string
 }
 

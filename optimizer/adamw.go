@@ -116,20 +116,9 @@ func (s Scalars) f32() f32 {
 		float32(s.NegStepSize), float32(s.BC2Sqrt), float32(s.Eps)}
 }
 
-// VecSqrt computes dst[i] = sqrt(src[i]) for a block of float32 values. nil
-// means the IEEE (correctly rounded) square root. See package vml for why
-// torch's float32 square root may be another function.
-type VecSqrt func(dst, src []float32)
-
-func ieeeSqrt(dst, src []float32) {
-	for i := sqrtVec(dst, src); i < len(src); i++ {
-		dst[i] = Sqrt32(src[i])
-	}
-}
-
-// block is the number of elements processed per pass with the IEEE square
-// root: a block's data stays in L1 between the two passes, so the tensor is
-// still read once. A square root that is a call into another library (MKL's
+// block is the number of elements processed per pass with a square root the
+// engine computes (the IEEE one, MKLSqrt): a block's data stays in L1
+// between the two passes, so the tensor is still read once. A square root that is a call into another library (MKL's
 // vmsSqrt through purego) costs a fixed overhead per call, so it gets blocks
 // of callBlock elements, which still stay in L2 (measured in docs/benchmarks.md).
 const (
@@ -151,16 +140,24 @@ var sqrtScratch = sync.Pool{New: func() any { return new([2 * callBlock]float32)
 //	param.addcdiv_(exp_avg, denom, value=-step_size)      # p + (value*m)/denom
 //
 // vmax is used only when s.Amsgrad is set. All slices must have len(p).
-func StepF32(p, g, m, v, vmax []float32, s Scalars, sqrt VecSqrt) {
-	blk := callBlock
-	if sqrt == nil {
-		sqrt, blk = ieeeSqrt, block
-	}
+func StepF32(p, g, m, v, vmax []float32, s Scalars, sqrt Sqrt) {
 	k := s.f32()
 	n := len(p)
 	g, m, v = g[:n], m[:n], v[:n]
 	if s.Amsgrad {
 		vmax = vmax[:n]
+	}
+	// One pass in assembly where there is one for this square root; the
+	// blocks below do the rest.
+	head := stepF32OnePass(p, g, m, v, s, k, sqrt)
+	p, g, m, v = p[head:], g[head:], m[head:], v[head:]
+	if s.Amsgrad {
+		vmax = vmax[head:]
+	}
+	n -= head
+	blk := callBlock
+	if sqrt.IsIEEE() || sqrt.IsMKLEmulation() {
+		blk = block
 	}
 	scratch := sqrtScratch.Get().(*[2 * callBlock]float32)
 	defer sqrtScratch.Put(scratch)
@@ -188,7 +185,7 @@ func StepF32(p, g, m, v, vmax []float32, s Scalars, sqrt VecSqrt) {
 			}
 			in[i] = vi
 		}
-		sqrt(out[:nb], in[:nb])
+		sqrt.Apply(out[:nb], in[:nb])
 		// Pass 2: denom and the parameter update.
 		for i := pass2Vec(pb, mb, out[:nb], k); i < nb; i++ {
 			den := float32(out[i] / k.bc2s)

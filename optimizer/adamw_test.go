@@ -208,7 +208,7 @@ func TestStepF32MatchesReference(t *testing.T) {
 				}
 				s := ScalarsFor(cfg.h, step)
 				gcopy := clone(g)
-				StepF32(p, g, m, v, vmax, s, nil)
+				StepF32(p, g, m, v, vmax, s, Sqrt{})
 				refStepF32(rp, g, rm, rv, rvmax, s)
 				if !f32Equal(t, cfg.name+" grad (must be read-only)", g, gcopy) {
 					return
@@ -262,7 +262,7 @@ func TestStepF32Sensitivity(t *testing.T) {
 	m, v := randNormal32(r, n, 1e-2), randSq32(r, n, 1e-2)
 	s := ScalarsFor(stepConfigs[0].h, 3)
 	vp, vm, vv := clone(p), clone(m), clone(v)
-	StepF32(vp, g, vm, vv, nil, s, nil)
+	StepF32(vp, g, vm, vv, nil, s, Sqrt{})
 
 	// Unfused addcmul: two roundings.
 	uv := clone(v)
@@ -309,9 +309,9 @@ func TestStepF32CustomSqrt(t *testing.T) {
 		}
 	}
 	p1, m1, v1 := clone(p), clone(m), clone(v)
-	StepF32(p1, g, m1, v1, nil, s, low)
+	StepF32(p1, g, m1, v1, nil, s, CallSqrt(low))
 	p2, m2, v2 := clone(p), clone(m), clone(v)
-	StepF32(p2, g, m2, v2, nil, s, nil)
+	StepF32(p2, g, m2, v2, nil, s, Sqrt{})
 	if total != n || calls != (n+callBlock-1)/callBlock {
 		t.Errorf("sqrt called %d times for %d elements, want %d times for %d", calls, total, (n+callBlock-1)/callBlock, n)
 	}

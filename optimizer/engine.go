@@ -245,8 +245,8 @@ type Engine struct {
 	Workers int
 	// MinChunk is the smallest number of elements worth a goroutine.
 	MinChunk int
-	// Sqrt is the float32 square root (nil: IEEE); see package vml.
-	Sqrt VecSqrt
+	// Sqrt is the float32 square root (the zero value: IEEE); see package vml.
+	Sqrt Sqrt
 	// SqrtName says which square root Sqrt is ("ieee" when nil).
 	SqrtName string
 	// Phases, when set, sums the time spent reading gradients and in the

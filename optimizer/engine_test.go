@@ -101,7 +101,7 @@ func TestEngineApplyIndependentOfSplit(t *testing.T) {
 					}
 					switch d {
 					case Float32:
-						StepF32(F32s(ref.Param), F32s(g), F32s(ref.ExpAvg), F32s(ref.ExpAvgSq), F32s(vmax), s, nil)
+						StepF32(F32s(ref.Param), F32s(g), F32s(ref.ExpAvg), F32s(ref.ExpAvgSq), F32s(vmax), s, Sqrt{})
 					case BFloat16:
 						StepBF16(U16s(ref.Param), U16s(g), U16s(ref.ExpAvg), U16s(ref.ExpAvgSq), U16s(vmax), s)
 					}
@@ -144,7 +144,7 @@ func TestEngineUsesSqrt(t *testing.T) {
 		}
 	}
 	var results [][]byte
-	for _, e := range []*Engine{{Workers: 1, Sqrt: low}, {Workers: 3, MinChunk: 64, Sqrt: low}, {Workers: 1}} {
+	for _, e := range []*Engine{{Workers: 1, Sqrt: CallSqrt(low)}, {Workers: 3, MinChunk: 64, Sqrt: CallSqrt(low)}, {Workers: 1}} {
 		tt := newTestTensor(t, rand.New(rand.NewPCG(1, 24)), Float32, n, h, param)
 		if err := e.Apply(tt, g, ScalarsFor(h, tt.Step+1)); err != nil {
 			t.Fatal(err)

@@ -28,7 +28,7 @@ func TestRefCloseToCPU(t *testing.T) {
 		}
 		sc := ScalarsFor(h, step)
 		ForeachStepF32(p0, g, m0, v0, nil, sc)
-		StepF32(p1, g, m1, v1, nil, sc, nil)
+		StepF32(p1, g, m1, v1, nil, sc, Sqrt{})
 	}
 	for i := range p0 {
 		if p0[i] == p1[i] {

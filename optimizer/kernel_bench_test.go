@@ -28,7 +28,7 @@ func BenchmarkStepF32(b *testing.B) {
 	b.SetBytes(28 * n)
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		StepF32(p, g, m, v, nil, s, nil)
+		StepF32(p, g, m, v, nil, s, Sqrt{})
 	}
 }
 

@@ -140,7 +140,7 @@ func TestAssemblyMatchesScalarPath(t *testing.T) {
 					}
 					pp, mm, vv := append([]float32(nil), p...), append([]float32(nil), m...), append([]float32(nil), v...)
 					for step := int64(1); step <= 3; step++ {
-						StepF32(pp, g, mm, vv, nil, ScalarsFor(c.h, step), nil)
+						StepF32(pp, g, mm, vv, nil, ScalarsFor(c.h, step), Sqrt{})
 					}
 					return [][]byte{f32b(pp), f32b(mm), f32b(vv)}
 				}

@@ -13,12 +13,12 @@ import (
 // names in hello, loaded (once per path) only for local clients.
 func TestHelloSqrtPerSession(t *testing.T) {
 	loads := map[string]int{}
-	loader := func(path string) (optimizer.VecSqrt, string, error) {
+	loader := func(path string) (optimizer.Sqrt, string, error) {
 		if strings.Contains(path, "missing") {
-			return nil, "", errors.New("vml: stat " + path + ": no such file or directory")
+			return optimizer.Sqrt{}, "", errors.New("vml: stat " + path + ": no such file or directory")
 		}
 		loads[path]++
-		return func(dst, src []float32) {}, "mkl:" + path, nil
+		return optimizer.CallSqrt(func(dst, src []float32) {}), "mkl:" + path, nil
 	}
 	tests := []struct {
 		name   string

@@ -31,7 +31,7 @@ var Version = sonar.Version
 
 // SqrtLoader loads the float32 square root a client's torch uses from the
 // library it names; name describes it ("mkl:<path>").
-type SqrtLoader func(path string) (sqrt optimizer.VecSqrt, name string, err error)
+type SqrtLoader func(path string) (sqrt optimizer.Sqrt, name string, err error)
 
 // Backends names the backend each attach operation uses.
 var opBackend = map[string]string{ipc.OpAttach: "cpu", ipc.OpAttachProcess: "cpu", ipc.OpAttachCUDA: "cuda", ipc.OpCUDAEvent: "cuda"}
@@ -60,7 +60,7 @@ func (t *tensor) bytes() int64 { return t.numel * int64(t.dtype.Size()) }
 type session struct {
 	client   string
 	hello    ipc.Hello
-	sqrt     optimizer.VecSqrt
+	sqrt     optimizer.Sqrt
 	sqrtName string
 	open     map[string]backend.Session // by backend name, opened on first use
 	segments map[uint32]*segment
@@ -262,7 +262,7 @@ func (s *Server) handle(client string, req ipc.Request) (any, error) {
 }
 
 func (s *Server) hello(ss *session, h ipc.Hello) (any, error) {
-	sqrt, name := optimizer.VecSqrt(nil), "ieee"
+	sqrt, name := optimizer.Sqrt{}, "ieee"
 	if h.SqrtLib != "" {
 		switch {
 		case !s.LocalClients && !s.TrustedSqrtLibs[h.SqrtLib]:

@@ -114,11 +114,22 @@ func main() {
 		fmt.Fprintln(os.Stderr, "sonar-bench:", err)
 		os.Exit(2)
 	}
-	var sq *vml.Sqrt
+	// The float32 square roots measured: IEEE; with -torch-lib, MKL's
+	// vmsSqrt called, and the engine's emulation of it where it checks equal.
+	sqrts := []namedSqrt{{name: "ieee"}}
 	if *torchLib != "" {
-		if sq, err = vml.Load(*torchLib); err != nil {
+		sq, err := vml.Load(*torchLib)
+		if err != nil {
 			fmt.Fprintln(os.Stderr, "sonar-bench:", err)
 			os.Exit(1)
+		}
+		sqrts = append(sqrts, namedSqrt{optimizer.CallSqrt(sq.Apply), "mkl"})
+		if emu, ok := optimizer.MKLSqrt(); ok {
+			if err := optimizer.CheckMKLSqrt(sq.Apply, *workers); err != nil {
+				fmt.Fprintln(os.Stderr, "sonar-bench: not measuring the MKL emulation:", err)
+			} else {
+				sqrts = append(sqrts, namedSqrt{emu, "mkl-emulated"})
+			}
 		}
 	}
 	rep := Report{GoVersion: runtime.Version(), GOMAXPROCS: runtime.GOMAXPROCS(0), NumCPU: runtime.NumCPU(),
@@ -139,12 +150,13 @@ func main() {
 			os.Exit(2)
 		}
 		for _, n := range ns {
-			rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *chunks, *reps, nil, false))
-			if d == optimizer.Float32 && sq != nil {
-				rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *chunks, *reps, sq, false))
+			for i, q := range sqrts {
+				if i == 0 || d == optimizer.Float32 {
+					rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *chunks, *reps, q, false))
+				}
 			}
 			if *fused {
-				rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *chunks, *reps, nil, true))
+				rep.Kernels = append(rep.Kernels, kernel(d, n, *workers, *chunks, *reps, sqrts[0], true))
 			}
 			runtime.GC()
 			debug.FreeOSMemory()
@@ -253,7 +265,13 @@ func fusedLanes(d optimizer.DType) int {
 	return 8
 }
 
-func kernel(d optimizer.DType, n, workers, chunks, reps int, sq *vml.Sqrt, fused bool) Result {
+// namedSqrt is a square root to measure and its name in the report.
+type namedSqrt struct {
+	q    optimizer.Sqrt
+	name string
+}
+
+func kernel(d optimizer.DType, n, workers, chunks, reps int, sq namedSqrt, fused bool) Result {
 	r := rand.New(rand.NewPCG(1, uint64(n)))
 	sz := d.Size()
 	param := staggered(n*sz, 0)
@@ -281,10 +299,8 @@ func kernel(d optimizer.DType, n, workers, chunks, reps int, sq *vml.Sqrt, fused
 	}
 	eng := optimizer.NewEngine()
 	eng.Workers, eng.ChunksPerWorker = workers, chunks
-	name := "ieee"
-	if sq != nil {
-		eng.Sqrt, eng.SqrtName, name = sq.Apply, "mkl:"+sq.Path, "mkl"
-	}
+	eng.Sqrt, eng.SqrtName = sq.q, sq.name
+	name := sq.name
 	step := func() float64 {
 		s := optimizer.ScalarsFor(h, t.Step+1)
 		if fused {

@@ -28,7 +28,6 @@ import (
 	"github.com/sonar-moe/sonar/ipc"
 	"github.com/sonar-moe/sonar/ipcbridge"
 	"github.com/sonar-moe/sonar/optimizer"
-	"github.com/sonar-moe/sonar/optimizer/vml"
 	"github.com/sonar-moe/sonar/server"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -94,6 +93,7 @@ func run() int {
 	adminToken := fs.String("admin-token-file", os.Getenv("SONAR_ADMIN_TOKEN_FILE"), "file (mode 0600) of the secret a shutdown request must carry; without it shutdown is refused (stop sonard with SIGTERM) (env SONAR_ADMIN_TOKEN_FILE)")
 	grace := fs.Duration("reconnect-grace", envDuration("SONAR_RECONNECT_GRACE", server.DefaultReconnectGrace), "keep a session this long after its connection closed, for its client to reconnect (env SONAR_RECONNECT_GRACE)")
 	heartbeat := fs.Duration("heartbeat-timeout", envDuration("SONAR_HEARTBEAT_TIMEOUT", 10*time.Second), "close a connection that answers no heartbeat (sent every second) for this long; its session is then released (env SONAR_HEARTBEAT_TIMEOUT)")
+	mklSqrt := fs.String("mkl-sqrt", envOr("SONAR_MKL_SQRT", "auto"), "how sonard reproduces the float32 sqrt of a client's MKL (vmsSqrt): auto (its own emulation of MKL's arithmetic where a check at load finds it bitwise equal to the library's on ~59 million chosen inputs, else calls into the library) or call (always call the library) (env SONAR_MKL_SQRT)")
 	isa := fs.String("isa", os.Getenv("SONAR_ISA"), "widest vector instruction set of the CPU update kernels: avx512, avx2 or go (all bitwise alike; default: the CPU's widest) (env SONAR_ISA)")
 	version := fs.Bool("version", false, "print the version and exit")
 	fs.SetOutput(os.Stdout)
@@ -140,6 +140,10 @@ func run() int {
 		}
 		optimizer.LimitISA(l)
 	}
+	if *mklSqrt != "auto" && *mklSqrt != "call" {
+		fmt.Fprintf(os.Stderr, "sonard: --mkl-sqrt %q: want auto or call\n", *mklSqrt)
+		return exitUsage
+	}
 	budget, sessionBudget, err := stateBudgets(*maxState, *maxSession)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "sonard:", err)
@@ -180,7 +184,7 @@ func run() int {
 			return exitUsage
 		}
 	}
-	srv.LoadSqrt = loadSqrt
+	srv.LoadSqrt = (&sqrtLoader{log: log, emulate: *mklSqrt == "auto", workers: *workers}).load
 	srv.LocalClients = strings.HasPrefix(*listen, "ipc://")
 	srv.TrustedSqrtLibs = map[string]bool{}
 	for _, lib := range strings.Split(*trustedLibs, ",") {
@@ -283,15 +287,6 @@ func budgetString(n int64) string {
 		return "no bound"
 	}
 	return server.FormatBytes(n)
-}
-
-// loadSqrt loads the float32 square root of a client's torch (package vml).
-func loadSqrt(path string) (optimizer.VecSqrt, string, error) {
-	sq, err := vml.Load(path)
-	if err != nil {
-		return nil, "", err
-	}
-	return sq.Apply, "mkl:" + sq.Path, nil
 }
 
 // openCUDA opens the CUDA backend on device ordinal (-1: off). Without a

@@ -1,0 +1,62 @@
+package main
+
+import (
+	"sync"
+	"time"
+
+	"github.com/sonar-moe/sonar/optimizer"
+	"github.com/sonar-moe/sonar/optimizer/vml"
+	"go.uber.org/zap"
+)
+
+// sqrtLoader gives a client's session the float32 square root of its torch:
+// MKL's vmsSqrt from the library the client names (package vml), replaced
+// by the engine's emulation of MKL's arithmetic (optimizer.MKLSqrt) where
+// emulate is set and optimizer.CheckMKLSqrt finds the two bitwise equal.
+// The emulation is computed in the step's own pass; a call into the library
+// needs a second pass over each block, and MKL's kernel on AMD CPUs costs
+// 0.8 ns an element (docs/benchmarks.md). Each library is loaded and
+// checked once.
+type sqrtLoader struct {
+	log     *zap.Logger
+	emulate bool
+	workers int
+
+	mu   sync.Mutex
+	libs map[string]optimizer.Sqrt
+}
+
+func (l *sqrtLoader) load(path string) (optimizer.Sqrt, string, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	name := "mkl:" + path
+	if q, ok := l.libs[path]; ok {
+		return q, name, nil
+	}
+	lib, err := vml.Load(path)
+	if err != nil {
+		return optimizer.Sqrt{}, "", err
+	}
+	q := optimizer.CallSqrt(lib.Apply)
+	if l.emulate {
+		start := time.Now()
+		switch emu, ok := optimizer.MKLSqrt(); {
+		case !ok:
+			l.log.Info("float32 sqrt: calling MKL's vmsSqrt (this CPU cannot compute its emulation)", zap.String("lib", path))
+		default:
+			if err := optimizer.CheckMKLSqrt(lib.Apply, l.workers); err != nil {
+				l.log.Info("float32 sqrt: calling MKL's vmsSqrt (the emulation differs from this library's)",
+					zap.String("lib", path), zap.Error(err), zap.Duration("check", time.Since(start)))
+				break
+			}
+			q = emu
+			l.log.Info("float32 sqrt: MKL's vmsSqrt emulated in the step's pass (checked bitwise equal)",
+				zap.String("lib", path), zap.Duration("check", time.Since(start)))
+		}
+	}
+	if l.libs == nil {
+		l.libs = map[string]optimizer.Sqrt{}
+	}
+	l.libs[path] = q
+	return q, name, nil
+}
