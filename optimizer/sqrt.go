@@ -66,6 +66,9 @@ func ieeeSqrt(dst, src []float32) {
 // mklSqrt is MKLSqrt's Apply: 8 lanes at a time, the last partial group
 // through a padded copy.
 func mklSqrt(dst, src []float32) {
+	if !hasMKLSqrt() {
+		panic("optimizer: MKLSqrt used on a CPU without AVX2 (MKLSqrt's ok was false)")
+	}
 	i := mklSqrtVec(dst, src)
 	if i == len(src) {
 		return

@@ -4,10 +4,11 @@
 // routine is not correctly rounded (about 0.6% of results are one ulp below
 // the IEEE square root; on an AVX2 AMD EPYC, 17.1% of all non-negative
 // float32 inputs differ, checked exhaustively in 2026-12), and its algorithm
-// is not documented, so the only way
-// to be bit-for-bit equal to torch is to call the very same function. Where
-// no library is given, callers use the IEEE square root, which is what torch
-// computes without MKL (and for bfloat16).
+// is not documented, so bit-for-bit equality with torch starts from the very
+// same function: callers call it, or compute the arithmetic of the MKL
+// kernel that runs on this CPU (optimizer.MKLSqrt) once a comparison with it
+// finds the two equal. Where no library is given, callers use the IEEE
+// square root, which is what torch computes without MKL (and for bfloat16).
 package vml
 
 import (
