@@ -134,32 +134,42 @@ func sqrtVec(dst, src []float32) int {
 func mklSqrtAVX2(dst, src *float32, n int)
 
 //go:noescape
+func mklSqrtFMAAVX2(dst, src *float32, n int)
+
+//go:noescape
 func stepF32IEEEAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
 
 //go:noescape
 func stepF32MKLAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
 
-// hasMKLSqrt: MKLSqrt's arithmetic is AVX2 assembly whatever level the
+//go:noescape
+func stepF32MKLFMAAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
+
+// hasMKLSqrt: the MKL emulations are AVX2+FMA assembly whatever level the
 // kernels use (it is the definition of the function, not a faster path).
 func hasMKLSqrt() bool { return cpuISA >= ISAAVX2 }
 
-// mklSqrtVec computes MKLSqrt for the head of src (a multiple of 8) and
-// returns how many elements it did.
-func mklSqrtVec(dst, src []float32) int {
+// mklSqrtVec computes MKL kernel k's square root for the head of src (a
+// multiple of 8) and returns how many elements it did.
+func mklSqrtVec(k mklKernel, dst, src []float32) int {
 	n := len(src) &^ 7
 	if n == 0 || !hasMKLSqrt() {
 		return 0
 	}
 	_ = dst[n-1]
-	mklSqrtAVX2(&dst[0], &src[0], n)
+	if k == mklFMA {
+		mklSqrtFMAAVX2(&dst[0], &src[0], n)
+	} else {
+		mklSqrtAVX2(&dst[0], &src[0], n)
+	}
 	return n
 }
 
 // stepF32OnePass runs the head of a float32 single-tensor step (a multiple
 // of 8 elements) in one pass where the kernels run on AVX2 and the square
-// root is the IEEE one or MKLSqrt, and returns how many elements it did (0
+// root is the IEEE one or an MKL emulation, and returns how many elements it did (0
 // otherwise, and with amsgrad). On AVX-512 the IEEE square root keeps the
-// two-pass AVX-512 code; MKLSqrt is AVX2 arithmetic on every CPU.
+// two-pass AVX-512 code; the MKL emulations are AVX2 arithmetic on every CPU.
 func stepF32OnePass(p, g, m, v []float32, s Scalars, k f32, sqrt Sqrt) int {
 	n := len(p) &^ 7
 	if n == 0 || s.Amsgrad || vecISA < ISAAVX2 {
@@ -168,8 +178,10 @@ func stepF32OnePass(p, g, m, v []float32, s Scalars, k f32, sqrt Sqrt) int {
 	c := vecConsts{pass1Consts: newPass1Consts(s, k), bc2s: k.bc2s, eps: k.eps, negStep: k.negStep}
 	c.setWide()
 	switch {
-	case sqrt.IsMKLEmulation():
+	case sqrt.mkl == mklSSE:
 		stepF32MKLAVX2(&p[0], &g[0], &m[0], &v[0], n, &c)
+	case sqrt.mkl == mklFMA:
+		stepF32MKLFMAAVX2(&p[0], &g[0], &m[0], &v[0], n, &c)
 	case sqrt.IsIEEE() && vecISA == ISAAVX2:
 		stepF32IEEEAVX2(&p[0], &g[0], &m[0], &v[0], n, &c)
 	default:

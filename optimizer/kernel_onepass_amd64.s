@@ -2,15 +2,21 @@
 
 // One-pass AVX2+FMA float32 AdamW steps (the single-tensor path, StepF32):
 // each element is read and written once, its square root taken in registers
-// between the exp_avg_sq update and the parameter update. Two square roots:
+// between the exp_avg_sq update and the parameter update. Three square roots:
 //
 //   - stepF32IEEEAVX2: VSQRTPS, the IEEE square root.
 //   - stepF32MKLAVX2: the arithmetic of MKL's vmsSqrt (high-accuracy mode) as
-//     MKL's SSE kernel for CPUs without Intel's AVX2 path computes it
+//     MKL's SSE kernel for CPUs outside Intel's paths computes it
 //     (mkl_vml_kernel_sSqrt_EXHAynn, chosen on AMD EPYC): an approximate
-//     reciprocal square root refined by one Newton step in non-fused single-
-//     precision multiplies and adds. Used only where VerifySqrt found it equal
-//     to the client's vmsSqrt for all 2^32 inputs (see sqrt.go).
+//     reciprocal square root refined by one Newton step in unfused single-
+//     precision multiplies and adds.
+//   - stepF32MKLFMAAVX2: the same step with fused multiply-adds, as MKL's
+//     kernel for Intel CPUs with AVX2 computes it
+//     (mkl_vml_kernel_sSqrt_L9HAynn), which hands fewer lanes to its scalar
+//     code.
+//
+// An MKL emulation is used only where a comparison with the client's vmsSqrt
+// found it equal (see sqrt.go).
 //
 // The lanes perform the same operations as pass1AVX2, the square root, and
 // pass2AVX2, each operation with the same first source (the operand whose
@@ -31,6 +37,8 @@ DATA mklBias<>+0(SB)/4, $0x7f800000
 GLOBL mklBias<>(SB), RODATA|NOPTR, $4
 DATA mklThresh<>+0(SB)/4, $0xfefff000
 GLOBL mklThresh<>(SB), RODATA|NOPTR, $4
+DATA mklThreshFMA<>+0(SB)/4, $0xfeffffff
+GLOBL mklThreshFMA<>(SB), RODATA|NOPTR, $4
 DATA mklNaN<>+0(SB)/4, $0x7fc00000
 GLOBL mklNaN<>(SB), RODATA|NOPTR, $4
 DATA mklNegLo<>+0(SB)/4, $0x80000001
@@ -91,13 +99,56 @@ GLOBL mklNegLo<>(SB), RODATA|NOPTR, $4
 	VADDPS s, t, y; \
 	VADDPS s2, t2, y2
 
+// MKLSQRTFMA is MKLSQRT with fused multiply-adds (MKL's kernel for Intel's
+// AVX2 CPUs): e = fma(-s, h, 0.5); s1 = fma(e, s, s); h1 = fma(e, h, h);
+// y = fma(h1, fma(-s1, s1, x), s1).
+#define MKLSQRTFMA(x, y, r, s, t, u) \
+	VRSQRTPS x, r; \
+	VMULPS x, r, s; \
+	VBROADCASTSS mklHalf<>(SB), u; \
+	VMULPS u, r, r; \
+	VMOVAPS r, t; \
+	VFNMADD213PS u, s, t; \
+	VFMADD231PS s, t, s; \
+	VFMADD231PS r, t, r; \
+	VMOVAPS s, t; \
+	VFNMADD213PS x, s, t; \
+	VFMADD213PS s, r, t; \
+	VMOVAPS t, y
+
+// MKLSQRTFMA2 is MKLSQRTFMA for two blocks, interleaved.
+#define MKLSQRTFMA2(x, y, r, s, t, u, x2, y2, r2, s2, t2, u2) \
+	VRSQRTPS x, r; \
+	VRSQRTPS x2, r2; \
+	VMULPS x, r, s; \
+	VMULPS x2, r2, s2; \
+	VBROADCASTSS mklHalf<>(SB), u; \
+	VMULPS u, r, r; \
+	VMULPS u, r2, r2; \
+	VMOVAPS r, t; \
+	VMOVAPS r2, t2; \
+	VFNMADD213PS u, s, t; \
+	VFNMADD213PS u, s2, t2; \
+	VFMADD231PS s, t, s; \
+	VFMADD231PS s2, t2, s2; \
+	VFMADD231PS r, t, r; \
+	VFMADD231PS r2, t2, r2; \
+	VMOVAPS s, t; \
+	VMOVAPS s2, t2; \
+	VFNMADD213PS x, s, t; \
+	VFNMADD213PS x2, s2, t2; \
+	VFMADD213PS s, r, t; \
+	VFMADD213PS s2, r2, t2; \
+	VMOVAPS t, y; \
+	VMOVAPS t2, y2
+
 // MKLSPECIAL sets t to all ones in the lanes of x that MKL's vector code
-// does not compute: x + 0x7F800000 > 0xFEFFF000 as signed integers. k is
-// clobbered.
-#define MKLSPECIAL(x, t, k) \
+// does not compute: x + 0x7F800000 > thresh as signed integers (mklThresh
+// for the SSE kernel, mklThreshFMA for the FMA one). k is clobbered.
+#define MKLSPECIAL(x, t, k, thresh) \
 	VPBROADCASTD mklBias<>(SB), k; \
 	VPADDD k, x, t; \
-	VPBROADCASTD mklThresh<>(SB), k; \
+	VPBROADCASTD thresh, k; \
 	VPCMPGTD k, t, t
 
 // MKLFIX sets the lanes of y flagged in t to MKL's scalar results for x:
@@ -130,7 +181,7 @@ loopq:
 	JGE doneq
 	VMOVUPS (SI)(BX*4), Y0
 	MKLSQRT(Y0, Y1, Y2, Y3, Y4, Y5)
-	MKLSPECIAL(Y0, Y4, Y6)
+	MKLSPECIAL(Y0, Y4, Y6, mklThresh<>(SB))
 	VPTEST Y4, Y4
 	JNE rareq
 storeq:
@@ -141,6 +192,32 @@ rareq:
 	MKLFIX(Y0, Y1, Y4, Y5, Y6)
 	JMP storeq
 doneq:
+	VZEROUPPER
+	RET
+
+// func mklSqrtFMAAVX2(dst, src *float32, n int)
+// n must be a multiple of 8.
+TEXT ·mklSqrtFMAAVX2(SB), NOSPLIT, $0-24
+	MOVQ dst+0(FP), DI
+	MOVQ src+8(FP), SI
+	MOVQ n+16(FP), CX
+	XORQ BX, BX
+loopqf:
+	CMPQ BX, CX
+	JGE doneqf
+	VMOVUPS (SI)(BX*4), Y0
+	MKLSQRTFMA(Y0, Y1, Y2, Y3, Y4, Y5)
+	MKLSPECIAL(Y0, Y4, Y6, mklThreshFMA<>(SB))
+	VPTEST Y4, Y4
+	JNE rareqf
+storeqf:
+	VMOVUPS Y1, (DI)(BX*4)
+	ADDQ $8, BX
+	JMP loopqf
+rareqf:
+	MKLFIX(Y0, Y1, Y4, Y5, Y6)
+	JMP storeqf
+doneqf:
 	VZEROUPPER
 	RET
 
@@ -244,8 +321,8 @@ loopm:
 	P1W(0, Y1, Y2, Y0, Y3, Y4)
 	P1W(32, Y7, Y8, Y6, Y9, Y10)
 	MKLSQRT2(Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11)
-	MKLSPECIAL(Y0, Y4, Y12)
-	MKLSPECIAL(Y6, Y10, Y12)
+	MKLSPECIAL(Y0, Y4, Y12, mklThresh<>(SB))
+	MKLSPECIAL(Y6, Y10, Y12, mklThresh<>(SB))
 	VPOR Y4, Y10, Y12
 	VPTEST Y12, Y12
 	JNE rarem
@@ -263,7 +340,7 @@ lastm:
 	JGE donem
 	P1W(0, Y1, Y2, Y0, Y3, Y4)
 	MKLSQRT(Y0, Y1, Y2, Y3, Y4, Y5)
-	MKLSPECIAL(Y0, Y4, Y12)
+	MKLSPECIAL(Y0, Y4, Y12, mklThresh<>(SB))
 	VPTEST Y4, Y4
 	JNE rarel
 nextl:
@@ -274,3 +351,52 @@ donem:
 rarel:
 	MKLFIX(Y0, Y1, Y4, Y5, Y12)
 	JMP nextl
+
+// func stepF32MKLFMAAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
+// stepF32MKLAVX2 with MKLSQRTFMA.
+TEXT ·stepF32MKLFMAAVX2(SB), NOSPLIT, $0-48
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ n+32(FP), CX
+	MOVQ k+40(FP), AX
+	XORQ BX, BX
+	MOVQ CX, DX
+	SUBQ $8, DX
+loopmf:
+	CMPQ BX, DX
+	JGE lastmf
+	P1W(0, Y1, Y2, Y0, Y3, Y4)
+	P1W(32, Y7, Y8, Y6, Y9, Y10)
+	MKLSQRTFMA2(Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11)
+	MKLSPECIAL(Y0, Y4, Y12, mklThreshFMA<>(SB))
+	MKLSPECIAL(Y6, Y10, Y12, mklThreshFMA<>(SB))
+	VPOR Y4, Y10, Y12
+	VPTEST Y12, Y12
+	JNE raremf
+nextmf:
+	P2W(0, Y1, Y2, Y3)
+	P2W(32, Y7, Y8, Y9)
+	ADDQ $16, BX
+	JMP loopmf
+raremf:
+	MKLFIX(Y0, Y1, Y4, Y5, Y12)
+	MKLFIX(Y6, Y7, Y10, Y11, Y12)
+	JMP nextmf
+lastmf:
+	CMPQ BX, CX
+	JGE donemf
+	P1W(0, Y1, Y2, Y0, Y3, Y4)
+	MKLSQRTFMA(Y0, Y1, Y2, Y3, Y4, Y5)
+	MKLSPECIAL(Y0, Y4, Y12, mklThreshFMA<>(SB))
+	VPTEST Y4, Y4
+	JNE rarelf
+nextlf:
+	P2W(0, Y1, Y2, Y3)
+donemf:
+	VZEROUPPER
+	RET
+rarelf:
+	MKLFIX(Y0, Y1, Y4, Y5, Y12)
+	JMP nextlf

@@ -19,37 +19,70 @@ type VecSqrt func(dst, src []float32)
 // and for bfloat16.
 type Sqrt struct {
 	call VecSqrt
-	mkl  bool
+	mkl  mklKernel
 }
+
+// mklKernel names a kernel of MKL's vmsSqrt (high-accuracy mode) whose
+// arithmetic the engine reproduces: the CPU's approximate reciprocal square
+// root refined by one Newton step in single precision, the lanes MKL treats
+// apart computed as its scalar code does (correctly rounded; a negative
+// number other than -0 gives the NaN 0x7FC00000).
+type mklKernel uint8
+
+const (
+	mklNone mklKernel = iota
+	// mklSSE is mkl_vml_kernel_sSqrt_EXHAynn, MKL's SSE kernel for CPUs
+	// outside Intel's own paths (what it runs on AMD EPYC): unfused multiplies
+	// and adds; zero, subnormals, the largest 4095 finite values,
+	// infinities, NaNs and negative numbers go to the scalar code.
+	mklSSE
+	// mklFMA is mkl_vml_kernel_sSqrt_L9HAynn, MKL's kernel for Intel CPUs
+	// with AVX2: the same step in fused multiply-adds; every positive normal
+	// number stays in the vector code.
+	mklFMA
+)
 
 // CallSqrt is the square root f computes, called on blocks of elements (a
 // library's vector routine: MKL's vmsSqrt loaded by package vml).
 func CallSqrt(f VecSqrt) Sqrt { return Sqrt{call: f} }
 
-// MKLSqrt is the engine's own computation of MKL's vmsSqrt in high-accuracy
-// mode as MKL's SSE kernel for CPUs outside Intel's AVX2 and AVX-512 paths
-// does it (mkl_vml_kernel_sSqrt_EXHAynn, what MKL runs on AMD EPYC): the
-// approximate reciprocal square root of the CPU refined by one Newton step,
-// in single-precision multiplies and adds that are not fused, the lanes MKL
-// treats apart (zero, subnormal, the largest 4095 finite values, infinities,
-// NaNs, negative numbers) as its scalar code does. It is equal to vmsSqrt
-// only where MKL runs that kernel, so it replaces a call only after
-// CheckMKLSqrt (or VerifyMKLSqrt) compared the two. ok is false where the CPU
-// lacks AVX2 (the arithmetic needs the CPU's own approximation, which Go
-// code cannot compute).
-func MKLSqrt() (q Sqrt, ok bool) { return Sqrt{mkl: true}, hasMKLSqrt() }
+// MKLSqrts returns the engine's emulations of MKL's vmsSqrt kernels that
+// this CPU can compute (none without AVX2 and FMA: the arithmetic needs the
+// CPU's own reciprocal square root approximation, which Go code cannot
+// compute). An emulation equals vmsSqrt only where MKL runs that kernel, so
+// it replaces a call only after CheckMKLSqrt (FindMKLSqrt) or VerifyMKLSqrt
+// compared the two.
+func MKLSqrts() []Sqrt {
+	if !hasMKLSqrt() {
+		return nil
+	}
+	return []Sqrt{{mkl: mklSSE}, {mkl: mklFMA}}
+}
 
 // IsIEEE reports whether q is the IEEE square root.
-func (q Sqrt) IsIEEE() bool { return q.call == nil && !q.mkl }
+func (q Sqrt) IsIEEE() bool { return q.call == nil && q.mkl == mklNone }
 
-// IsMKLEmulation reports whether q is MKLSqrt.
-func (q Sqrt) IsMKLEmulation() bool { return q.mkl }
+// IsMKLEmulation reports whether q is one of MKLSqrts.
+func (q Sqrt) IsMKLEmulation() bool { return q.mkl != mklNone }
+
+// String names q: "ieee", "call", "mkl-sse" or "mkl-fma".
+func (q Sqrt) String() string {
+	switch {
+	case q.mkl == mklSSE:
+		return "mkl-sse"
+	case q.mkl == mklFMA:
+		return "mkl-fma"
+	case q.call != nil:
+		return "call"
+	}
+	return "ieee"
+}
 
 // Apply computes dst[i] = sqrt(src[i]) for i < len(src) with q.
 func (q Sqrt) Apply(dst, src []float32) {
 	switch {
-	case q.mkl:
-		mklSqrt(dst, src)
+	case q.mkl != mklNone:
+		mklSqrt(q.mkl, dst, src)
 	case q.call != nil:
 		q.call(dst, src)
 	default:
@@ -63,13 +96,13 @@ func ieeeSqrt(dst, src []float32) {
 	}
 }
 
-// mklSqrt is MKLSqrt's Apply: 8 lanes at a time, the last partial group
-// through a padded copy.
-func mklSqrt(dst, src []float32) {
+// mklSqrt is an MKL emulation's Apply: 8 lanes at a time, the last partial
+// group through a padded copy.
+func mklSqrt(k mklKernel, dst, src []float32) {
 	if !hasMKLSqrt() {
-		panic("optimizer: MKLSqrt used on a CPU without AVX2 (MKLSqrt's ok was false)")
+		panic("optimizer: an MKL emulation used on a CPU without AVX2 and FMA")
 	}
-	i := mklSqrtVec(dst, src)
+	i := mklSqrtVec(k, dst, src)
 	if i == len(src) {
 		return
 	}
@@ -78,27 +111,47 @@ func mklSqrt(dst, src []float32) {
 		in[j] = 1
 	}
 	copy(in[:], src[i:])
-	mklSqrtVec(out[:], in[:])
+	mklSqrtVec(k, out[:], in[:])
 	copy(dst[i:len(src)], out[:])
 }
 
 // mklCheckBlock is the number of inputs compared per call of the library.
 const mklCheckBlock = 1 << 16
 
-// CheckMKLSqrt compares MKLSqrt with call (MKL's vmsSqrt of the library a
-// client's torch uses) on about 52 million inputs chosen to tell kernels
+// FindMKLSqrt returns the first of MKLSqrts that CheckMKLSqrt finds equal
+// to call, or an error that gives each one's first difference.
+func FindMKLSqrt(call VecSqrt, workers int) (Sqrt, error) {
+	qs := MKLSqrts()
+	if len(qs) == 0 {
+		return Sqrt{}, errors.New("optimizer: MKL's square root cannot be computed on this CPU (no AVX2 and FMA)")
+	}
+	var errs []error
+	for _, q := range qs {
+		err := CheckMKLSqrt(q, call, workers)
+		if err == nil {
+			return q, nil
+		}
+		errs = append(errs, fmt.Errorf("%v: %w", q, err))
+	}
+	return Sqrt{}, errors.Join(errs...)
+}
+
+// CheckMKLSqrt compares the emulation q with call (MKL's vmsSqrt of the
+// library a client's torch uses) on about 52 million inputs chosen to tell kernels
 // apart: every float32 of the binades [1, 4) (each entry of the reciprocal
 // square root approximation, both exponent parities), of the two lowest
 // normal binades (where the Newton step's residual is subnormal) and of the
 // two highest (where MKL's scalar code takes over); zero, subnormals,
 // infinities, NaNs and negative numbers at a stride; and 2^20 random bit
-// patterns. It returns nil when every result is bitwise equal. Any other
-// kernel of MKL (its AVX2 path with FMA, its AVX-512 path with a different
-// approximation) differs on a large fraction of these. VerifyMKLSqrt compares
-// all 2^32 inputs.
-func CheckMKLSqrt(call VecSqrt, workers int) error {
-	if !hasMKLSqrt() {
-		return errors.New("optimizer: MKL's square root cannot be computed on this CPU (no AVX2)")
+// patterns. It returns nil when every result is bitwise equal. Another
+// kernel of MKL (the other emulation's, or its AVX-512 one with a different
+// approximation) differs on a large fraction of these; the approximation
+// depends on the mantissa and the exponent's parity only, so the binades
+// [1, 4) also hold any difference between the CPU's SSE and AVX encodings
+// of it. VerifyMKLSqrt compares all 2^32 inputs.
+func CheckMKLSqrt(q Sqrt, call VecSqrt, workers int) error {
+	if !q.IsMKLEmulation() || !hasMKLSqrt() {
+		return fmt.Errorf("optimizer: %v is not an MKL emulation this CPU computes", q)
 	}
 	ranges := [][2]uint64{
 		{0x3f800000, 0x40800000}, // [1, 4)
@@ -127,7 +180,7 @@ func CheckMKLSqrt(call VecSqrt, workers int) error {
 	for i := 0; i < 16; i++ {
 		jobs = append(jobs, job{lo: uint64(i), random: true})
 	}
-	return compareSqrt(call, workers, len(jobs), func(j int, in []float32) []float32 {
+	return compareSqrt(q, call, workers, len(jobs), func(j int, in []float32) []float32 {
 		jb := jobs[j]
 		if jb.random {
 			r := rand.New(rand.NewPCG(0x5eed, jb.lo))
@@ -145,27 +198,38 @@ func CheckMKLSqrt(call VecSqrt, workers int) error {
 	})
 }
 
-// VerifyMKLSqrt compares MKLSqrt with call on all 2^32 float32 bit patterns
-// (about 4.5 s of CPU time on a 2-core AMD EPYC, most of it in the
-// library) and returns nil when every result is bitwise equal.
-func VerifyMKLSqrt(call VecSqrt, workers int) error {
-	if !hasMKLSqrt() {
-		return errors.New("optimizer: MKL's square root cannot be computed on this CPU (no AVX2)")
+// VerifyMKLSqrt compares the emulation q with call on all 2^32 float32 bit
+// patterns (about 30 s on a 2-core AMD EPYC with MKL's SSE kernel, most of
+// it in MKL's scalar code for the negative half) and returns nil when every
+// result is bitwise equal.
+func VerifyMKLSqrt(q Sqrt, call VecSqrt, workers int) error {
+	return VerifyMKLSqrtRange(q, call, workers, 0, 1<<32, 1)
+}
+
+// VerifyMKLSqrtRange is VerifyMKLSqrt for the bit patterns lo, lo+stride,
+// ... below hi (hi <= 2^32).
+func VerifyMKLSqrtRange(q Sqrt, call VecSqrt, workers int, lo, hi, stride uint64) error {
+	if !q.IsMKLEmulation() || !hasMKLSqrt() {
+		return fmt.Errorf("optimizer: %v is not an MKL emulation this CPU computes", q)
 	}
-	return compareSqrt(call, workers, (1<<32)/mklCheckBlock, func(j int, in []float32) []float32 {
-		in = in[:mklCheckBlock]
-		base := uint32(j) * mklCheckBlock
+	if hi > 1<<32 || lo >= hi || stride == 0 {
+		return fmt.Errorf("optimizer: bad range [%#x, %#x) stride %d", lo, hi, stride)
+	}
+	count := (hi - lo + stride - 1) / stride
+	return compareSqrt(q, call, workers, int((count+mklCheckBlock-1)/mklCheckBlock), func(j int, in []float32) []float32 {
+		first := uint64(j) * mklCheckBlock
+		in = in[:min(mklCheckBlock, count-first)]
 		for i := range in {
-			in[i] = math.Float32frombits(base + uint32(i))
+			in[i] = math.Float32frombits(uint32(lo + (first+uint64(i))*stride))
 		}
 		return in
 	})
 }
 
 // compareSqrt runs jobs 0..n-1 on workers goroutines: fill writes a job's
-// inputs into the buffer it is given, and the results of call and MKLSqrt
-// must be bitwise equal. It returns the first difference found.
-func compareSqrt(call VecSqrt, workers, n int, fill func(job int, in []float32) []float32) error {
+// inputs into the buffer it is given, and the results of call and q must be
+// bitwise equal. It returns the first difference found.
+func compareSqrt(q Sqrt, call VecSqrt, workers, n int, fill func(job int, in []float32) []float32) error {
 	workers = max(1, workers)
 	var (
 		mu    sync.Mutex
@@ -196,12 +260,12 @@ func compareSqrt(call VecSqrt, workers, n int, fill func(job int, in []float32) 
 				}
 				x := fill(j, in)
 				call(want[:len(x)], x)
-				mklSqrt(got[:len(x)], x)
+				q.Apply(got[:len(x)], x)
 				for i := range x {
 					if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
 						mu.Lock()
 						if first == nil {
-							first = fmt.Errorf("optimizer: MKL's square root of %#08x (%g) is %#08x, the emulation's %#08x",
+							first = fmt.Errorf("the square root of %#08x (%g) is %#08x, the emulation's %#08x",
 								math.Float32bits(x[i]), x[i], math.Float32bits(want[i]), math.Float32bits(got[i]))
 						}
 						mu.Unlock()

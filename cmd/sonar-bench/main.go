@@ -124,12 +124,11 @@ func main() {
 			os.Exit(1)
 		}
 		sqrts = append(sqrts, namedSqrt{optimizer.CallSqrt(sq.Apply), "mkl"})
-		if emu, ok := optimizer.MKLSqrt(); ok {
-			if err := optimizer.CheckMKLSqrt(sq.Apply, *workers); err != nil {
-				fmt.Fprintln(os.Stderr, "sonar-bench: not measuring the MKL emulation:", err)
-			} else {
-				sqrts = append(sqrts, namedSqrt{emu, "mkl-emulated"})
-			}
+		if emu, err := optimizer.FindMKLSqrt(sq.Apply, *workers); err != nil {
+			fmt.Fprintln(os.Stderr, "sonar-bench: not measuring an MKL emulation:", err)
+		} else {
+			fmt.Fprintf(os.Stderr, "sonar-bench: MKL's vmsSqrt emulated as %v\n", emu)
+			sqrts = append(sqrts, namedSqrt{emu, "mkl-emulated"})
 		}
 	}
 	rep := Report{GoVersion: runtime.Version(), GOMAXPROCS: runtime.GOMAXPROCS(0), NumCPU: runtime.NumCPU(),

@@ -40,18 +40,14 @@ func (l *sqrtLoader) load(path string) (optimizer.Sqrt, string, error) {
 	q := optimizer.CallSqrt(lib.Apply)
 	if l.emulate {
 		start := time.Now()
-		switch emu, ok := optimizer.MKLSqrt(); {
-		case !ok:
-			l.log.Info("float32 sqrt: calling MKL's vmsSqrt (this CPU cannot compute its emulation)", zap.String("lib", path))
-		default:
-			if err := optimizer.CheckMKLSqrt(lib.Apply, l.workers); err != nil {
-				l.log.Info("float32 sqrt: calling MKL's vmsSqrt (the emulation differs from this library's)",
-					zap.String("lib", path), zap.Error(err), zap.Duration("check", time.Since(start)))
-				break
-			}
+		emu, err := optimizer.FindMKLSqrt(lib.Apply, l.workers)
+		if err != nil {
+			l.log.Info("float32 sqrt: calling MKL's vmsSqrt (no emulation equals this library's on this CPU)",
+				zap.String("lib", path), zap.Error(err), zap.Duration("check", time.Since(start)))
+		} else {
 			q = emu
 			l.log.Info("float32 sqrt: MKL's vmsSqrt emulated in the step's pass (checked bitwise equal)",
-				zap.String("lib", path), zap.Duration("check", time.Since(start)))
+				zap.String("lib", path), zap.Stringer("kernel", emu), zap.Duration("check", time.Since(start)))
 		}
 	}
 	if l.libs == nil {
