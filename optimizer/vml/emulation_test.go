@@ -70,7 +70,10 @@ func TestEmulationEqualsMKL(t *testing.T) {
 			same++
 		}
 	}
-	if same == n {
+	// MKL's SSE kernel is not correctly rounded on a good share of inputs, so
+	// its parameters must differ from the IEEE ones somewhere (its FMA
+	// kernel may be correctly rounded with some CPUs' approximation).
+	if same == n && emu.String() == "mkl-sse" {
 		t.Error("MKL's square root gave the IEEE one's parameters: the comparison cannot tell them apart")
 	}
 }
