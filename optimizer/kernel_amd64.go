@@ -131,19 +131,13 @@ func sqrtVec(dst, src []float32) int {
 }
 
 //go:noescape
-func mklSqrtAVX2(dst, src *float32, n int)
-
-//go:noescape
-func mklSqrtFMAAVX2(dst, src *float32, n int)
+func mklSqrtAVX2(dst, src *float32, n int, fma bool)
 
 //go:noescape
 func stepF32IEEEAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
 
 //go:noescape
-func stepF32MKLAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
-
-//go:noescape
-func stepF32MKLFMAAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
+func stepF32MKLAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts, fma bool)
 
 // hasMKLSqrt: the MKL emulations are AVX2+FMA assembly whatever level the
 // kernels use (it is the definition of the function, not a faster path).
@@ -157,11 +151,7 @@ func mklSqrtVec(k mklKernel, dst, src []float32) int {
 		return 0
 	}
 	_ = dst[n-1]
-	if k == mklFMA {
-		mklSqrtFMAAVX2(&dst[0], &src[0], n)
-	} else {
-		mklSqrtAVX2(&dst[0], &src[0], n)
-	}
+	mklSqrtAVX2(&dst[0], &src[0], n, k == mklFMA)
 	return n
 }
 
@@ -178,10 +168,8 @@ func stepF32OnePass(p, g, m, v []float32, s Scalars, k f32, sqrt Sqrt) int {
 	c := vecConsts{pass1Consts: newPass1Consts(s, k), bc2s: k.bc2s, eps: k.eps, negStep: k.negStep}
 	c.setWide()
 	switch {
-	case sqrt.mkl == mklSSE:
-		stepF32MKLAVX2(&p[0], &g[0], &m[0], &v[0], n, &c)
-	case sqrt.mkl == mklFMA:
-		stepF32MKLFMAAVX2(&p[0], &g[0], &m[0], &v[0], n, &c)
+	case sqrt.IsMKLEmulation():
+		stepF32MKLAVX2(&p[0], &g[0], &m[0], &v[0], n, &c, sqrt.mkl == mklFMA)
 	case sqrt.IsIEEE() && vecISA == ISAAVX2:
 		stepF32IEEEAVX2(&p[0], &g[0], &m[0], &v[0], n, &c)
 	default:

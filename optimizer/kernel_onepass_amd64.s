@@ -10,8 +10,8 @@
 //     (mkl_vml_kernel_sSqrt_EXHAynn, chosen on AMD EPYC): an approximate
 //     reciprocal square root refined by one Newton step in unfused single-
 //     precision multiplies and adds.
-//   - stepF32MKLFMAAVX2: the same step with fused multiply-adds, as MKL's
-//     kernel for Intel CPUs with AVX2 computes it
+//   - stepF32MKLAVX2 with fma set: the same step with fused multiply-adds,
+//     as MKL's kernel for Intel CPUs with AVX2 computes it
 //     (mkl_vml_kernel_sSqrt_L9HAynn), which hands fewer lanes to its scalar
 //     code.
 //
@@ -143,13 +143,22 @@ GLOBL mklNegLo<>(SB), RODATA|NOPTR, $4
 	VMOVAPS t2, y2
 
 // MKLSPECIAL sets t to all ones in the lanes of x that MKL's vector code
-// does not compute: x + 0x7F800000 > thresh as signed integers (mklThresh
-// for the SSE kernel, mklThreshFMA for the FMA one). k is clobbered.
+// does not compute: x + 0x7F800000 > thresh as signed integers (thresh, a
+// register, holds mklThresh for the SSE kernel, mklThreshFMA for the FMA
+// one). k is clobbered.
 #define MKLSPECIAL(x, t, k, thresh) \
 	VPBROADCASTD mklBias<>(SB), k; \
 	VPADDD k, x, t; \
-	VPBROADCASTD thresh, k; \
-	VPCMPGTD k, t, t
+	VPCMPGTD thresh, t, t
+
+// MKLTHRESH sets Y13 to the special-lane threshold of the kernel the
+// argument fma (a byte at FP offset off) names, and R10 to fma.
+#define MKLTHRESH(off) \
+	MOVBQZX off(FP), R10; \
+	VPBROADCASTD mklThresh<>(SB), Y13; \
+	TESTQ R10, R10; \
+	JEQ 2(PC); \
+	VPBROADCASTD mklThreshFMA<>(SB), Y13
 
 // MKLFIX sets the lanes of y flagged in t to MKL's scalar results for x:
 // the IEEE square root (MKL's scalar code is correctly rounded, which the
@@ -169,19 +178,26 @@ GLOBL mklNegLo<>(SB), RODATA|NOPTR, $4
 	VPBROADCASTD mklNaN<>(SB), u; \
 	VBLENDVPS t, u, y, y
 
-// func mklSqrtAVX2(dst, src *float32, n int)
-// n must be a multiple of 8.
-TEXT ·mklSqrtAVX2(SB), NOSPLIT, $0-24
+// func mklSqrtAVX2(dst, src *float32, n int, fma bool)
+// n must be a multiple of 8; fma selects MKLSQRTFMA.
+TEXT ·mklSqrtAVX2(SB), NOSPLIT, $0-25
 	MOVQ dst+0(FP), DI
 	MOVQ src+8(FP), SI
 	MOVQ n+16(FP), CX
+	MKLTHRESH(fma+24)
 	XORQ BX, BX
 loopq:
 	CMPQ BX, CX
 	JGE doneq
 	VMOVUPS (SI)(BX*4), Y0
+	TESTQ R10, R10
+	JNE fmaq
 	MKLSQRT(Y0, Y1, Y2, Y3, Y4, Y5)
-	MKLSPECIAL(Y0, Y4, Y6, mklThresh<>(SB))
+	JMP specialq
+fmaq:
+	MKLSQRTFMA(Y0, Y1, Y2, Y3, Y4, Y5)
+specialq:
+	MKLSPECIAL(Y0, Y4, Y6, Y13)
 	VPTEST Y4, Y4
 	JNE rareq
 storeq:
@@ -192,32 +208,6 @@ rareq:
 	MKLFIX(Y0, Y1, Y4, Y5, Y6)
 	JMP storeq
 doneq:
-	VZEROUPPER
-	RET
-
-// func mklSqrtFMAAVX2(dst, src *float32, n int)
-// n must be a multiple of 8.
-TEXT ·mklSqrtFMAAVX2(SB), NOSPLIT, $0-24
-	MOVQ dst+0(FP), DI
-	MOVQ src+8(FP), SI
-	MOVQ n+16(FP), CX
-	XORQ BX, BX
-loopqf:
-	CMPQ BX, CX
-	JGE doneqf
-	VMOVUPS (SI)(BX*4), Y0
-	MKLSQRTFMA(Y0, Y1, Y2, Y3, Y4, Y5)
-	MKLSPECIAL(Y0, Y4, Y6, mklThreshFMA<>(SB))
-	VPTEST Y4, Y4
-	JNE rareqf
-storeqf:
-	VMOVUPS Y1, (DI)(BX*4)
-	ADDQ $8, BX
-	JMP loopqf
-rareqf:
-	MKLFIX(Y0, Y1, Y4, Y5, Y6)
-	JMP storeqf
-doneqf:
 	VZEROUPPER
 	RET
 
@@ -303,15 +293,17 @@ donei:
 #define P1W(off, g, m, v, t1, t2) P1(off, g, m, v, t1, t2, W_SIGN, W_BASE, W_NOTBASE, W_C, W_B2, W_OMB2)
 #define P2W(off, y, t, p) P2(off, y, t, p, W_BC2S, W_EPS, W_NEGSTEP, W_DECAY)
 
-// func stepF32MKLAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
-// n must be a multiple of 8: two blocks of 8 an iteration, then one.
-TEXT ·stepF32MKLAVX2(SB), NOSPLIT, $0-48
+// func stepF32MKLAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts, fma bool)
+// n must be a multiple of 8: two blocks of 8 an iteration, then one; fma
+// selects MKLSQRTFMA (a branch the CPU predicts every time).
+TEXT ·stepF32MKLAVX2(SB), NOSPLIT, $0-49
 	MOVQ pp+0(FP), DI
 	MOVQ gg+8(FP), SI
 	MOVQ mm+16(FP), R8
 	MOVQ vv+24(FP), R9
 	MOVQ n+32(FP), CX
 	MOVQ k+40(FP), AX
+	MKLTHRESH(fma+48)
 	XORQ BX, BX
 	MOVQ CX, DX
 	SUBQ $8, DX
@@ -320,9 +312,15 @@ loopm:
 	JGE lastm
 	P1W(0, Y1, Y2, Y0, Y3, Y4)
 	P1W(32, Y7, Y8, Y6, Y9, Y10)
+	TESTQ R10, R10
+	JNE fmam
 	MKLSQRT2(Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11)
-	MKLSPECIAL(Y0, Y4, Y12, mklThresh<>(SB))
-	MKLSPECIAL(Y6, Y10, Y12, mklThresh<>(SB))
+	JMP specialm
+fmam:
+	MKLSQRTFMA2(Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11)
+specialm:
+	MKLSPECIAL(Y0, Y4, Y12, Y13)
+	MKLSPECIAL(Y6, Y10, Y12, Y13)
 	VPOR Y4, Y10, Y12
 	VPTEST Y12, Y12
 	JNE rarem
@@ -339,8 +337,14 @@ lastm:
 	CMPQ BX, CX
 	JGE donem
 	P1W(0, Y1, Y2, Y0, Y3, Y4)
+	TESTQ R10, R10
+	JNE fmal
 	MKLSQRT(Y0, Y1, Y2, Y3, Y4, Y5)
-	MKLSPECIAL(Y0, Y4, Y12, mklThresh<>(SB))
+	JMP speciall
+fmal:
+	MKLSQRTFMA(Y0, Y1, Y2, Y3, Y4, Y5)
+speciall:
+	MKLSPECIAL(Y0, Y4, Y12, Y13)
 	VPTEST Y4, Y4
 	JNE rarel
 nextl:
@@ -351,52 +355,3 @@ donem:
 rarel:
 	MKLFIX(Y0, Y1, Y4, Y5, Y12)
 	JMP nextl
-
-// func stepF32MKLFMAAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
-// stepF32MKLAVX2 with MKLSQRTFMA.
-TEXT ·stepF32MKLFMAAVX2(SB), NOSPLIT, $0-48
-	MOVQ pp+0(FP), DI
-	MOVQ gg+8(FP), SI
-	MOVQ mm+16(FP), R8
-	MOVQ vv+24(FP), R9
-	MOVQ n+32(FP), CX
-	MOVQ k+40(FP), AX
-	XORQ BX, BX
-	MOVQ CX, DX
-	SUBQ $8, DX
-loopmf:
-	CMPQ BX, DX
-	JGE lastmf
-	P1W(0, Y1, Y2, Y0, Y3, Y4)
-	P1W(32, Y7, Y8, Y6, Y9, Y10)
-	MKLSQRTFMA2(Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7, Y8, Y9, Y10, Y11)
-	MKLSPECIAL(Y0, Y4, Y12, mklThreshFMA<>(SB))
-	MKLSPECIAL(Y6, Y10, Y12, mklThreshFMA<>(SB))
-	VPOR Y4, Y10, Y12
-	VPTEST Y12, Y12
-	JNE raremf
-nextmf:
-	P2W(0, Y1, Y2, Y3)
-	P2W(32, Y7, Y8, Y9)
-	ADDQ $16, BX
-	JMP loopmf
-raremf:
-	MKLFIX(Y0, Y1, Y4, Y5, Y12)
-	MKLFIX(Y6, Y7, Y10, Y11, Y12)
-	JMP nextmf
-lastmf:
-	CMPQ BX, CX
-	JGE donemf
-	P1W(0, Y1, Y2, Y0, Y3, Y4)
-	MKLSQRTFMA(Y0, Y1, Y2, Y3, Y4, Y5)
-	MKLSPECIAL(Y0, Y4, Y12, mklThreshFMA<>(SB))
-	VPTEST Y4, Y4
-	JNE rarelf
-nextlf:
-	P2W(0, Y1, Y2, Y3)
-donemf:
-	VZEROUPPER
-	RET
-rarelf:
-	MKLFIX(Y0, Y1, Y4, Y5, Y12)
-	JMP nextlf
