@@ -901,11 +901,11 @@ def analysis(res: dict) -> list[str]:
                  "by `bench/mkl_sqrt.py` on 2026-12-01), so bit-for-bit equality needs the very same function. "
                  "Called through purego once per 4096-element block, between the two passes of the engine's own "
                  "arithmetic, it costs 0.8 ns an element on one core here. Since 2026-12-01 the engine computes "
-                 "MKL's arithmetic itself (the SSE kernel MKL runs on AMD CPUs, or its Intel AVX2 kernel: the "
-                 "CPU's approximate reciprocal square root and one Newton step in single precision) inside a "
-                 "one-pass kernel, once a check at load finds it bitwise equal to the library's on 52 million "
-                 "chosen inputs (all 2^32 are compared by the Go tests); where MKL runs another kernel (its "
-                 "AVX-512 path) the check fails and the engine calls the library.")
+                 "MKL's arithmetic itself (the SSE kernel MKL runs on AMD CPUs, its Intel AVX2 kernel or its "
+                 "AVX-512 kernel: the CPU's approximate reciprocal square root and one Newton step in single "
+                 "precision) inside a one-pass kernel, once a check at load finds it bitwise equal to the "
+                 "library's on 52 million chosen inputs (all 2^32 are compared by the Go tests for the kernel "
+                 "this machine runs); where none matches, the engine calls the library.")
     mem_lines, time_lines, rss_note = [], [], []
     for r in res["train"] + res.get("depth", []):
         ms = r["methods"]

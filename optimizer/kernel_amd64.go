@@ -134,6 +134,12 @@ func sqrtVec(dst, src []float32) int {
 func mklSqrtAVX2(dst, src *float32, n int, fma bool)
 
 //go:noescape
+func mklSqrtAVX512(dst, src *float32, n int)
+
+//go:noescape
+func stepF32MKLAVX512(pp, gg, mm, vv *float32, n int, k *vecConsts)
+
+//go:noescape
 func stepF32IEEEAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
 
 //go:noescape
@@ -143,9 +149,23 @@ func stepF32MKLAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts, fma bool)
 // kernels use (it is the definition of the function, not a faster path).
 func hasMKLSqrt() bool { return cpuISA >= ISAAVX2 }
 
+// hasMKLSqrtAVX512: the emulation of MKL's AVX-512 kernel needs AVX-512F
+// (VRSQRT14PS), whatever level the kernels use.
+func hasMKLSqrtAVX512() bool { return cpuISA >= ISAAVX512 }
+
 // mklSqrtVec computes MKL kernel k's square root for the head of src (a
-// multiple of 8) and returns how many elements it did.
+// multiple of 8, or of 16 for the AVX-512 kernel) and returns how many
+// elements it did.
 func mklSqrtVec(k mklKernel, dst, src []float32) int {
+	if k == mklAVX512 {
+		n := len(src) &^ 15
+		if n == 0 || !hasMKLSqrtAVX512() {
+			return 0
+		}
+		_ = dst[n-1]
+		mklSqrtAVX512(&dst[0], &src[0], n)
+		return n
+	}
 	n := len(src) &^ 7
 	if n == 0 || !hasMKLSqrt() {
 		return 0
@@ -159,15 +179,21 @@ func mklSqrtVec(k mklKernel, dst, src []float32) int {
 // of 8 elements) in one pass where the kernels run on AVX2 and the square
 // root is the IEEE one or an MKL emulation, and returns how many elements it did (0
 // otherwise, and with amsgrad). On AVX-512 the IEEE square root keeps the
-// two-pass AVX-512 code; the MKL emulations are AVX2 arithmetic on every CPU.
+// two-pass AVX-512 code; the MKL emulations are their kernels' own
+// instructions (AVX2, or AVX-512 for MKL's AVX-512 kernel) on every CPU.
 func stepF32OnePass(p, g, m, v []float32, s Scalars, k f32, sqrt Sqrt) int {
 	n := len(p) &^ 7
+	if sqrt.mkl == mklAVX512 {
+		n = len(p) &^ 15
+	}
 	if n == 0 || s.Amsgrad || vecISA < ISAAVX2 {
 		return 0
 	}
 	c := vecConsts{pass1Consts: newPass1Consts(s, k), bc2s: k.bc2s, eps: k.eps, negStep: k.negStep}
 	c.setWide()
 	switch {
+	case sqrt.mkl == mklAVX512:
+		stepF32MKLAVX512(&p[0], &g[0], &m[0], &v[0], n, &c)
 	case sqrt.IsMKLEmulation():
 		stepF32MKLAVX2(&p[0], &g[0], &m[0], &v[0], n, &c, sqrt.mkl == mklFMA)
 	case sqrt.IsIEEE() && vecISA == ISAAVX2:

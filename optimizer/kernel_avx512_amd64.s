@@ -273,3 +273,131 @@ loopfb:
 donefb:
 	VZEROUPPER
 	RET
+
+// The emulation of MKL's AVX-512 vmsSqrt kernel (mkl_vml_kernel_sSqrt_Z0HAynn,
+// what MKL runs on Intel CPUs with AVX-512; see sqrt.go): r = rsqrt14(x)
+// (an approximation the architecture defines exactly), h = r*0.5, s = r*x,
+// y = fma(fma(-s, s, x), h, s). Lanes with r > 2^39 (x below about 2^-78)
+// take the same steps on x*2^78, s*2^39 and h*2^-78; ±0 and +inf give x, a
+// negative number (-inf included, -0 not) the NaN 0x7FC00000, as MKL's
+// scalar code does. MKL classifies with VFPCLASSPS (AVX-512DQ); here
+// integer compares do it, AVX-512F only. The rounding is the MXCSR's
+// (nearest, no flush to zero: Go's), as MKL's {rn-sae} and its MXCSR set
+// for VML_FTZDAZ_OFF.
+DATA zmklConsts<>+0(SB)/4, $0x3f000000  // 0.5
+DATA zmklConsts<>+4(SB)/4, $0x53000000  // 2^39
+DATA zmklConsts<>+8(SB)/4, $0x66800000  // 2^78
+DATA zmklConsts<>+12(SB)/4, $0x18800000 // 2^-78
+DATA zmklConsts<>+16(SB)/4, $0x7fc00000 // MKL's NaN
+DATA zmklConsts<>+20(SB)/4, $0x7fffffff // |x|
+DATA zmklConsts<>+24(SB)/4, $0x7f800000 // +inf
+DATA zmklConsts<>+28(SB)/4, $0x80000001 // the first negative number after -0
+GLOBL zmklConsts<>(SB), RODATA|NOPTR, $32
+
+// ZMKLCONSTS broadcasts zmklConsts into Z24-Z31.
+#define ZMKLCONSTS \
+	VPBROADCASTD zmklConsts<>+0(SB), Z24; \
+	VPBROADCASTD zmklConsts<>+4(SB), Z25; \
+	VPBROADCASTD zmklConsts<>+8(SB), Z26; \
+	VPBROADCASTD zmklConsts<>+12(SB), Z27; \
+	VPBROADCASTD zmklConsts<>+16(SB), Z28; \
+	VPBROADCASTD zmklConsts<>+20(SB), Z29; \
+	VPBROADCASTD zmklConsts<>+24(SB), Z30; \
+	VPBROADCASTD zmklConsts<>+28(SB), Z31
+
+// ZMKLSQRT sets y to the emulation's square root of x (ZMKLCONSTS loaded),
+// clobbering r, s, t, K2-K5. Branch-free: with no lane below 2^-78 the
+// masked scaling changes nothing, and the steps are those of MKL's main path.
+#define ZMKLSQRT(x, y, r, s, t) \
+	VRSQRT14PS x, r; \
+	VMULPS Z24, r, y; \
+	VMULPS x, r, s; \
+	VCMPPS $1, r, Z25, K2; \
+	VMOVAPS x, t; \
+	VMULPS Z26, x, K2, t; \
+	VMOVAPS s, r; \
+	VMULPS Z25, s, K2, r; \
+	VMULPS Z27, y, K2, y; \
+	VFNMADD213PS t, r, r; \
+	VFMADD213PS s, y, r; \
+	VPTESTNMD Z29, x, K3; \
+	VPCMPEQD Z30, x, K4; \
+	KORW K3, K4, K3; \
+	VMOVAPS x, K3, r; \
+	VPSUBD Z31, x, t; \
+	VPCMPUD $1, Z30, t, K5; \
+	VMOVAPS Z28, K5, r; \
+	VMOVAPS r, y
+
+// func mklSqrtAVX512(dst, src *float32, n int)
+TEXT ·mklSqrtAVX512(SB), NOSPLIT, $0-24
+	MOVQ dst+0(FP), DI
+	MOVQ src+8(FP), SI
+	MOVQ n+16(FP), CX
+	ZMKLCONSTS
+	XORQ BX, BX
+loopz:
+	CMPQ BX, CX
+	JGE donez
+	VMOVUPS (SI)(BX*4), Z0
+	ZMKLSQRT(Z0, Z1, Z2, Z3, Z4)
+	VMOVUPS Z1, (DI)(BX*4)
+	ADDQ $16, BX
+	JMP loopz
+donez:
+	VZEROUPPER
+	RET
+
+// func stepF32MKLAVX512(pp, gg, mm, vv *float32, n int, k *vecConsts)
+// One pass: pass1AVX512, ZMKLSQRT and pass2AVX512 per 16 lanes, the same
+// operations with the same first sources (the decay applied in the second
+// half, as the AVX2 one-pass kernels do).
+TEXT ·stepF32MKLAVX512(SB), NOSPLIT, $0-48
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ n+32(FP), CX
+	MOVQ k+40(FP), AX
+	VBROADCASTSS 128(AX), Z8  // decay
+	VBROADCASTSS 132(AX), Z9  // lerp coefficient: w, or w-1
+	VBROADCASTSS 136(AX), Z10 // beta2
+	VBROADCASTSS 140(AX), Z11 // 1-beta2
+	VPBROADCASTD 144(AX), Z12 // sign mask (maximize)
+	VPBROADCASTD 148(AX), Z13 // base mask
+	VBROADCASTSS 152(AX), Z14 // bias_correction2_sqrt
+	VBROADCASTSS 156(AX), Z15 // eps
+	VBROADCASTSS 160(AX), Z7  // -step_size
+	ZMKLCONSTS
+	XORQ BX, BX
+loopzs:
+	CMPQ BX, CX
+	JGE donezs
+	VMOVUPS (SI)(BX*4), Z0
+	VPXORD Z12, Z0, Z0        // g = maximize ? -g : g
+	VMOVUPS (R8)(BX*4), Z2    // m
+	VSUBPS Z2, Z0, Z3         // d = g - m
+	VPANDD Z13, Z0, Z4
+	VPANDND Z2, Z13, Z5
+	VPORD Z5, Z4, Z4          // base = mask ? g : m
+	VFMADD231PS Z3, Z9, Z4    // m' = fma(c, d, base)
+	VMOVUPS Z4, (R8)(BX*4)
+	VMOVUPS (R9)(BX*4), Z5
+	VMULPS Z10, Z5, Z5        // v *= beta2
+	VMULPS Z11, Z0, Z6        // (1-beta2)*g
+	VFMADD231PS Z0, Z6, Z5    // v = fma((1-beta2)*g, g, v)
+	VMOVUPS Z5, (R9)(BX*4)
+	ZMKLSQRT(Z5, Z0, Z16, Z17, Z18)
+	VDIVPS Z14, Z0, Z0        // sqrt(v) / bc2s
+	VADDPS Z15, Z0, Z0        // + eps
+	VMULPS Z7, Z4, Z6         // m' * -step_size
+	VDIVPS Z0, Z6, Z6         // / denom
+	VMOVUPS (DI)(BX*4), Z1
+	VMULPS Z8, Z1, Z1         // p *= decay
+	VADDPS Z6, Z1, Z1         // p + ...
+	VMOVUPS Z1, (DI)(BX*4)
+	ADDQ $16, BX
+	JMP loopzs
+donezs:
+	VZEROUPPER
+	RET

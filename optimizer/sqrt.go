@@ -40,6 +40,11 @@ const (
 	// with AVX2: the same step in fused multiply-adds; every positive normal
 	// number stays in the vector code.
 	mklFMA
+	// mklAVX512 is mkl_vml_kernel_sSqrt_Z0HAynn, MKL's kernel for Intel CPUs
+	// with AVX-512: rsqrt14 (exact by the architecture's definition) and one
+	// fused correction, y = fma(fma(-s, s, x), 0.5*r, s) with s = r*x; inputs
+	// below about 2^-78 scaled first (kernel_avx512_amd64.s).
+	mklAVX512
 )
 
 // CallSqrt is the square root f computes, called on blocks of elements (a
@@ -56,7 +61,11 @@ func MKLSqrts() []Sqrt {
 	if !hasMKLSqrt() {
 		return nil
 	}
-	return []Sqrt{{mkl: mklSSE}, {mkl: mklFMA}}
+	qs := []Sqrt{{mkl: mklSSE}, {mkl: mklFMA}}
+	if hasMKLSqrtAVX512() {
+		qs = append(qs, Sqrt{mkl: mklAVX512})
+	}
+	return qs
 }
 
 // IsIEEE reports whether q is the IEEE square root.
@@ -65,13 +74,15 @@ func (q Sqrt) IsIEEE() bool { return q.call == nil && q.mkl == mklNone }
 // IsMKLEmulation reports whether q is one of MKLSqrts.
 func (q Sqrt) IsMKLEmulation() bool { return q.mkl != mklNone }
 
-// String names q: "ieee", "call", "mkl-sse" or "mkl-fma".
+// String names q: "ieee", "call", "mkl-sse", "mkl-fma" or "mkl-avx512".
 func (q Sqrt) String() string {
 	switch {
 	case q.mkl == mklSSE:
 		return "mkl-sse"
 	case q.mkl == mklFMA:
 		return "mkl-fma"
+	case q.mkl == mklAVX512:
+		return "mkl-avx512"
 	case q.call != nil:
 		return "call"
 	}
@@ -106,7 +117,7 @@ func mklSqrt(k mklKernel, dst, src []float32) {
 	if i == len(src) {
 		return
 	}
-	var in, out [8]float32
+	var in, out [16]float32
 	for j := range in {
 		in[j] = 1
 	}
