@@ -117,10 +117,11 @@ func (s Scalars) f32() f32 {
 }
 
 // block is the number of elements processed per pass with a square root the
-// engine computes (the IEEE one, MKLSqrt): a block's data stays in L1
-// between the two passes, so the tensor is still read once. A square root that is a call into another library (MKL's
-// vmsSqrt through purego) costs a fixed overhead per call, so it gets blocks
-// of callBlock elements, which still stay in L2 (measured in docs/benchmarks.md).
+// engine computes (the IEEE one, an MKL emulation): a block's data stays in
+// L1 between the two passes, so the tensor is still read once. A square root
+// that is a call into another library (MKL's vmsSqrt through purego) costs a
+// fixed overhead per call, so it gets blocks of callBlock elements, which
+// still stay in L2 (measured in docs/benchmarks.md).
 const (
 	block     = 512
 	callBlock = 4096
@@ -155,9 +156,9 @@ func StepF32(p, g, m, v, vmax []float32, s Scalars, sqrt Sqrt) {
 		vmax = vmax[head:]
 	}
 	n -= head
-	blk := callBlock
-	if sqrt.IsIEEE() || sqrt.IsMKLEmulation() {
-		blk = block
+	blk := block
+	if sqrt.call != nil {
+		blk = callBlock
 	}
 	scratch := sqrtScratch.Get().(*[2 * callBlock]float32)
 	defer sqrtScratch.Put(scratch)

@@ -247,7 +247,7 @@ type Engine struct {
 	MinChunk int
 	// Sqrt is the float32 square root (the zero value: IEEE); see package vml.
 	Sqrt Sqrt
-	// SqrtName says which square root Sqrt is ("ieee" when nil).
+	// SqrtName says which square root Sqrt is ("ieee" for the zero value).
 	SqrtName string
 	// Phases, when set, sums the time spent reading gradients and in the
 	// arithmetic.

@@ -176,11 +176,12 @@ func mklSqrtVec(k mklKernel, dst, src []float32) int {
 }
 
 // stepF32OnePass runs the head of a float32 single-tensor step (a multiple
-// of 8 elements) in one pass where the kernels run on AVX2 and the square
-// root is the IEEE one or an MKL emulation, and returns how many elements it did (0
-// otherwise, and with amsgrad). On AVX-512 the IEEE square root keeps the
-// two-pass AVX-512 code; the MKL emulations are their kernels' own
-// instructions (AVX2, or AVX-512 for MKL's AVX-512 kernel) on every CPU.
+// of 8 elements, 16 for MKL's AVX-512 kernel) in one pass where the kernels
+// run on AVX2 or wider and the square root is the IEEE one or an MKL
+// emulation, and returns how many elements it did (0 otherwise, and with
+// amsgrad). On AVX-512 the IEEE square root keeps the two-pass AVX-512
+// code; the MKL emulations are their kernels' own instructions (AVX2, or
+// AVX-512 for MKL's AVX-512 kernel) on every CPU.
 func stepF32OnePass(p, g, m, v []float32, s Scalars, k f32, sqrt Sqrt) int {
 	n := len(p) &^ 7
 	if sqrt.mkl == mklAVX512 {

@@ -12,6 +12,26 @@
 //
 // n must be a multiple of 16 in every function here.
 
+// ZPASS1MV is the exp_avg and exp_avg_sq half of pass 1 for the 16 elements
+// at BX (g at SI, m at R8, v at R9): m' in Z4 and v' in Z5, both stored. Z9
+// lerp coefficient, Z10 beta2, Z11 1-beta2, Z12 sign mask, Z13 base mask;
+// Z0, Z2, Z3 and Z6 are clobbered.
+#define ZPASS1MV \
+	VMOVUPS (SI)(BX*4), Z0; \
+	VPXORD Z12, Z0, Z0; \
+	VMOVUPS (R8)(BX*4), Z2; \
+	VSUBPS Z2, Z0, Z3; \
+	VPANDD Z13, Z0, Z4; \
+	VPANDND Z2, Z13, Z5; \
+	VPORD Z5, Z4, Z4; \
+	VFMADD231PS Z3, Z9, Z4; \
+	VMOVUPS Z4, (R8)(BX*4); \
+	VMOVUPS (R9)(BX*4), Z5; \
+	VMULPS Z10, Z5, Z5; \
+	VMULPS Z11, Z0, Z6; \
+	VFMADD231PS Z0, Z6, Z5; \
+	VMOVUPS Z5, (R9)(BX*4)
+
 // func pass1AVX512(pp, gg, mm, vv, out *float32, n int, k *pass1Consts)
 TEXT ·pass1AVX512(SB), NOSPLIT, $0-56
 	MOVQ pp+0(FP), DI
@@ -31,24 +51,11 @@ TEXT ·pass1AVX512(SB), NOSPLIT, $0-56
 loop1:
 	CMPQ BX, CX
 	JGE done1
-	VMOVUPS (SI)(BX*4), Z0
-	VPXORD Z12, Z0, Z0        // g = maximize ? -g : g
+	ZPASS1MV
+	VMOVUPS Z5, (R10)(BX*4)
 	VMOVUPS (DI)(BX*4), Z1
 	VMULPS Z8, Z1, Z1         // p *= decay
 	VMOVUPS Z1, (DI)(BX*4)
-	VMOVUPS (R8)(BX*4), Z2    // m
-	VSUBPS Z2, Z0, Z3         // d = g - m
-	VPANDD Z13, Z0, Z4
-	VPANDND Z2, Z13, Z5
-	VPORD Z5, Z4, Z4          // base = mask ? g : m
-	VFMADD231PS Z3, Z9, Z4    // m' = fma(c, d, base)
-	VMOVUPS Z4, (R8)(BX*4)
-	VMOVUPS (R9)(BX*4), Z5
-	VMULPS Z10, Z5, Z5        // v *= beta2
-	VMULPS Z11, Z0, Z6        // (1-beta2)*g
-	VFMADD231PS Z0, Z6, Z5    // v = fma((1-beta2)*g, g, v)
-	VMOVUPS Z5, (R9)(BX*4)
-	VMOVUPS Z5, (R10)(BX*4)
 	ADDQ $16, BX
 	JMP loop1
 done1:
@@ -373,20 +380,7 @@ TEXT ·stepF32MKLAVX512(SB), NOSPLIT, $0-48
 loopzs:
 	CMPQ BX, CX
 	JGE donezs
-	VMOVUPS (SI)(BX*4), Z0
-	VPXORD Z12, Z0, Z0        // g = maximize ? -g : g
-	VMOVUPS (R8)(BX*4), Z2    // m
-	VSUBPS Z2, Z0, Z3         // d = g - m
-	VPANDD Z13, Z0, Z4
-	VPANDND Z2, Z13, Z5
-	VPORD Z5, Z4, Z4          // base = mask ? g : m
-	VFMADD231PS Z3, Z9, Z4    // m' = fma(c, d, base)
-	VMOVUPS Z4, (R8)(BX*4)
-	VMOVUPS (R9)(BX*4), Z5
-	VMULPS Z10, Z5, Z5        // v *= beta2
-	VMULPS Z11, Z0, Z6        // (1-beta2)*g
-	VFMADD231PS Z0, Z6, Z5    // v = fma((1-beta2)*g, g, v)
-	VMOVUPS Z5, (R9)(BX*4)
+	ZPASS1MV
 	ZMKLSQRT(Z5, Z0, Z16, Z17, Z18)
 	VDIVPS Z14, Z0, Z0        // sqrt(v) / bc2s
 	VADDPS Z15, Z0, Z0        // + eps

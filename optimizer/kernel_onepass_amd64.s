@@ -116,6 +116,17 @@ GLOBL mklNegLo<>(SB), RODATA|NOPTR, $4
 	VFMADD213PS s, r, t; \
 	VMOVAPS t, y
 
+// MKLSQRTSEL is MKLSQRT, or MKLSQRTFMA where R10 (MKLTHRESH's fma) is set;
+// fmal and donel name the two labels it places.
+#define MKLSQRTSEL(x, y, r, s, t, u, fmal, donel) \
+	TESTQ R10, R10; \
+	JNE fmal; \
+	MKLSQRT(x, y, r, s, t, u); \
+	JMP donel; \
+fmal: \
+	MKLSQRTFMA(x, y, r, s, t, u); \
+donel:
+
 // MKLSQRTFMA2 is MKLSQRTFMA for two blocks, interleaved.
 #define MKLSQRTFMA2(x, y, r, s, t, u, x2, y2, r2, s2, t2, u2) \
 	VRSQRTPS x, r; \
@@ -190,13 +201,7 @@ loopq:
 	CMPQ BX, CX
 	JGE doneq
 	VMOVUPS (SI)(BX*4), Y0
-	TESTQ R10, R10
-	JNE fmaq
-	MKLSQRT(Y0, Y1, Y2, Y3, Y4, Y5)
-	JMP specialq
-fmaq:
-	MKLSQRTFMA(Y0, Y1, Y2, Y3, Y4, Y5)
-specialq:
+	MKLSQRTSEL(Y0, Y1, Y2, Y3, Y4, Y5, fmaq, specialq)
 	MKLSPECIAL(Y0, Y4, Y6, Y13)
 	VPTEST Y4, Y4
 	JNE rareq
@@ -337,13 +342,7 @@ lastm:
 	CMPQ BX, CX
 	JGE donem
 	P1W(0, Y1, Y2, Y0, Y3, Y4)
-	TESTQ R10, R10
-	JNE fmal
-	MKLSQRT(Y0, Y1, Y2, Y3, Y4, Y5)
-	JMP speciall
-fmal:
-	MKLSQRTFMA(Y0, Y1, Y2, Y3, Y4, Y5)
-speciall:
+	MKLSQRTSEL(Y0, Y1, Y2, Y3, Y4, Y5, fmal, speciall)
 	MKLSPECIAL(Y0, Y4, Y12, Y13)
 	VPTEST Y4, Y4
 	JNE rarel

@@ -161,9 +161,6 @@ func FindMKLSqrt(call VecSqrt, workers int) (Sqrt, error) {
 // [1, 4) also hold any difference between the CPU's SSE and AVX encodings
 // of it. VerifyMKLSqrt compares all 2^32 inputs.
 func CheckMKLSqrt(q Sqrt, call VecSqrt, workers int) error {
-	if !q.IsMKLEmulation() || !hasMKLSqrt() {
-		return fmt.Errorf("optimizer: %v is not an MKL emulation this CPU computes", q)
-	}
 	ranges := [][2]uint64{
 		{0x3f800000, 0x40800000}, // [1, 4)
 		{0x00800000, 0x01800000}, // the two lowest normal binades
@@ -220,9 +217,6 @@ func VerifyMKLSqrt(q Sqrt, call VecSqrt, workers int) error {
 // VerifyMKLSqrtRange is VerifyMKLSqrt for the bit patterns lo, lo+stride,
 // ... below hi (hi <= 2^32).
 func VerifyMKLSqrtRange(q Sqrt, call VecSqrt, workers int, lo, hi, stride uint64) error {
-	if !q.IsMKLEmulation() || !hasMKLSqrt() {
-		return fmt.Errorf("optimizer: %v is not an MKL emulation this CPU computes", q)
-	}
 	if hi > 1<<32 || lo >= hi || stride == 0 {
 		return fmt.Errorf("optimizer: bad range [%#x, %#x) stride %d", lo, hi, stride)
 	}
@@ -238,9 +232,12 @@ func VerifyMKLSqrtRange(q Sqrt, call VecSqrt, workers int, lo, hi, stride uint64
 }
 
 // compareSqrt runs jobs 0..n-1 on workers goroutines: fill writes a job's
-// inputs into the buffer it is given, and the results of call and q must be
-// bitwise equal. It returns the first difference found.
+// inputs into the buffer it is given, and the results of call and q (an MKL
+// emulation) must be bitwise equal. It returns the first difference found.
 func compareSqrt(q Sqrt, call VecSqrt, workers, n int, fill func(job int, in []float32) []float32) error {
+	if !q.IsMKLEmulation() || !hasMKLSqrt() {
+		return fmt.Errorf("optimizer: %v is not an MKL emulation this CPU computes", q)
+	}
 	workers = max(1, workers)
 	var (
 		mu    sync.Mutex

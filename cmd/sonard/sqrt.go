@@ -11,12 +11,11 @@ import (
 
 // sqrtLoader gives a client's session the float32 square root of its torch:
 // MKL's vmsSqrt from the library the client names (package vml), replaced
-// by the engine's emulation of MKL's arithmetic (optimizer.MKLSqrt) where
-// emulate is set and optimizer.CheckMKLSqrt finds the two bitwise equal.
-// The emulation is computed in the step's own pass; a call into the library
-// needs a second pass over each block, and MKL's kernel on AMD CPUs costs
-// 0.8 ns an element (docs/benchmarks.md). Each library is loaded and
-// checked once.
+// by the engine's emulation of the MKL kernel it runs where emulate is set
+// and optimizer.FindMKLSqrt finds one bitwise equal. The emulation is
+// computed in the step's own pass; a call into the library needs a second
+// pass over each block, and MKL's kernel on AMD CPUs costs 0.8 ns an
+// element (docs/benchmarks.md). Each library is loaded and checked once.
 type sqrtLoader struct {
 	log     *zap.Logger
 	emulate bool
