@@ -175,17 +175,91 @@ done3:
 	RNDBF(p, Y12, Y13); \
 	STOREBF(p, g, gx, off(DI)(BX*2))
 
+// RBFI rounds x to bfloat16 precision in place (round to nearest even) in
+// integer operations with the masks in registers (Y11 0x10000, Y12
+// 0xFFFF0000, Y13 0x7FFF): x plus 0x7FFF plus its bit 16 (added as minus the
+// all-ones VPCMPEQD), low half cleared; t is clobbered. It does not make NaNs
+// canonical, and needs not: inside stepBF16AVX2 every NaN has a zero low
+// half (the inputs are bfloat16; an operation passes on an operand's NaN or
+// makes the default one), and such a NaN comes out unchanged. RBFS is RBFI
+// for a value that is stored: a NaN becomes 0x7FC0, as RNDBF makes it.
+#define RBFI(x, t) \
+	VPAND Y11, x, t; \
+	VPADDD Y13, x, x; \
+	VPCMPEQD Y11, t, t; \
+	VPSUBD t, x, x; \
+	VPAND Y12, x, x
+
+#define RBFS(x, t) \
+	RBFI(x, t); \
+	VCMPPS $3, x, x, t; \
+	VBLENDVPS t, 96(AX), x, x
+
+// LOADEO widens the 16 bfloat16 values at addr, read as 8 32-bit words, to
+// the float32 lanes of e (the even elements, from the low halves) and o (the
+// odd ones, the high halves). STOREEO is its inverse for two rounded blocks
+// (t clobbered).
+#define LOADEO(addr, e, o) \
+	VMOVDQU addr, o; \
+	VPSLLD $16, o, e; \
+	VPAND Y12, o, o
+
+#define STOREEO(e, o, t, addr) \
+	VPSRLD $16, e, t; \
+	VPOR o, t, t; \
+	VMOVDQU t, addr
+
+// The stages of the 16-element loop, for one half (even or odd elements) on
+// the registers g, p, m (later v), t, u and the rounding temporary r. The
+// operations and their operands' order are those of SB1-SB6.
+//
+// SW3: u = bf16(lerp(m, g, w)), to be stored.
+#define SW3(g, m, t, u, r) \
+	VSUBPS m, g, t; \
+	VANDPS 324(AX), g, u; \
+	VANDPS 452(AX), m, m; \
+	VORPS m, u, u; \
+	VFMADD231PS 196(AX), t, u; \
+	RBFS(u, r)
+
+// SW4: v = bf16(fma((1-beta2)*g, g, bf16(v*beta2))), to be stored.
+#define SW4(g, v, t, r) \
+	VMULPS 228(AX), v, v; \
+	RBFI(v, r); \
+	VMULPS 260(AX), g, t; \
+	VFMADD231PS g, t, v; \
+	RBFS(v, r)
+
+// SW5: t = the denominator.
+#define SW5(v, t, r) \
+	VSQRTPS v, t; \
+	RBFI(t, r); \
+	VDIVPS 356(AX), t, t; \
+	RBFI(t, r); \
+	VADDPS 388(AX), t, t; \
+	RBFI(t, r)
+
+// SW6: p = bf16(p + (value*m)/denom), to be stored (g clobbered).
+#define SW6(g, p, t, u, r) \
+	VMULPS 420(AX), u, g; \
+	VDIVPS t, g, g; \
+	VADDPS g, p, p; \
+	RBFS(p, r)
+
 // func stepBF16AVX2(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 // n must be a multiple of 8.
 //
-// Two blocks of 8 lanes an iteration, their stages interleaved. Rounding
-// after every operation makes each block one long chain of dependent
-// instructions (about 100 of them, most waiting on the one before), and
-// the core's floating-point scheduler holds too few of them to reach the
-// next block's independent chain on its own; written side by side, the two
-// chains overlap. The registers this takes leave the step's constants as
-// memory operands (vecConsts.wide), except bias_correction2_sqrt and eps.
-// A last block of 8 runs alone.
+// 16 elements an iteration as two blocks of 8 lanes, the even and the odd
+// elements (LOADEO: no shuffle), their stages interleaved. Rounding after
+// every operation makes each block one long chain of dependent
+// instructions, and the core's floating-point scheduler holds too few of
+// them to reach the next block's independent chain on its own; written side
+// by side, the two chains overlap. The roundings are integer operations
+// with their masks in registers (RBFI; on Zen 3 vector shifts, float
+// compares and VBLENDVPS run on two of the four FP pipes, one of them the
+// divider's), and only the three stored values make their NaNs canonical.
+// The step's constants are memory operands (vecConsts.wide). A last block
+// of 8 runs alone, with RNDBF (SB1-SB6).
 TEXT ·stepBF16AVX2(SB), NOSPLIT, $0-48
 	MOVQ pp+0(FP), DI
 	MOVQ gg+8(FP), SI
@@ -193,31 +267,45 @@ TEXT ·stepBF16AVX2(SB), NOSPLIT, $0-48
 	MOVQ vv+24(FP), R9
 	MOVQ n+32(FP), CX
 	MOVQ k+40(FP), AX
-	VBROADCASTSS 152(AX), Y14 // bias_correction2_sqrt
-	VBROADCASTSS 156(AX), Y15 // eps rounded to bfloat16
 	MOVQ CX, DX
 	ANDQ $-16, DX
 	XORQ BX, BX
+	CMPQ DX, $0
+	JEQ tailb
+	VMOVDQU 484(AX), Y11
+	VMOVDQU 64(AX), Y12
+	VMOVDQU 32(AX), Y13
 loopb2:
 	CMPQ BX, DX
 	JGE tailb
-	SB1(0, Y0)
-	SB1(16, Y6)
-	SB2(0, Y1)
-	SB2(16, Y7)
-	SB3(0, Y0, Y2, Y4, X4, Y5)
-	SB3(16, Y6, Y8, Y10, X10, Y11)
-	SB4(0, Y0, Y3, Y4, X4)
-	SB4(16, Y6, Y9, Y10, X10)
-	SB5(Y3, Y4)
-	SB5(Y9, Y10)
-	SB6(0, Y0, X0, Y1, Y4, Y5)
-	SB6(16, Y6, X6, Y7, Y10, Y11)
+	LOADEO((SI)(BX*2), Y0, Y5)
+	VXORPS 292(AX), Y0, Y0
+	VXORPS 292(AX), Y5, Y5
+	LOADEO((DI)(BX*2), Y1, Y6)
+	VMULPS 164(AX), Y1, Y1
+	VMULPS 164(AX), Y6, Y6
+	RBFI(Y1, Y14)
+	RBFI(Y6, Y15)
+	LOADEO((R8)(BX*2), Y2, Y7)
+	SW3(Y0, Y2, Y3, Y4, Y14)
+	SW3(Y5, Y7, Y8, Y9, Y15)
+	STOREEO(Y4, Y9, Y10, (R8)(BX*2))
+	LOADEO((R9)(BX*2), Y2, Y7)
+	SW4(Y0, Y2, Y3, Y14)
+	SW4(Y5, Y7, Y8, Y15)
+	STOREEO(Y2, Y7, Y10, (R9)(BX*2))
+	SW5(Y2, Y3, Y14)
+	SW5(Y7, Y8, Y15)
+	SW6(Y0, Y1, Y3, Y4, Y14)
+	SW6(Y5, Y6, Y8, Y9, Y15)
+	STOREEO(Y1, Y6, Y10, (DI)(BX*2))
 	ADDQ $16, BX
 	JMP loopb2
 tailb:
 	CMPQ BX, CX
 	JGE doneb
+	VBROADCASTSS 152(AX), Y14 // bias_correction2_sqrt
+	VBROADCASTSS 156(AX), Y15 // eps rounded to bfloat16
 	SB1(0, Y0)
 	SB2(0, Y1)
 	SB3(0, Y0, Y2, Y4, X4, Y5)

@@ -151,7 +151,71 @@ done3:
 	VBROADCASTSS 156(AX), Z15; \
 	VBROADCASTSS 160(AX), Z20
 
+// ZRBFI rounds x to bfloat16 precision in place (round to nearest even) in
+// four integer operations: x plus 0x7FFF (Z17), plus one (Z16) where its
+// bit 16 (Z21) is set, low half cleared (Z18); k is clobbered. Like RBFI in
+// kernel_amd64.s it leaves a NaN as it is, which inside stepBF16AVX512 is
+// already a rounded one (every NaN there has a zero low half). ZRBFS is
+// ZRBFI for a value that is stored: a NaN becomes the pattern in Z19.
+#define ZRBFI(x, k) \
+	VPTESTMD Z21, x, k; \
+	VPADDD Z17, x, x; \
+	VPADDD Z16, x, k, x; \
+	VPANDD Z18, x, x
+
+#define ZRBFS(x, k) \
+	ZRBFI(x, k); \
+	VCMPPS $3, x, x, k; \
+	VMOVDQA32 Z19, k, x
+
+// ZLOADEO widens the 32 bfloat16 values at addr, read as 16 32-bit words, to
+// the float32 lanes of e (the even elements) and o (the odd ones); ZSTOREEO
+// is its inverse for two rounded blocks (t clobbered).
+#define ZLOADEO(addr, e, o) \
+	VMOVDQU32 addr, o; \
+	VPSLLD $16, o, e; \
+	VPANDD Z18, o, o
+
+#define ZSTOREEO(e, o, t, addr) \
+	VPSRLD $16, e, t; \
+	VPORD o, t, t; \
+	VMOVDQU32 t, addr
+
+// The stages of the 32-element loop for one half (SW3-SW6 in
+// kernel_amd64.s on 16 lanes; the loop below them shows the operations one
+// block at a time). K4 holds the lerp's base choice.
+#define ZSW3(g, m, t, u, k) \
+	VSUBPS m, g, t; \
+	VPBLENDMD g, m, K4, u; \
+	VFMADD231PS t, Z9, u; \
+	ZRBFS(u, k)
+
+#define ZSW4(g, v, t, k) \
+	VMULPS Z10, v, v; \
+	ZRBFI(v, k); \
+	VMULPS Z11, g, t; \
+	VFMADD231PS g, t, v; \
+	ZRBFS(v, k)
+
+#define ZSW5(v, t, k) \
+	VSQRTPS v, t; \
+	ZRBFI(t, k); \
+	VDIVPS Z14, t, t; \
+	ZRBFI(t, k); \
+	VADDPS Z15, t, t; \
+	ZRBFI(t, k)
+
+#define ZSW6(g, p, t, u, k) \
+	VMULPS u, Z20, g; \
+	VDIVPS t, g, g; \
+	VADDPS g, p, p; \
+	ZRBFS(p, k)
+
 // func stepBF16AVX512(pp, gg, mm, vv *uint16, n int, k *vecConsts)
+//
+// 32 elements an iteration as two blocks of 16 lanes, the even and the odd
+// elements (ZLOADEO), their stages interleaved, with the roundings of
+// ZRBFI; a last block of 16 runs alone with ZRNDBF.
 TEXT ·stepBF16AVX512(SB), NOSPLIT, $0-48
 	MOVQ pp+0(FP), DI
 	MOVQ gg+8(FP), SI
@@ -161,7 +225,37 @@ TEXT ·stepBF16AVX512(SB), NOSPLIT, $0-48
 	MOVQ k+40(FP), AX
 	ZRNDCONSTS
 	ZSTEPCONSTS
+	VPBROADCASTD 484(AX), Z21
+	VPTESTMD Z13, Z13, K4
+	MOVQ CX, DX
+	ANDQ $-32, DX
 	XORQ BX, BX
+loopbw:
+	CMPQ BX, DX
+	JGE loopb
+	ZLOADEO((SI)(BX*2), Z0, Z5)
+	VPXORD Z12, Z0, Z0
+	VPXORD Z12, Z5, Z5
+	ZLOADEO((DI)(BX*2), Z1, Z6)
+	VMULPS Z8, Z1, Z1
+	VMULPS Z8, Z6, Z6
+	ZRBFI(Z1, K2)
+	ZRBFI(Z6, K3)
+	ZLOADEO((R8)(BX*2), Z2, Z7)
+	ZSW3(Z0, Z2, Z3, Z4, K2)
+	ZSW3(Z5, Z7, Z22, Z23, K3)
+	ZSTOREEO(Z4, Z23, Z24, (R8)(BX*2))
+	ZLOADEO((R9)(BX*2), Z2, Z7)
+	ZSW4(Z0, Z2, Z3, K2)
+	ZSW4(Z5, Z7, Z22, K3)
+	ZSTOREEO(Z2, Z7, Z24, (R9)(BX*2))
+	ZSW5(Z2, Z3, K2)
+	ZSW5(Z7, Z22, K3)
+	ZSW6(Z0, Z1, Z3, Z4, K2)
+	ZSW6(Z5, Z6, Z22, Z23, K3)
+	ZSTOREEO(Z1, Z6, Z24, (DI)(BX*2))
+	ADDQ $32, BX
+	JMP loopbw
 loopb:
 	CMPQ BX, CX
 	JGE doneb

@@ -276,3 +276,55 @@ func toBF(x []float32) []uint16 {
 func clone32(x []float32) []float32 { return append([]float32(nil), x...) }
 func b2f32(b []byte) []float32      { return unsafe.Slice((*float32)(unsafe.Pointer(&b[0])), len(b)/4) }
 func b2u16(b []byte) []uint16       { return unsafe.Slice((*uint16)(unsafe.Pointer(&b[0])), len(b)/2) }
+
+// TestStepBF16NaNPayloads holds what the bfloat16 step's assembly relies on
+// to skip the NaN test in the roundings that are not stored (RBFI, ZRBFI):
+// NaNs of any sign and payload in any input, signalling ones included, come
+// out as 0x7FC0 in every stored buffer at every level, as the Go code
+// stores them, and every other element is the Go code's bit for bit. The
+// sizes reach the 32- and 16-element loops and the 8-lane tail.
+func TestStepBF16NaNPayloads(t *testing.T) {
+	levels := asmLevels(t)
+	payloads := []uint16{0x7FC0, 0xFFC0, 0x7F81, 0xFF81, 0x7FFF, 0xFFFF, 0x7FA5, 0xFF80 | 0x40 | 1}
+	r := rand.New(rand.NewPCG(11, 12))
+	for _, n := range []int{8, 24, 56, 123, 32*5 + 16 + 8} {
+		for buf := range 4 {
+			mk := func() []uint16 {
+				x := make([]uint16, n)
+				for i := range x {
+					x[i] = F32ToBF16(float32(r.NormFloat64() / 64))
+				}
+				return x
+			}
+			p, g, m, v := mk(), mk(), mk(), mk()
+			for i := range v {
+				v[i] &= 0x7FFF
+			}
+			in := [][]uint16{p, g, m, v}[buf]
+			for j, q := range payloads {
+				in[(j*13+r.IntN(7))%n] = q
+			}
+			run := func() [][]byte {
+				pp, mm, vv := append([]uint16(nil), p...), append([]uint16(nil), m...), append([]uint16(nil), v...)
+				h := Hyper{LR: 1e-2, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.1}
+				for step := int64(1); step <= 2; step++ {
+					StepBF16(pp, g, mm, vv, nil, ScalarsFor(h, step))
+				}
+				return [][]byte{u16b(pp), u16b(mm), u16b(vv)}
+			}
+			want := withISA(ISAGo, run)
+			for _, l := range append([]ISA{ISAGo}, levels...) {
+				got := withISA(l, run)
+				for b := range got {
+					x, y := b2u16(got[b]), b2u16(want[b])
+					for i := range x {
+						nan := x[i]&0x7FFF > 0x7F80
+						if (nan && x[i] != 0x7FC0) || (!nan && x[i] != y[i]) || nan != (y[i]&0x7FFF > 0x7F80) {
+							t.Fatalf("n=%d NaNs in input %d, %v: output %d element %d = %#04x, Go %#04x", n, buf, l, b, i, x[i], y[i])
+						}
+					}
+				}
+			}
+		}
+	}
+}
