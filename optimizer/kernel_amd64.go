@@ -140,6 +140,9 @@ func mklSqrtAVX512(dst, src *float32, n int)
 func stepF32MKLAVX512(pp, gg, mm, vv *float32, n int, k *vecConsts)
 
 //go:noescape
+func stepF32IEEEAVX512(pp, gg, mm, vv *float32, n int, k *vecConsts)
+
+//go:noescape
 func stepF32IEEEAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
 
 //go:noescape
@@ -179,9 +182,9 @@ func mklSqrtVec(k mklKernel, dst, src []float32) int {
 // of 8 elements, 16 for MKL's AVX-512 kernel) in one pass where the kernels
 // run on AVX2 or wider and the square root is the IEEE one or an MKL
 // emulation, and returns how many elements it did (0 otherwise, and with
-// amsgrad). On AVX-512 the IEEE square root keeps the two-pass AVX-512
-// code; the MKL emulations are their kernels' own instructions (AVX2, or
-// AVX-512 for MKL's AVX-512 kernel) on every CPU.
+// amsgrad). The IEEE square root runs 16 lanes at a time on AVX-512 and 8
+// (the rest) on AVX2; the MKL emulations are their kernels' own
+// instructions (AVX2, or AVX-512 for MKL's AVX-512 kernel) on every CPU.
 func stepF32OnePass(p, g, m, v []float32, s Scalars, k f32, sqrt Sqrt) int {
 	n := len(p) &^ 7
 	if sqrt.mkl == mklAVX512 {
@@ -197,8 +200,14 @@ func stepF32OnePass(p, g, m, v []float32, s Scalars, k f32, sqrt Sqrt) int {
 		stepF32MKLAVX512(&p[0], &g[0], &m[0], &v[0], n, &c)
 	case sqrt.IsMKLEmulation():
 		stepF32MKLAVX2(&p[0], &g[0], &m[0], &v[0], n, &c, sqrt.mkl == mklFMA)
-	case sqrt.IsIEEE() && vecISA == ISAAVX2:
-		stepF32IEEEAVX2(&p[0], &g[0], &m[0], &v[0], n, &c)
+	case sqrt.IsIEEE():
+		w, _ := lanes(n)
+		if w > 0 {
+			stepF32IEEEAVX512(&p[0], &g[0], &m[0], &v[0], w, &c)
+		}
+		if w < n {
+			stepF32IEEEAVX2(&p[w], &g[w], &m[w], &v[w], n-w, &c)
+		}
 	default:
 		return 0
 	}

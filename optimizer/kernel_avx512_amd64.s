@@ -449,10 +449,61 @@ donez:
 	VZEROUPPER
 	RET
 
-// func stepF32MKLAVX512(pp, gg, mm, vv *float32, n int, k *vecConsts)
-// One pass: pass1AVX512, ZMKLSQRT and pass2AVX512 per 16 lanes, the same
+// ZSTEPF32CONSTS broadcasts a one-pass float32 step's constants (AX points
+// at a vecConsts) into Z7-Z15: decay, lerp coefficient, beta2, 1-beta2,
+// sign mask, base mask, bias_correction2_sqrt, eps, -step_size (Z7).
+#define ZSTEPF32CONSTS \
+	VBROADCASTSS 128(AX), Z8; \
+	VBROADCASTSS 132(AX), Z9; \
+	VBROADCASTSS 136(AX), Z10; \
+	VBROADCASTSS 140(AX), Z11; \
+	VPBROADCASTD 144(AX), Z12; \
+	VPBROADCASTD 148(AX), Z13; \
+	VBROADCASTSS 152(AX), Z14; \
+	VBROADCASTSS 156(AX), Z15; \
+	VBROADCASTSS 160(AX), Z7
+
+// ZSTEPF32P is the second half of a one-pass float32 step for the 16
+// elements at BX, pass2AVX512's operations: Z0 the square root in, m' in Z4;
+// p updated and stored.
+#define ZSTEPF32P \
+	VDIVPS Z14, Z0, Z0; \
+	VADDPS Z15, Z0, Z0; \
+	VMULPS Z7, Z4, Z6; \
+	VDIVPS Z0, Z6, Z6; \
+	VMOVUPS (DI)(BX*4), Z1; \
+	VMULPS Z8, Z1, Z1; \
+	VADDPS Z6, Z1, Z1; \
+	VMOVUPS Z1, (DI)(BX*4)
+
+// func stepF32IEEEAVX512(pp, gg, mm, vv *float32, n int, k *vecConsts)
+// One pass: pass1AVX512, VSQRTPS and pass2AVX512 per 16 lanes, the same
 // operations with the same first sources (the decay applied in the second
-// half, as the AVX2 one-pass kernels do).
+// half, as stepF32IEEEAVX2 does).
+TEXT ·stepF32IEEEAVX512(SB), NOSPLIT, $0-48
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ n+32(FP), CX
+	MOVQ k+40(FP), AX
+	ZSTEPF32CONSTS
+	XORQ BX, BX
+loopzi:
+	CMPQ BX, CX
+	JGE donezi
+	ZPASS1MV
+	VSQRTPS Z5, Z0
+	ZSTEPF32P
+	ADDQ $16, BX
+	JMP loopzi
+donezi:
+	VZEROUPPER
+	RET
+
+// func stepF32MKLAVX512(pp, gg, mm, vv *float32, n int, k *vecConsts)
+// One pass: pass1AVX512, ZMKLSQRT and pass2AVX512 per 16 lanes (see
+// stepF32IEEEAVX512).
 TEXT ·stepF32MKLAVX512(SB), NOSPLIT, $0-48
 	MOVQ pp+0(FP), DI
 	MOVQ gg+8(FP), SI
@@ -460,15 +511,7 @@ TEXT ·stepF32MKLAVX512(SB), NOSPLIT, $0-48
 	MOVQ vv+24(FP), R9
 	MOVQ n+32(FP), CX
 	MOVQ k+40(FP), AX
-	VBROADCASTSS 128(AX), Z8  // decay
-	VBROADCASTSS 132(AX), Z9  // lerp coefficient: w, or w-1
-	VBROADCASTSS 136(AX), Z10 // beta2
-	VBROADCASTSS 140(AX), Z11 // 1-beta2
-	VPBROADCASTD 144(AX), Z12 // sign mask (maximize)
-	VPBROADCASTD 148(AX), Z13 // base mask
-	VBROADCASTSS 152(AX), Z14 // bias_correction2_sqrt
-	VBROADCASTSS 156(AX), Z15 // eps
-	VBROADCASTSS 160(AX), Z7  // -step_size
+	ZSTEPF32CONSTS
 	ZMKLCONSTS
 	XORQ BX, BX
 loopzs:
@@ -476,14 +519,7 @@ loopzs:
 	JGE donezs
 	ZPASS1MV
 	ZMKLSQRT(Z5, Z0, Z16, Z17, Z18)
-	VDIVPS Z14, Z0, Z0        // sqrt(v) / bc2s
-	VADDPS Z15, Z0, Z0        // + eps
-	VMULPS Z7, Z4, Z6         // m' * -step_size
-	VDIVPS Z0, Z6, Z6         // / denom
-	VMOVUPS (DI)(BX*4), Z1
-	VMULPS Z8, Z1, Z1         // p *= decay
-	VADDPS Z6, Z1, Z1         // p + ...
-	VMOVUPS Z1, (DI)(BX*4)
+	ZSTEPF32P
 	ADDQ $16, BX
 	JMP loopzs
 donezs:

@@ -7,19 +7,21 @@ import (
 	"math"
 	"math/rand/v2"
 	"strings"
+	"sync/atomic"
 	"testing"
 )
 
-// sliceReader reads a gradient from a slice, counting reads; failAt >= 0
-// makes the read covering that byte fail.
+// sliceReader reads a gradient from a slice, counting reads (the engine's
+// workers call it at once); failAt >= 0 makes the read covering that byte
+// fail.
 type sliceReader struct {
 	b      []byte
 	failAt int
-	reads  int
+	reads  atomic.Int64
 }
 
 func (r *sliceReader) ReadGrad(dst []byte, off int) error {
-	r.reads++
+	r.reads.Add(1)
 	if r.failAt >= off && r.failAt < off+len(dst) {
 		return errors.New("bad address")
 	}
@@ -70,8 +72,8 @@ func TestApplyFromMatchesApply(t *testing.T) {
 							if err := e.ApplyFrom(got, rd, sc(got)); err != nil {
 								t.Fatal(err)
 							}
-							if pieces := (n + readChunk - 1) / readChunk; rd.reads < pieces {
-								t.Fatalf("%s: %d reads, want at least %d", name, rd.reads, pieces)
+							if pieces := (n + readChunk - 1) / readChunk; rd.reads.Load() < int64(pieces) {
+								t.Fatalf("%s: %d reads, want at least %d", name, rd.reads.Load(), pieces)
 							}
 						}
 						// Then a step accumulated over three micro-batches.
