@@ -296,26 +296,47 @@ doneb:
 	VZEROUPPER
 	RET
 
-// ZFUSED16 is FUSED8 (kernel_amd64.s) on 16 lanes: Z0 = g, Z1 = p (in:
-// loaded, out: updated, unrounded), Z2 = m (in), Z5 = v (in); out: Z4 = new
-// m, Z5 = new v, Z6 = denominator.
-#define ZFUSED16 \
-	VPXORD Z12, Z0, Z0; \
-	VMULPS Z8, Z1, Z1; \
-	VSUBPS Z2, Z0, Z3; \
-	VPANDD Z13, Z0, Z4; \
-	VPANDND Z2, Z13, Z6; \
-	VPORD Z6, Z4, Z4; \
-	VFMADD231PS Z3, Z9, Z4; \
-	VMULPS Z10, Z5, Z5; \
-	VMULPS Z11, Z0, Z6; \
-	VFMADD231PS Z0, Z6, Z5; \
-	VSQRTPS Z5, Z6; \
-	VDIVPS Z14, Z6, Z6; \
-	VADDPS Z15, Z6, Z6; \
-	VMULPS Z4, Z20, Z7; \
-	VDIVPS Z6, Z7, Z7; \
-	VADDPS Z7, Z1, Z1
+// ZFUSEDH is FUSED8 (kernel_amd64.s) on 16 lanes: g, p (in: loaded, out:
+// updated, unrounded), m (in) and v (in, out: new v) on the given
+// registers; out: mo = new m, t6 = denominator; g, t3 and t7 clobbered. K4
+// holds the lerp's base choice (Z13 tested), which VPBLENDMD applies.
+#define ZFUSEDH(g, p, m, v, t3, mo, t6, t7) \
+	VPXORD Z12, g, g; \
+	VMULPS Z8, p, p; \
+	VSUBPS m, g, t3; \
+	VPBLENDMD g, m, K4, mo; \
+	VFMADD231PS t3, Z9, mo; \
+	VMULPS Z10, v, v; \
+	VMULPS Z11, g, t6; \
+	VFMADD231PS g, t6, v; \
+	VSQRTPS v, t6; \
+	VDIVPS Z14, t6, t6; \
+	VADDPS Z15, t6, t6; \
+	VMULPS mo, Z20, t7; \
+	VDIVPS t6, t7, t7; \
+	VADDPS t7, p, p
+
+// ZFUSED16 is ZFUSEDH with Z0 = g, Z1 = p, Z2 = m, Z5 = v; out: Z4 = new m,
+// Z5 = new v.
+#define ZFUSED16 ZFUSEDH(Z0, Z1, Z2, Z5, Z3, Z4, Z6, Z7)
+
+// ZRBFO rounds x to bfloat16 for a store by ZSTOREEOF (the bfloat16 in the
+// high half of each lane, the low half garbage), a NaN as 0xFFFF (Z19): the
+// fused kernels' vector NaN; k1 and k2 are clobbered.
+#define ZRBFO(x, k1, k2) \
+	VCMPPS $3, x, x, k1; \
+	VPTESTMD Z21, x, k2; \
+	VPADDD Z17, x, x; \
+	VPADDD Z16, x, k2, x; \
+	VMOVDQA32 Z19, k1, x
+
+// ZSTOREEOF stores two blocks rounded by ZRBFO, the even elements' (e) and
+// the odd ones' (o), as the 32 bfloat16 values at addr: e's high halves
+// moved down, o's high halves kept (VPTERNLOGD: Z18 ? o : t); t clobbered.
+#define ZSTOREEOF(e, o, t, addr) \
+	VPSRLD $16, e, t; \
+	VPTERNLOGD $0xD8, Z18, o, t; \
+	VMOVDQU32 t, addr
 
 // func fusedF32AVX512(pp, gg, mm, vv *float32, n int, k *vecConsts)
 TEXT ·fusedF32AVX512(SB), NOSPLIT, $0-48
@@ -326,6 +347,7 @@ TEXT ·fusedF32AVX512(SB), NOSPLIT, $0-48
 	MOVQ n+32(FP), CX
 	MOVQ k+40(FP), AX
 	ZSTEPCONSTS
+	VPTESTMD Z13, Z13, K4
 	XORQ BX, BX
 loopf:
 	CMPQ BX, CX
@@ -345,6 +367,10 @@ donef:
 	RET
 
 // func fusedBF16AVX512(pp, gg, mm, vv *uint16, n int, k *vecConsts)
+//
+// 32 elements an iteration as two blocks of 16 lanes, the even and the odd
+// elements (ZLOADEO, ZSTOREEOF), rounded with ZRBFO; a last block of 16
+// runs alone with ZRNDBF.
 TEXT ·fusedBF16AVX512(SB), NOSPLIT, $0-48
 	MOVQ pp+0(FP), DI
 	MOVQ gg+8(FP), SI
@@ -354,7 +380,31 @@ TEXT ·fusedBF16AVX512(SB), NOSPLIT, $0-48
 	MOVQ k+40(FP), AX
 	ZRNDCONSTS
 	ZSTEPCONSTS
+	VPBROADCASTD 484(AX), Z21
+	VPTESTMD Z13, Z13, K4
+	MOVQ CX, DX
+	ANDQ $-32, DX
 	XORQ BX, BX
+loopfw:
+	CMPQ BX, DX
+	JGE loopfb
+	ZLOADEO((SI)(BX*2), Z0, Z22)
+	ZLOADEO((DI)(BX*2), Z1, Z23)
+	ZLOADEO((R8)(BX*2), Z2, Z24)
+	ZLOADEO((R9)(BX*2), Z5, Z25)
+	ZFUSEDH(Z0, Z1, Z2, Z5, Z3, Z4, Z6, Z7)
+	ZFUSEDH(Z22, Z23, Z24, Z25, Z26, Z27, Z28, Z29)
+	ZRBFO(Z4, K2, K3)
+	ZRBFO(Z27, K5, K6)
+	ZSTOREEOF(Z4, Z27, Z30, (R8)(BX*2))
+	ZRBFO(Z5, K2, K3)
+	ZRBFO(Z25, K5, K6)
+	ZSTOREEOF(Z5, Z25, Z30, (R9)(BX*2))
+	ZRBFO(Z1, K2, K3)
+	ZRBFO(Z23, K5, K6)
+	ZSTOREEOF(Z1, Z23, Z30, (DI)(BX*2))
+	ADDQ $32, BX
+	JMP loopfw
 loopfb:
 	CMPQ BX, CX
 	JGE donefb
