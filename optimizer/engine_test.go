@@ -422,14 +422,11 @@ func TestNewTensor(t *testing.T) {
 				t.Errorf("%s: state not zeroed", tc.name)
 			}
 		}
-		if got := addrMod4K(tt.ExpAvg); got != offExpAvg {
-			t.Errorf("%s: exp_avg at %d mod 4096, want %d", tc.name, got, offExpAvg)
-		}
-		if got := addrMod4K(tt.ExpAvgSq); got != offExpAvgSq {
-			t.Errorf("%s: exp_avg_sq at %d mod 4096, want %d", tc.name, got, offExpAvgSq)
-		}
-		if tc.h.Amsgrad && addrMod4K(tt.MaxExpAvgSq) != offMaxSq {
-			t.Errorf("%s: max_exp_avg_sq at %d mod 4096, want %d", tc.name, addrMod4K(tt.MaxExpAvgSq), offMaxSq)
+		want := addrMod4K(tc.param)
+		for i, b := range [][]byte{tt.ExpAvg, tt.ExpAvgSq, tt.MaxExpAvgSq} {
+			if len(b) > 0 && addrMod4K(b) != want {
+				t.Errorf("%s: state buffer %d at %d mod 4096, want the parameter's %d", tc.name, i, addrMod4K(b), want)
+			}
 		}
 	}
 }
@@ -437,16 +434,7 @@ func TestNewTensor(t *testing.T) {
 func addrMod4K(b []byte) int { return int(uintptr(unsafe.Pointer(&b[0])) % 4096) }
 
 func TestStaggered(t *testing.T) {
-	offs := []int{0, 4, 512, offAccum, offExpAvg, offExpAvgSq, offMaxSq, 4092}
-	// The engine's buffer kinds, and parameters at offset 0, never share an
-	// offset.
-	seen := map[int]bool{0: true}
-	for _, o := range []int{offAccum, offExpAvg, offExpAvgSq, offMaxSq} {
-		if seen[o] {
-			t.Errorf("offset %d used twice", o)
-		}
-		seen[o] = true
-	}
+	offs := []int{0, 4, 512, 1024, 1536, 2560, 3584, 4092}
 	for _, n := range []int{1, 4, 100, 4096, 5000, 1 << 20} {
 		for _, off := range offs {
 			for range 3 { // several allocations land at several base offsets
@@ -463,14 +451,26 @@ func TestStaggered(t *testing.T) {
 			}
 		}
 	}
-	// Accumulation buffers too.
+	// The state and the accumulation buffer start at the parameter's offset
+	// (stateOffset), wherever that is; mapped buffers (from MapThreshold) too.
 	r := rand.New(rand.NewPCG(3, 29))
-	tt := newTestTensor(t, r, Float32, 3000, Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999}, randBytes(r, Float32, 3000, 1, false))
-	if err := (&Engine{Workers: 1}).Accumulate(tt, randBytes(r, Float32, 3000, 1, false)); err != nil {
-		t.Fatal(err)
-	}
-	if got := addrMod4K(tt.accum); got != offAccum {
-		t.Errorf("accumulation buffer at %d mod 4096, want %d", got, offAccum)
+	for _, n := range []int{3000, MapThreshold/4 + 5} {
+		for _, off := range []int{0, 64, 512, 4032} {
+			param := staggered(4*n, off)
+			copy(param, randBytes(r, Float32, n, 1, false))
+			tt, err := NewTensor("w", Float32, n, Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Amsgrad: true}, param)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := (&Engine{Workers: 1}).Accumulate(tt, randBytes(r, Float32, n, 1, false)); err != nil {
+				t.Fatal(err)
+			}
+			for i, b := range [][]byte{tt.ExpAvg, tt.ExpAvgSq, tt.MaxExpAvgSq, tt.accum} {
+				if got := addrMod4K(b); got != off {
+					t.Errorf("n=%d param at %d: buffer %d at %d mod 4096", n, off, i, got)
+				}
+			}
+		}
 	}
 }
 
