@@ -1,4 +1,5 @@
 #include "textflag.h"
+#include "prefetch_amd64.h"
 
 // AVX2+FMA passes of the float32 AdamW step. They perform, lane for lane, the
 // same IEEE single-precision operations as torch's vectorized CPU kernels
@@ -278,6 +279,7 @@ TEXT ·stepBF16AVX2(SB), NOSPLIT, $0-48
 loopb2:
 	CMPQ BX, DX
 	JGE tailb
+	PREFETCH4(2)
 	LOADEO((SI)(BX*2), Y0, Y5)
 	VXORPS 292(AX), Y0, Y0
 	VXORPS 292(AX), Y5, Y5
@@ -289,8 +291,8 @@ loopb2:
 	LOADEO((R8)(BX*2), Y2, Y7)
 	SW3(Y0, Y2, Y3, Y4, Y14)
 	SW3(Y5, Y7, Y8, Y9, Y15)
-	STOREEO(Y4, Y9, Y10, (R8)(BX*2))
 	LOADEO((R9)(BX*2), Y2, Y7)
+	STOREEO(Y4, Y9, Y10, (R8)(BX*2))
 	SW4(Y0, Y2, Y3, Y14)
 	SW4(Y5, Y7, Y8, Y15)
 	STOREEO(Y2, Y7, Y10, (R9)(BX*2))
@@ -367,6 +369,7 @@ TEXT ·fusedF32AVX2(SB), NOSPLIT, $0-48
 loopf:
 	CMPQ BX, CX
 	JGE donef
+	PREFETCH4(4)
 	VMOVUPS (SI)(BX*4), Y0
 	VMOVUPS (DI)(BX*4), Y1
 	VMOVUPS (R8)(BX*4), Y2
@@ -496,6 +499,7 @@ TEXT ·fusedBF16AVX2(SB), NOSPLIT, $0-48
 loopfw:
 	CMPQ BX, DX
 	JGE tailfb
+	PREFETCH4(2)
 	FWHALF(FWLOADLO)
 	FWKEEP(Y1, Y8)
 	FWKEEP(Y4, Y9)

@@ -1,5 +1,7 @@
 #include "textflag.h"
 
+#include "prefetch_amd64.h"
+
 // AVX-512F versions of the passes in kernel_amd64.s: the same IEEE
 // single-precision operations in the same order, 16 lanes at a time (so the
 // results are bitwise those of the AVX2 passes and of the scalar Go code).
@@ -233,6 +235,7 @@ TEXT ·stepBF16AVX512(SB), NOSPLIT, $0-48
 loopbw:
 	CMPQ BX, DX
 	JGE loopb
+	PREFETCH4(2)
 	ZLOADEO((SI)(BX*2), Z0, Z5)
 	VPXORD Z12, Z0, Z0
 	VPXORD Z12, Z5, Z5
@@ -244,8 +247,8 @@ loopbw:
 	ZLOADEO((R8)(BX*2), Z2, Z7)
 	ZSW3(Z0, Z2, Z3, Z4, K2)
 	ZSW3(Z5, Z7, Z22, Z23, K3)
-	ZSTOREEO(Z4, Z23, Z24, (R8)(BX*2))
 	ZLOADEO((R9)(BX*2), Z2, Z7)
+	ZSTOREEO(Z4, Z23, Z24, (R8)(BX*2))
 	ZSW4(Z0, Z2, Z3, K2)
 	ZSW4(Z5, Z7, Z22, K3)
 	ZSTOREEO(Z2, Z7, Z24, (R9)(BX*2))
@@ -352,6 +355,7 @@ TEXT ·fusedF32AVX512(SB), NOSPLIT, $0-48
 loopf:
 	CMPQ BX, CX
 	JGE donef
+	PREFETCH4(4)
 	VMOVUPS (SI)(BX*4), Z0
 	VMOVUPS (DI)(BX*4), Z1
 	VMOVUPS (R8)(BX*4), Z2
@@ -388,6 +392,7 @@ TEXT ·fusedBF16AVX512(SB), NOSPLIT, $0-48
 loopfw:
 	CMPQ BX, DX
 	JGE loopfb
+	PREFETCH4(2)
 	ZLOADEO((SI)(BX*2), Z0, Z22)
 	ZLOADEO((DI)(BX*2), Z1, Z23)
 	ZLOADEO((R8)(BX*2), Z2, Z24)
@@ -542,6 +547,7 @@ TEXT ·stepF32IEEEAVX512(SB), NOSPLIT, $0-48
 loopzi:
 	CMPQ BX, CX
 	JGE donezi
+	PREFETCH4(4)
 	ZPASS1MV
 	VSQRTPS Z5, Z0
 	ZSTEPF32P
@@ -567,6 +573,7 @@ TEXT ·stepF32MKLAVX512(SB), NOSPLIT, $0-48
 loopzs:
 	CMPQ BX, CX
 	JGE donezs
+	PREFETCH4(4)
 	ZPASS1MV
 	ZMKLSQRT(Z5, Z0, Z16, Z17, Z18)
 	ZSTEPF32P

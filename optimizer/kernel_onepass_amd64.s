@@ -1,4 +1,5 @@
 #include "textflag.h"
+#include "prefetch_amd64.h"
 
 // One-pass AVX2+FMA float32 AdamW steps (the single-tensor path, StepF32):
 // each element is read and written once, its square root taken in registers
@@ -286,6 +287,7 @@ TEXT ·stepF32IEEEAVX2(SB), NOSPLIT, $0-48
 loopi:
 	CMPQ BX, CX
 	JGE donei
+	PREFETCH4(4)
 	P1(0, Y0, Y1, Y2, Y3, Y4, Y12, Y13, W_NOTBASE, Y9, Y10, Y11)
 	VSQRTPS Y2, Y5
 	P2(0, Y5, Y3, Y4, Y14, Y15, W_NEGSTEP, Y8)
@@ -315,6 +317,7 @@ TEXT ·stepF32MKLAVX2(SB), NOSPLIT, $0-49
 loopm:
 	CMPQ BX, DX
 	JGE lastm
+	PREFETCH4(4)
 	P1W(0, Y1, Y2, Y0, Y3, Y4)
 	P1W(32, Y7, Y8, Y6, Y9, Y10)
 	TESTQ R10, R10
