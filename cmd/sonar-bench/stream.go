@@ -29,7 +29,9 @@ func streamGo(p, g, m, v []float32) {
 }
 
 // streamBandwidth measures Stream over arrays of n float32 elements placed
-// as the engine's buffers are (staggered offsets mod 4 KiB).
+// as the engine's buffers are: p, m and v at one offset mod 4 KiB (the
+// engine puts the state at the parameter's), g 512 bytes after it (where
+// sonar_moe's gradient ring puts it).
 func streamBandwidth(n, workers, reps int) Stream {
 	arr := func(off int) []float32 {
 		f := optimizer.F32s(staggered(4*n, off))
@@ -38,7 +40,7 @@ func streamBandwidth(n, workers, reps int) Stream {
 		}
 		return f
 	}
-	p, g, m, v := arr(0), arr(512), arr(1024), arr(3072)
+	p, g, m, v := arr(0), arr(512), arr(0), arr(0)
 	run := func() float64 {
 		t := time.Now()
 		parallel(n, workers, func(lo, hi int) { streamKernel(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]) })
