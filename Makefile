@@ -63,7 +63,7 @@ soak: setup build
 
 # Kernel and training benchmarks against torch (writes docs/benchmarks.md and its PNGs).
 bench: setup build
-	$(PY) bench/run.py
+	$(PY) bench/run.py $(if $(BEFORE),--before $(BEFORE))
 
 bench-quick: setup build
 	$(PY) bench/run.py --quick

@@ -319,6 +319,8 @@ def main() -> None:
     ap.add_argument("--no-sonard", action="store_true")
     ap.add_argument("--pings", type=int, default=2000)
     ap.add_argument("--go-bench", help="cmd/sonar-bench binary: measure the Go engine next to each torch case")
+    ap.add_argument("--go-bench-before", help="a cmd/sonar-bench built from an earlier commit: its Go engine "
+                    "measured beside --go-bench's at each case (before its first and after its second run)")
     ap.add_argument("--torch-lib", help="libtorch_cpu.so for the Go engine's MKL sqrt variant")
     ap.add_argument("--contended", default="", help="size (K/M suffix) of the kernels also timed with one core "
                     "kept busy by another process (needs --go-bench); empty: not")
@@ -329,14 +331,21 @@ def main() -> None:
     if a.go_bench:
         res["go_copy"] = [go_copy(a.go_bench, a.copy_mb, a.reps)]
         res["go_kernels"] = []
+    before = a.go_bench_before if a.go_bench else None
+    if before:
+        res["go_kernels_before"] = []
     for dn in a.dtypes.split(","):
         dtype = DTYPES[dn.strip()]
         for n in parse_sizes(a.sizes):
-            # Go before and after torch, so drift of the machine's load hits both alike.
+            # Go before and after torch, so drift of the machine's load hits both alike; the earlier
+            # build (before) outside those, so it sees the same drift.
+            old1 = go_engine(before, a.torch_lib, dn.strip(), n, a.reps) if before else []
             go1 = go_engine(a.go_bench, a.torch_lib, dn.strip(), n, a.reps) if a.go_bench else []
             res["kernels"] += torch_adamw(n, dtype, a.reps)
             if a.go_bench:
                 res["go_kernels"] += merge(go1, go_engine(a.go_bench, a.torch_lib, dn.strip(), n, a.reps))
+            if before:
+                res["go_kernels_before"] += merge(old1, go_engine(before, a.torch_lib, dn.strip(), n, a.reps))
             if not a.no_sonard:
                 res["sonard"].append(sonard_e2e(n, dtype, a.reps))
                 res["sonard"].append(sonard_e2e(n, dtype, a.reps, fused=True))

@@ -130,7 +130,8 @@ def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
         L.append(f"\nThe percentages below are against the best of these, **{copy_bw:.1f} GB/s**.\n")
     L.append("A copy has one read and one write stream per core; AdamW reads four arrays and writes three. "
              "The column `AdamW stream GB/s` is the limit for that pattern: `sonar-bench -stream-m` reads p, g, m, v "
-             "and writes p, m, v with AVX2 loads and stores and one add each, split over the same workers, on "
+             "and writes p, m, v with AVX2 loads and stores and one add each (placed and prefetched as the "
+             "engine's kernels are), split over the same workers, on "
              "arrays of the case's byte size (float32 arrays; a bfloat16 case gets half the elements), measured "
              "right before and after the case's Go kernels (median of the two).\n")
     by = {}
@@ -155,6 +156,7 @@ def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
                 L.append(f"| {bold}{LABEL[impl]}{bold} | {size_name(n)} | {1e3 * r['median_s']:.2f} | "
                          f"{r['elements_per_s'] / 1e9:.3f} | {r['gb_per_s']:.1f} | {ratio:.2f}x | {cb:.1f} | "
                          f"{pct(r['gb_per_s'] / cb)} | {_stream_cells(r)} |")
+    L += before_after_section(res, by)
     e2e = res["torch"].get("sonard", [])
     if e2e:
         L.append("\nsonard end to end: the client's request latency (send to reply handled) for one tensor, "
@@ -215,6 +217,32 @@ def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
                          f"{pct(f)} ({r['gb_per_s']:.1f} of {r['case_stream']:.1f} GB/s) | {'met' if ok else 'MISSED'} by "
                          f"{100 * (f - 0.85):+.1f} points |")
     return L, targets
+
+
+def before_after_section(res: dict, by: dict) -> list[str]:
+    """The Go kernels as built at an earlier commit (run.py --before) beside today's, same run."""
+    old = res["torch"].get("go_kernels_before")
+    if not old:
+        return []
+    rev = res["machine"].get("before", "an earlier commit")
+    L = [f"\n### Before and after: the Go kernels at `{rev}` and now\n",
+         f"`cmd/sonar-bench` built from `{rev}` (`make bench BEFORE={rev}`) measured the same cases in the same "
+         "run: its repeats right before the first and after the second of today's, so a change of load hits "
+         "both. Same workers, sizes and arrays as the tables above.\n",
+         "| dtype | size | implementation | before ms | now ms | now/before speed | before vs torch fused "
+         "| now vs torch fused |",
+         "|---|---|---|---|---|---|---|---|"]
+    for k in old:
+        impl = "go-fused" if k.get("impl") == "fused" else f"go-{k['sqrt']}"
+        now = by.get((impl, k["dtype"], k["numel"]))
+        fused = by.get(("torch-fused", k["dtype"], k["numel"]))
+        if now is None or fused is None:
+            continue
+        L.append(f"| {k['dtype']} | {size_name(k['numel'])} | {LABEL[impl].split(' (')[0]} | "
+                 f"{1e3 * k['median_s']:.2f} | {1e3 * now['median_s']:.2f} | "
+                 f"{k['median_s'] / now['median_s']:.2f}x | {fused['median_s'] / k['median_s']:.2f}x | "
+                 f"{fused['median_s'] / now['median_s']:.2f}x |")
+    return L
 
 
 def _mem(m: dict) -> float:
@@ -860,19 +888,23 @@ def analysis(res: dict) -> list[str]:
         L.append(f"- **Kernel, bfloat16** ({size_name(big)}: Go {gb['gb_per_s']:.1f} vs fused {fb['gb_per_s']:.1f} GB/s). "
                  "The Go kernel rounds to bfloat16 after every op, as torch's single-tensor path does (the "
                  "bit-for-bit reference); fused computes in float32 and rounds once per state, so it does less "
-                 f"work per element (and gives different bits). The Go bf16 kernel ran {lanes_of(gb)} and compute "
-                 f"bound: its rate hardly changes with size ({bf_rates} "
-                 "G elem/s from the smallest to the largest tensor). Every element of every AdamW variant needs one "
-                 "square root and two divisions, which run on the core's one divider and cannot be replaced "
-                 "without changing the bits. In bfloat16 the single-tensor arithmetic is also one long chain: "
-                 "rounding after every op makes each block about 100 instructions that wait on each other, and "
-                 "the core's floating-point scheduler holds too few to find the next block's chain by itself; "
-                 "since 2026-12-01 the kernel writes two blocks' stages side by side (one core, 16K elements in "
-                 "L2: 2.3-2.6 against 3.1 ns an element before). The fused bf16 kernel since the same day widens "
-                 "and narrows without shuffles (even and odd elements as two blocks of lanes) and rounds with "
-                 "integer operations whose masks stay in registers (1.25-1.35 against 1.48-1.56 ns an element); "
-                 "the fused fp32 kernel, which does neither, runs at about 0.67 ns an element there, its "
-                 "divider's pace."
+                 f"work per element (and gives different bits). The Go bf16 single-tensor kernel ran {lanes_of(gb)} "
+                 f"({bf_rates} G elem/s from the smallest to the largest tensor). Every element of every AdamW "
+                 "variant needs one square root and two divisions, which cannot be replaced without changing the "
+                 "bits; in bfloat16 the single-tensor step needs about 60 vector operations besides (eight "
+                 "roundings, widening the loads, narrowing the stores), one long chain of dependent instructions "
+                 "per block. Since 2026-12-02 the kernels (AVX2 and AVX-512) widen the 2n bfloat16 values of one "
+                 "load as two blocks of lanes (even elements shifted up, odd ones masked) and write the two "
+                 "blocks' stages side by side so that their chains overlap; they round in four (AVX-512) or five "
+                 "(AVX2) integer operations that leave a NaN as it is except in the three stored values (every "
+                 "NaN inside has a zero low half, which rounding keeps; `TestStepBF16NaNPayloads`); and they "
+                 "prefetch 2 KiB ahead in each input stream, since a chain this long keeps too few iterations in "
+                 "flight for the hardware prefetchers. Measured on one core of an Intel Xeon with AVX-512: 16K "
+                 "elements in L2, 1.37 -> 0.85 ns an element (AVX2 on that core: 1.98 -> 1.34); 16M elements, "
+                 "32.6 -> 15.5 ms, of which placing the state at the parameter's offset mod 4 KiB "
+                 "(`optimizer.stateOffset`, no 4K aliasing of loads with earlier stores) gave 32.6 -> 24.8 and "
+                 "the prefetch the rest. The fused bf16 kernels widen and narrow the same way and round a stored "
+                 "value in five integer operations (AVX-512, one core in L2: 0.77 -> 0.63 ns an element)."
                  + ("" if gb.get("cpu_isa") == "avx512" else
                     " This machine has no AVX-512: the AVX-512 kernels (16 lanes) are verified lane for lane on an "
                     "emulated CPU (`make test-avx512`) but could not be timed here."))
@@ -884,8 +916,9 @@ def analysis(res: dict) -> list[str]:
             fused_parts.append(f"{dt}: {per}")
     if fused_parts:
         L.append(f"- **Kernel, fused arithmetic** (Go fused vs torch fused: {'; '.join(fused_parts)}). Both make one "
-                 "pass over memory with the same 8-lane AVX2 instructions in the same order (torch's wheel has no "
-                 "AVX-512 copy of this kernel, docs/fused-adamw-cpu.md), so neither does less arithmetic; they differ "
+                 "pass over memory with the same operations per element in the same order (torch's wheel runs them "
+                 "8 lanes wide with AVX2, having no AVX-512 copy of this kernel, docs/fused-adamw-cpu.md; the Go "
+                 "engine 16 wide where the CPU has AVX-512), so neither does less arithmetic; they differ "
                  "in how the tensor is split over the cores (the Go engine: eight chunks per worker taken from a "
                  "shared counter, so a worker whose core is busy with another thread takes fewer; torch: OpenMP "
                  "threads joined at the end of the step) and in the "

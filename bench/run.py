@@ -58,6 +58,28 @@ def build(env: dict[str, str]) -> None:
     subprocess.run([str(ROOT / BUILD[0]), *BUILD[1:]], check=True, cwd=ROOT, env=env)
 
 
+BEFORE_BENCH = "bench/before/sonar-bench"  # cmd/sonar-bench built from --before's commit
+
+
+def build_before(rev: str, env: dict[str, str]) -> str:
+    """Build cmd/sonar-bench at commit rev (a temporary git worktree) into BEFORE_BENCH; rev's short hash."""
+    import tempfile
+    short = subprocess.run(["git", "rev-parse", "--short", rev], check=True, capture_output=True, text=True,
+                           cwd=ROOT).stdout.strip()
+    wt = Path(tempfile.mkdtemp(prefix="sonar-before-")) / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", str(wt), rev], check=True, cwd=ROOT,
+                   stdout=subprocess.DEVNULL)
+    try:
+        subprocess.run([str(wt / BUILD[0]), "sonar-bench"], check=True, cwd=wt, env=env)
+        dest = ROOT / BEFORE_BENCH
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(wt / "bin" / "sonar-bench", dest)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(wt)], check=True, cwd=ROOT)
+        shutil.rmtree(wt.parent, ignore_errors=True)
+    return short
+
+
 def machine(env: dict[str, str]) -> dict:
     import torch
     flags = common.cpu_flags()
@@ -74,15 +96,19 @@ def machine(env: dict[str, str]) -> dict:
     }
 
 
-def run_all(cfg: dict, quick: bool, env: dict[str, str]) -> dict:
+def run_all(cfg: dict, quick: bool, env: dict[str, str], before: str | None = None) -> dict:
     res: dict = {"mode": "quick" if quick else "full", "config": {k: v for k, v in cfg.items()}}
     res["machine"] = machine(env)
+    if before:
+        res["machine"]["before"] = before
     lib = common.torch_lib()
     cmds = []
     print("kernels: Go engine (cmd/sonar-bench), torch AdamW, copy, sonard end to end (bench/kernel.py)",
           file=sys.stderr, flush=True)
     py_cmd = [PY, "bench/kernel.py", "--sizes", cfg["sizes"], "--reps", str(cfg["reps"]), "--pings", str(cfg["pings"]),
               "--go-bench", "bin/sonar-bench", "--torch-lib", lib, "--contended", cfg["contended"]]
+    if before:
+        py_cmd += ["--go-bench-before", BEFORE_BENCH]
     res["torch"] = common.run_json(py_cmd, env)
     cmds.append(py_cmd)
     def train(model: str, impl: str, methods: str, layers: int | None = None, warmup: int | None = None,
@@ -142,6 +168,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="~3 minute smoke run (smaller sizes, fewer steps)")
     ap.add_argument("--out", help="directory of the report and PNGs (default: docs, or bench/quick with --quick)")
     ap.add_argument("--report-only", metavar="JSON", help="re-render the report from saved results")
+    ap.add_argument("--before", metavar="REV", help="also measure the Go kernels as built at this commit, "
+                    "beside today's, for a before/after table (make bench BEFORE=REV)")
     a = ap.parse_args()
     out = Path(a.out) if a.out else ROOT / ("bench/quick" if a.quick else "docs")
     out.mkdir(parents=True, exist_ok=True)
@@ -151,8 +179,9 @@ def main() -> None:
         env = dict(os.environ)
         env.setdefault("SONARD", str(ROOT / "bin" / "sonard"))
         build(env)
+        before = build_before(a.before, env) if a.before else None
         t = time.perf_counter()
-        res = run_all(QUICK if a.quick else FULL, a.quick, env)
+        res = run_all(QUICK if a.quick else FULL, a.quick, env, before)
         res["wall_s"] = time.perf_counter() - t
         results = ROOT / "bench" / "results"
         results.mkdir(exist_ok=True)
