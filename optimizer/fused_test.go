@@ -77,8 +77,8 @@ func BenchmarkFused(b *testing.B) {
 	for _, dt := range []DType{Float32, BFloat16} {
 		b.Run(dt.String(), func(b *testing.B) {
 			const n = 1 << 20
-			// Parameter and gradient at different offsets mod 4 KiB, as the
-			// engine's state buffers are (see staggered).
+			// Parameter and gradient at different offsets mod 4 KiB (the
+			// state lands at the parameter's: stateOffset).
 			param := staggered(n*dt.Size(), 512)
 			grad := staggered(n*dt.Size(), 3072)
 			r := rand.New(rand.NewPCG(1, 2))
