@@ -61,9 +61,30 @@ def one_client(addr: str, i: int) -> None:
         conn.close()
 
 
-def client_series(metrics_url: str) -> int:
+def settled(pid: int, timeout: float = 10.0) -> tuple[int, int]:
+    """RSS and fds once RSS stops falling: the Go runtime gives freed pages back to the kernel
+    gradually after a peak (on a loaded machine, where more sessions overlap, for seconds), and a
+    leak is what it cannot give back. Samples every 0.5 s until two differ by under 0.25 MiB."""
+    deadline = time.monotonic() + timeout
+    time.sleep(0.5)
+    rss, fds = rss_fds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now, fds = rss_fds(pid)
+        if rss - now < 2**18:
+            return min(rss, now), fds
+        rss = now
+    return rss, fds
+
+
+def scrape(metrics_url: str) -> dict[str, float]:
+    """From the server's metrics: its client series, Go heap in use (MiB) and goroutines."""
     with urllib.request.urlopen(metrics_url, timeout=10) as r:
-        return sum(1 for line in r.read().decode().splitlines() if line.startswith("sonard_client_"))
+        lines = r.read().decode().splitlines()
+    value = {ln.split()[0]: float(ln.split()[1]) for ln in lines if ln and not ln.startswith("#")}
+    return {"series": sum(1 for ln in lines if ln.startswith("sonard_client_")),
+            "heap_mib": round(value["go_memstats_heap_inuse_bytes"] / 2**20, 2),
+            "goroutines": int(value["go_goroutines"])}
 
 
 def churn(addr: str, pid: int, clients: int, metrics_url: str | None, samples: int = 10) -> list[dict[str, Any]]:
@@ -76,16 +97,15 @@ def churn(addr: str, pid: int, clients: int, metrics_url: str | None, samples: i
         if (i + 1) % every == 0 or i + 1 == clients:
             rss, fds = rss_fds(pid)
             out.append({"clients": i + 1, "seconds": round(time.monotonic() - t0, 1), "rss_mib": round(rss / 2**20, 1),
-                        "fds": fds, "series": client_series(metrics_url) if metrics_url else -1})
+                        "fds": fds, **(scrape(metrics_url) if metrics_url else {"series": -1})})
     probe = Connection(addr, timeout=30)
     deadline = time.monotonic() + 30
     while (st := probe.call("stats", {}))["sessions"] > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     probe.close()
-    time.sleep(0.5)
-    rss, fds = rss_fds(pid)
+    rss, fds = settled(pid)
     out.append({"clients": clients, "seconds": round(time.monotonic() - t0, 1), "rss_mib": round(rss / 2**20, 1),
-                "fds": fds, "series": client_series(metrics_url) if metrics_url else -1,
+                "fds": fds, **(scrape(metrics_url) if metrics_url else {"series": -1}),
                 "sessions": st["sessions"], "tensors": st["tensors"], "segments": st["segments"], "final": True})
     return out
 

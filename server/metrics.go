@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
@@ -106,10 +107,13 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
-// MetricsHandler serves the server's metrics in Prometheus text format.
+// MetricsHandler serves the server's metrics in Prometheus text format,
+// with the Go runtime's (go_*: heap in use, goroutines) and the process's
+// (process_*: resident memory, open file descriptors) beside them.
 func (s *Server) MetricsHandler() http.Handler {
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(s.m.requests, s.m.errors, s.m.bytes, s.m.latency, s.m.perReq, collector{s})
+	reg.MustRegister(s.m.requests, s.m.errors, s.m.bytes, s.m.latency, s.m.perReq, collector{s},
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 }
 
