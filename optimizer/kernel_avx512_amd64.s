@@ -504,27 +504,13 @@ donez:
 	VZEROUPPER
 	RET
 
-// ZSTEPF32CONSTS broadcasts a one-pass float32 step's constants (AX points
-// at a vecConsts) into Z7-Z15: decay, lerp coefficient, beta2, 1-beta2,
-// sign mask, base mask, bias_correction2_sqrt, eps, -step_size (Z7).
-#define ZSTEPF32CONSTS \
-	VBROADCASTSS 128(AX), Z8; \
-	VBROADCASTSS 132(AX), Z9; \
-	VBROADCASTSS 136(AX), Z10; \
-	VBROADCASTSS 140(AX), Z11; \
-	VPBROADCASTD 144(AX), Z12; \
-	VPBROADCASTD 148(AX), Z13; \
-	VBROADCASTSS 152(AX), Z14; \
-	VBROADCASTSS 156(AX), Z15; \
-	VBROADCASTSS 160(AX), Z7
-
 // ZSTEPF32P is the second half of a one-pass float32 step for the 16
-// elements at BX, pass2AVX512's operations: Z0 the square root in, m' in Z4;
-// p updated and stored.
+// elements at BX, pass2AVX512's operations: Z0 the square root in, m' in Z4,
+// the constants of ZSTEPCONSTS; p updated and stored.
 #define ZSTEPF32P \
 	VDIVPS Z14, Z0, Z0; \
 	VADDPS Z15, Z0, Z0; \
-	VMULPS Z7, Z4, Z6; \
+	VMULPS Z20, Z4, Z6; \
 	VDIVPS Z0, Z6, Z6; \
 	VMOVUPS (DI)(BX*4), Z1; \
 	VMULPS Z8, Z1, Z1; \
@@ -542,7 +528,7 @@ TEXT ·stepF32IEEEAVX512(SB), NOSPLIT, $0-48
 	MOVQ vv+24(FP), R9
 	MOVQ n+32(FP), CX
 	MOVQ k+40(FP), AX
-	ZSTEPF32CONSTS
+	ZSTEPCONSTS
 	XORQ BX, BX
 loopzi:
 	CMPQ BX, CX
@@ -567,7 +553,7 @@ TEXT ·stepF32MKLAVX512(SB), NOSPLIT, $0-48
 	MOVQ vv+24(FP), R9
 	MOVQ n+32(FP), CX
 	MOVQ k+40(FP), AX
-	ZSTEPF32CONSTS
+	ZSTEPCONSTS
 	ZMKLCONSTS
 	XORQ BX, BX
 loopzs:
