@@ -331,6 +331,7 @@ def main() -> None:
     if a.go_bench:
         res["go_copy"] = [go_copy(a.go_bench, a.copy_mb, a.reps)]
         res["go_kernels"] = []
+        res["divider"] = run_go_bench(a.go_bench, "-sizes", "", "-copy-mb", "0", "-divider").get("divider")
     before = a.go_bench_before if a.go_bench else None
     if before:
         res["go_kernels_before"] = []

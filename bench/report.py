@@ -134,6 +134,7 @@ def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
              "engine's kernels are), split over the same workers, on "
              "arrays of the case's byte size (float32 arrays; a bfloat16 case gets half the elements), measured "
              "right before and after the case's Go kernels (median of the two).\n")
+    L += divider_lines(res)
     by = {}
     for r in rows:
         by[(r["impl"], r["dtype"], r["numel"])] = r
@@ -217,6 +218,29 @@ def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
                          f"{pct(f)} ({r['gb_per_s']:.1f} of {r['case_stream']:.1f} GB/s) | {'met' if ok else 'MISSED'} by "
                          f"{100 * (f - 0.85):+.1f} points |")
     return L, targets
+
+
+def _floor(res: dict) -> float:
+    """The divider's floor in ns an element on one core (the faster width), 0 if not measured."""
+    d = res["torch"].get("divider") or {}
+    return min((v for v in (d.get("ymm_ns_per_element"), d.get("zmm_ns_per_element")) if v), default=0.0)
+
+
+def divider_lines(res: dict) -> list[str]:
+    """The divider's floor under every bit-for-bit kernel (sonar-bench -divider), if measured."""
+    d = res["torch"].get("divider")
+    if not d:
+        return []
+    workers = res["torch"]["go_kernels"][0]["workers"]
+    widths = [f"{d['ymm_ns_per_element']:.2f} ns with 8-lane instructions"]
+    if d.get("zmm_ns_per_element"):
+        widths.append(f"{d['zmm_ns_per_element']:.2f} with 16-lane ones")
+    g = workers / _floor(res)
+    return [f"The divider's floor (`sonar-bench -divider`, this run): one square root and two divisions, which every "
+            "element of every bit-for-bit AdamW variant needs (with MKL's root computed by the engine, the two "
+            f"divisions), take {' and '.join(widths)} an element on one core, with nothing else in the loop. With "
+            f"{workers} workers no such kernel passes {g:.2f} G elements/s: {g * 14:.1f} GB/s in bfloat16 and "
+            f"{g * 28:.1f} in float32, against the stream limits below.\n"]
 
 
 def before_after_section(res: dict, by: dict) -> list[str]:
@@ -905,6 +929,9 @@ def analysis(res: dict) -> list[str]:
                  "(`optimizer.stateOffset`, no 4K aliasing of loads with earlier stores) gave 32.6 -> 24.8 and "
                  "the prefetch the rest. The fused bf16 kernels widen and narrow the same way and round a stored "
                  "value in five integer operations (AVX-512, one core in L2: 0.77 -> 0.63 ns an element)."
+                 + (f" The divider's floor measured above ({_floor(res):.2f} ns an element on one core) is what the "
+                    "fused kernels run at within a few percent; the single-tensor one adds its roundings on the "
+                    "same vector ports." if _floor(res) else "")
                  + ("" if gb.get("cpu_isa") == "avx512" else
                     " This machine has no AVX-512: the AVX-512 kernels (16 lanes) are verified lane for lane on an "
                     "emulated CPU (`make test-avx512`) but could not be timed here."))

@@ -69,6 +69,7 @@ type Report struct {
 	CPUISA     string   `json:"cpu_isa"` // the CPU's widest
 	Copy       []Copy   `json:"copy"`
 	Stream     []Stream `json:"stream,omitempty"`
+	Divider    *Divider `json:"divider,omitempty"`
 	Kernels    []Result `json:"kernels"`
 }
 
@@ -82,6 +83,7 @@ func main() {
 	streamM := flag.Int("stream-m", 0, "also measure AdamW's streaming pattern over four arrays of this many Mi float32 elements (0: not)")
 	torchLib := flag.String("torch-lib", "", "libtorch_cpu.so whose MKL vmsSqrt to measure as well (float32)")
 	fused := flag.Bool("fused", false, "also measure the fused arithmetic (torch.optim.AdamW(fused=True))")
+	divider := flag.Bool("divider", false, "also measure the divider's floor: one square root and two divisions an element on one core")
 	isa := flag.String("isa", "", "cap the kernels' vector instruction set: avx512, avx2 or go (default: the CPU's widest)")
 	echoAddr := flag.String("echo", "", "serve a bare ZeroMQ ROUTER echo on this address until killed (no kernels)")
 	unixEchoPath := flag.String("unix-echo", "", "serve a plain Unix seqpacket socket echo at this path until killed (no ZeroMQ)")
@@ -138,6 +140,9 @@ func main() {
 	}
 	if *streamM > 0 {
 		rep.Stream = append(rep.Stream, streamBandwidth(*streamM<<20, *workers, *reps))
+	}
+	if *divider {
+		rep.Divider = dividerFloor(*reps)
 	}
 	for _, ds := range strings.Split(*dtypes, ",") {
 		if len(ns) == 0 {
