@@ -78,12 +78,14 @@ def settled(pid: int, timeout: float = 10.0) -> tuple[int, int]:
 
 
 def scrape(metrics_url: str) -> dict[str, float]:
-    """From the server's metrics: its client series, Go heap in use (MiB) and goroutines."""
+    """From the server's metrics: its client series, the Go heap in use and what the last
+    collection found live (MiB), and goroutines."""
     with urllib.request.urlopen(metrics_url, timeout=10) as r:
         lines = r.read().decode().splitlines()
     value = {ln.split()[0]: float(ln.split()[1]) for ln in lines if ln and not ln.startswith("#")}
     return {"series": sum(1 for ln in lines if ln.startswith("sonard_client_")),
             "heap_mib": round(value["go_memstats_heap_inuse_bytes"] / 2**20, 2),
+            "live_mib": round(value["go_gc_heap_live_bytes"] / 2**20, 2),
             "goroutines": int(value["go_goroutines"])}
 
 
@@ -105,9 +107,20 @@ def churn(addr: str, pid: int, clients: int, metrics_url: str | None, samples: i
     probe.close()
     rss, fds = settled(pid)
     out.append({"clients": clients, "seconds": round(time.monotonic() - t0, 1), "rss_mib": round(rss / 2**20, 1),
-                "fds": fds, **(scrape(metrics_url) if metrics_url else {"series": -1}),
+                "fds": fds, **(quiet_scrape(metrics_url) if metrics_url else {"series": -1}),
                 "sessions": st["sessions"], "tensors": st["tensors"], "segments": st["segments"], "final": True})
     return out
+
+
+def quiet_scrape(metrics_url: str, n: int = 8) -> dict[str, float]:
+    """scrape() on a server with no clients, with the least live heap of n scrapes 0.2 s apart:
+    go_gc_heap_live_bytes is what the last collection found, which may predate the last clients'
+    release until a scrape's own allocations start the next one."""
+    rows = []
+    for _ in range(n):
+        rows.append(scrape(metrics_url))
+        time.sleep(0.2)
+    return {**rows[-1], "live_mib": min(r["live_mib"] for r in rows)}
 
 
 def free_port() -> int:

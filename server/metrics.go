@@ -2,6 +2,7 @@ package server
 
 import (
 	"net/http"
+	"regexp"
 	"strconv"
 	"time"
 
@@ -108,12 +109,15 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 }
 
 // MetricsHandler serves the server's metrics in Prometheus text format,
-// with the Go runtime's (go_*: heap in use, goroutines) and the process's
-// (process_*: resident memory, open file descriptors) beside them.
+// with the Go runtime's (go_*: heap in use, goroutines, and
+// go_gc_heap_live_bytes, the heap the last collection found live) and the
+// process's (process_*: resident memory, open file descriptors) beside them.
 func (s *Server) MetricsHandler() http.Handler {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(s.m.requests, s.m.errors, s.m.bytes, s.m.latency, s.m.perReq, collector{s},
-		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		collectors.NewGoCollector(collectors.WithGoCollectorRuntimeMetrics(
+			collectors.GoRuntimeMetricsRule{Matcher: regexp.MustCompile(`^/gc/heap/live:bytes$`)})),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 }
 

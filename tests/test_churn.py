@@ -40,8 +40,11 @@ def test_clients_that_come_and_go_leave_nothing(sonard_binary: str, tmp_path: Pa
     print(warm, rows)
     # 2,400 more clients after the first 1,200: memory flat. A session with its segment mapping,
     # tensor state and metric series is ~10 KiB of heap and a goroutine or more: 2,400 leaked ones
-    # would add ~24 MiB and 2,400 goroutines. Over rounds of 1,200 the server's heap in use and
-    # RSS stayed within about 2 MiB of each other (8.4-10.3 and 25.8-27.3 MiB, four rounds).
+    # would add ~24 MiB and 2,400 goroutines. The measure is the heap the collector finds live
+    # (GOGC=1: collected after every 1% of growth). Heap in use and RSS also keep what a peak of
+    # overlapping clients left for reuse, more on a loaded machine, where more overlap (a CI run:
+    # heap in use 6.0 -> 10.7 MiB with nothing live): RSS only has a loose bound. Live heap after
+    # rounds of 1,200 clients: 0.6-3.3 MiB, idle or with 3 busy loops on the 2 cores.
     assert end["goroutines"] <= warm["goroutines"] + 2, (warm, rows)
-    assert end["heap_mib"] - warm["heap_mib"] < 4.0, (warm, rows)
-    assert end["rss_mib"] - warm["rss_mib"] < 8.0, (warm, rows)
+    assert end["live_mib"] - warm["live_mib"] < 3.0, (warm, rows)
+    assert end["rss_mib"] - warm["rss_mib"] < 12.0, (warm, rows)
