@@ -214,8 +214,8 @@ func stepF32OnePass(p, g, m, v []float32, s Scalars, k f32, sqrt Sqrt) int {
 	return n
 }
 
-// vecConsts is read by stepBF16AVX2, fusedF32AVX2 and fusedBF16AVX2 at fixed
-// offsets: keep the layout.
+// vecConsts is read by the step kernels (kernel_*amd64.s) at fixed offsets:
+// keep the layout.
 type vecConsts struct {
 	one, r7fff, hiMask, nan [8]uint32 // 0, 32, 64, 96
 	pass1Consts                       // 128: decay, c, b2, omb2, sign (144), baseMask (148)
@@ -290,8 +290,9 @@ func (c *vecConsts) setWide() {
 	}
 }
 
-// setRounding fills the masks RNDBF reads: round to nearest even, and a NaN
-// stored as the bfloat16 pattern nan.
+// setRounding fills the masks of the bfloat16 roundings (RBFI, RNDBFOR,
+// ZRBFI, ZRBFO: round to nearest even) and the pattern a stored NaN gets
+// (nan).
 func (c *vecConsts) setRounding(nan uint32) {
 	for i := range c.one {
 		c.one[i], c.r7fff[i], c.hiMask[i], c.nan[i] = 1, 0x7FFF, 0xFFFF0000, nan<<16

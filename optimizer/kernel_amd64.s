@@ -98,83 +98,18 @@ done3:
 	VZEROUPPER
 	RET
 
-// RNDBF rounds the float32 lanes of x to bfloat16 precision in place
-// (round to nearest even; NaN becomes 0x7FC0), as c10::BFloat16 does. AX
-// points at bf16Consts.
-#define RNDBF(x, t1, t2) \
-	VPSRLD $16, x, t1; \
-	VPAND 0(AX), t1, t1; \
-	VPADDD 32(AX), t1, t1; \
-	VPADDD x, t1, t1; \
-	VPAND 64(AX), t1, t1; \
-	VCMPPS $3, x, x, t2; \
-	VBLENDVPS t2, 96(AX), t1, x
-
 // LOADBF widens 8 bfloat16 values at addr to float32 lanes of x.
 #define LOADBF(addr, x) \
 	VPMOVZXWD addr, x; \
 	VPSLLD $16, x, x
 
-// STOREBF stores the 8 lanes of x (already rounded by RNDBF) as bfloat16.
+// STOREBF stores the 8 lanes of x as bfloat16: the high half of each lane,
+// rounded (RBFI, RBFS or RNDBFOR; the low half is dropped).
 #define STOREBF(x, t, tx, addr) \
 	VPSRLD $16, x, t; \
 	VPACKUSDW t, t, t; \
 	VPERMQ $0x08, t, t; \
 	VMOVDQU tx, addr
-
-// The stages of one 8-lane block of the bfloat16 single-tensor step, on the
-// registers g, p, m, v, t, u (tx: t's X register) with the block at byte
-// offset off, the step's constants read from vecConsts.wide and the
-// roundings' temporaries Y12, Y13. The operations, their operands' order
-// and their roundings are those of the one-block loop this replaced (see
-// StepBF16); only products swap factors, which changes no bit.
-#define SB1(off, g) \
-	LOADBF(off(SI)(BX*2), g); \
-	VXORPS 292(AX), g, g
-
-#define SB2(off, p) \
-	LOADBF(off(DI)(BX*2), p); \
-	VMULPS 164(AX), p, p; \
-	RNDBF(p, Y12, Y13)
-
-// SB3: u = bf16(lerp(m, g, w)), stored.
-#define SB3(off, g, m, t, tx, u) \
-	LOADBF(off(R8)(BX*2), m); \
-	VSUBPS m, g, t; \
-	VANDPS 324(AX), g, u; \
-	VANDPS 452(AX), m, m; \
-	VORPS m, u, u; \
-	VFMADD231PS 196(AX), t, u; \
-	RNDBF(u, Y12, Y13); \
-	STOREBF(u, t, tx, off(R8)(BX*2))
-
-// SB4: v = bf16(fma((1-beta2)*g, g, bf16(v*beta2))), stored.
-#define SB4(off, g, v, t, tx) \
-	LOADBF(off(R9)(BX*2), v); \
-	VMULPS 228(AX), v, v; \
-	RNDBF(v, Y12, Y13); \
-	VMULPS 260(AX), g, t; \
-	VFMADD231PS g, t, v; \
-	RNDBF(v, Y12, Y13); \
-	STOREBF(v, t, tx, off(R9)(BX*2))
-
-// SB5: t = the denominator.
-#define SB5(v, t) \
-	VSQRTPS v, t; \
-	RNDBF(t, Y12, Y13); \
-	VDIVPS Y14, t, t; \
-	RNDBF(t, Y12, Y13); \
-	VADDPS Y15, t, t; \
-	RNDBF(t, Y12, Y13)
-
-// SB6: p = bf16(p + (value*m)/denom), stored (g clobbered).
-#define SB6(off, g, gx, p, t, u) \
-	VBROADCASTSS 160(AX), g; \
-	VMULPS u, g, g; \
-	VDIVPS t, g, g; \
-	VADDPS g, p, p; \
-	RNDBF(p, Y12, Y13); \
-	STOREBF(p, g, gx, off(DI)(BX*2))
 
 // RBFI rounds x to bfloat16 precision in place (round to nearest even) in
 // integer operations with the masks in registers (Y11 0x10000, Y12
@@ -183,7 +118,8 @@ done3:
 // canonical, and needs not: inside stepBF16AVX2 every NaN has a zero low
 // half (the inputs are bfloat16; an operation passes on an operand's NaN or
 // makes the default one), and such a NaN comes out unchanged. RBFS is RBFI
-// for a value that is stored: a NaN becomes 0x7FC0, as RNDBF makes it.
+// for a value that is stored: a NaN becomes 0x7FC0 (96(AX)), as c10::BFloat16
+// stores it.
 #define RBFI(x, t) \
 	VPAND Y11, x, t; \
 	VPADDD Y13, x, x; \
@@ -210,9 +146,12 @@ done3:
 	VPOR o, t, t; \
 	VMOVDQU t, addr
 
-// The stages of the 16-element loop, for one half (even or odd elements) on
-// the registers g, p, m (later v), t, u and the rounding temporary r. The
-// operations and their operands' order are those of SB1-SB6.
+// The stages of the bfloat16 single-tensor step for one block of 8 lanes (in
+// the 16-element loop, the even or the odd elements) on the registers g, p,
+// m (later v), t, u and the rounding temporary r, the step's constants read
+// from vecConsts.wide. The operations, their operands' order and their
+// roundings are StepBF16's; only products swap factors, which changes no
+// bit (a NaN among them is stored as 0x7FC0 whichever operand it came from).
 //
 // SW3: u = bf16(lerp(m, g, w)), to be stored.
 #define SW3(g, m, t, u, r) \
@@ -260,7 +199,7 @@ done3:
 // compares and VBLENDVPS run on two of the four FP pipes, one of them the
 // divider's), and only the three stored values make their NaNs canonical.
 // The step's constants are memory operands (vecConsts.wide). A last block
-// of 8 runs alone, with RNDBF (SB1-SB6).
+// of 8 runs the same stages alone (LOADBF, STOREBF).
 TEXT ·stepBF16AVX2(SB), NOSPLIT, $0-48
 	MOVQ pp+0(FP), DI
 	MOVQ gg+8(FP), SI
@@ -271,8 +210,6 @@ TEXT ·stepBF16AVX2(SB), NOSPLIT, $0-48
 	MOVQ CX, DX
 	ANDQ $-16, DX
 	XORQ BX, BX
-	CMPQ DX, $0
-	JEQ tailb
 	VMOVDQU 484(AX), Y11
 	VMOVDQU 64(AX), Y12
 	VMOVDQU 32(AX), Y13
@@ -306,14 +243,20 @@ loopb2:
 tailb:
 	CMPQ BX, CX
 	JGE doneb
-	VBROADCASTSS 152(AX), Y14 // bias_correction2_sqrt
-	VBROADCASTSS 156(AX), Y15 // eps rounded to bfloat16
-	SB1(0, Y0)
-	SB2(0, Y1)
-	SB3(0, Y0, Y2, Y4, X4, Y5)
-	SB4(0, Y0, Y3, Y4, X4)
-	SB5(Y3, Y4)
-	SB6(0, Y0, X0, Y1, Y4, Y5)
+	LOADBF((SI)(BX*2), Y0)
+	VXORPS 292(AX), Y0, Y0
+	LOADBF((DI)(BX*2), Y1)
+	VMULPS 164(AX), Y1, Y1
+	RBFI(Y1, Y14)
+	LOADBF((R8)(BX*2), Y2)
+	SW3(Y0, Y2, Y3, Y4, Y14)
+	LOADBF((R9)(BX*2), Y2)
+	STOREBF(Y4, Y5, X5, (R8)(BX*2))
+	SW4(Y0, Y2, Y3, Y14)
+	STOREBF(Y2, Y5, X5, (R9)(BX*2))
+	SW5(Y2, Y3, Y14)
+	SW6(Y0, Y1, Y3, Y4, Y14)
+	STOREBF(Y1, Y5, X5, (DI)(BX*2))
 doneb:
 	VZEROUPPER
 	RET
@@ -387,19 +330,20 @@ donef:
 // RNDBFOR rounds the float32 lanes of x to bfloat16 for a store by
 // fusedBF16AVX2, into t: the bfloat16 in the high half of each lane (the low
 // half is garbage), a NaN as 0xFFFF (the fused kernels' vector NaN); c is
-// clobbered. The result is RNDBF's, bit for bit, in integer operations with
-// the masks in registers: x plus 0x7FFF plus its bit 16 (added as minus the
-// all-ones VPCMPEQD), a NaN (|x| above the infinity pattern, a signed
-// integer compare) ORed to all ones. Y11 0x10000, Y13 0x7FFF, Y14
-// 0x7FFFFFFF, Y15 0x7F800000.
+// clobbered. Round to nearest even in integer operations with the masks in
+// registers: x plus 0x7FFF plus its bit 16 (added as minus the all-ones
+// VPCMPEQD), a NaN (|x| above the infinity pattern, a signed integer
+// compare) ORed to all ones. Y11 0x10000, Y13 0x7FFF, Y14 0x7FFFFFFF, Y15
+// 0x7F800000.
 //
-// Why not RNDBF: on Zen 3 (AMD's optimization guide for family 19h, LLVM's
-// znver3 model) vector shifts, shuffles, float compares and VBLENDVPS run on
-// two of the four FP pipes, one of them the divider's, and RNDBF reads three
-// masks from memory each time. This loop with RNDBF's shift-and-shuffle
-// widening and narrowing ran 1.48-1.56 ns an element on one core in L2, this
-// one 1.25-1.35 (BenchmarkFused-style loop over 16K elements, 4 interleaved
-// runs, 2026-12-01).
+// Why not the rounding this replaced (a shift for bit 16, three masks read
+// from memory, VCMPPS and VBLENDVPS for the NaN): on Zen 3 (AMD's
+// optimization guide for family 19h, LLVM's znver3 model) vector shifts,
+// shuffles, float compares and VBLENDVPS run on two of the four FP pipes,
+// one of them the divider's. This loop with that rounding and the
+// shift-and-shuffle widening and narrowing ran 1.48-1.56 ns an element on
+// one core in L2, this one 1.25-1.35 (BenchmarkFused-style loop over 16K
+// elements, 4 interleaved runs, 2026-12-01).
 #define RNDBFOR(x, t, c) \
 	VPAND Y11, x, t; \
 	VPCMPEQD Y11, t, t; \
@@ -478,7 +422,7 @@ donef:
 // operands (each is used once a half): masks read from memory cost more than
 // their count says (measured without the arithmetic: 0.84 ns an element with
 // the 24 masks a 16 elements from memory, 0.51 from registers). A last block
-// of 8 takes the one-block loop.
+// of 8 runs one half's code alone (LOADBF, FUSEDW, RNDBFOR, STOREBF).
 TEXT ·fusedBF16AVX2(SB), NOSPLIT, $0-48
 	MOVQ pp+0(FP), DI
 	MOVQ gg+8(FP), SI
@@ -489,8 +433,6 @@ TEXT ·fusedBF16AVX2(SB), NOSPLIT, $0-48
 	MOVQ CX, DX
 	ANDQ $-16, DX
 	XORQ BX, BX
-	CMPQ DX, $0
-	JEQ tailfb
 	VMOVDQU 484(AX), Y11
 	VMOVDQU 64(AX), Y12
 	VMOVDQU 32(AX), Y13
@@ -513,23 +455,17 @@ loopfw:
 tailfb:
 	CMPQ BX, CX
 	JGE donefb
-	FUSEDCONSTS
-loopfb:
-	CMPQ BX, CX
-	JGE donefb
 	LOADBF((SI)(BX*2), Y0)
 	LOADBF((DI)(BX*2), Y1)
 	LOADBF((R8)(BX*2), Y2)
 	LOADBF((R9)(BX*2), Y5)
-	FUSED8
-	RNDBF(Y4, Y2, Y3)
-	STOREBF(Y4, Y2, X2, (R8)(BX*2))
-	RNDBF(Y5, Y2, Y3)
-	STOREBF(Y5, Y2, X2, (R9)(BX*2))
-	RNDBF(Y1, Y2, Y3)
-	STOREBF(Y1, Y2, X2, (DI)(BX*2))
-	ADDQ $8, BX
-	JMP loopfb
+	FUSEDW(Y0, Y1, Y2, Y5, Y3, Y4, Y6, Y7)
+	RNDBFOR(Y4, Y8, Y9)
+	STOREBF(Y8, Y9, X9, (R8)(BX*2))
+	RNDBFOR(Y5, Y8, Y9)
+	STOREBF(Y8, Y9, X9, (R9)(BX*2))
+	RNDBFOR(Y1, Y8, Y9)
+	STOREBF(Y8, Y9, X9, (DI)(BX*2))
 donefb:
 	VZEROUPPER
 	RET

@@ -117,23 +117,13 @@ done3:
 	VPBROADCASTD 64(AX), Z18; \
 	VPBROADCASTD 96(AX), Z19
 
-// ZRNDBF rounds the float32 lanes of x to bfloat16 precision in place, as
-// RNDBF does: round to nearest even, a NaN becomes the pattern in Z19.
-#define ZRNDBF(x, t1) \
-	VPSRLD $16, x, t1; \
-	VPANDD Z16, t1, t1; \
-	VPADDD Z17, t1, t1; \
-	VPADDD x, t1, t1; \
-	VPANDD Z18, t1, t1; \
-	VCMPPS $3, x, x, K1; \
-	VBLENDMPS Z19, t1, K1, x
-
 // ZLOADBF widens 16 bfloat16 values at addr to float32 lanes of x.
 #define ZLOADBF(addr, x) \
 	VPMOVZXWD addr, x; \
 	VPSLLD $16, x, x
 
-// ZSTOREBF stores the 16 lanes of x (already rounded by ZRNDBF) as bfloat16.
+// ZSTOREBF stores the 16 lanes of x as bfloat16: the high half of each lane,
+// rounded (ZRBFI, ZRBFS or ZRBFO; the low half is dropped).
 #define ZSTOREBF(x, t, addr) \
 	VPSRLD $16, x, t; \
 	VPMOVDW t, addr
@@ -217,7 +207,7 @@ done3:
 //
 // 32 elements an iteration as two blocks of 16 lanes, the even and the odd
 // elements (ZLOADEO), their stages interleaved, with the roundings of
-// ZRBFI; a last block of 16 runs alone with ZRNDBF.
+// ZRBFI; a last block of 16 runs the same stages alone (ZLOADBF, ZSTOREBF).
 TEXT ·stepBF16AVX512(SB), NOSPLIT, $0-48
 	MOVQ pp+0(FP), DI
 	MOVQ gg+8(FP), SI
@@ -263,36 +253,19 @@ loopb:
 	CMPQ BX, CX
 	JGE doneb
 	ZLOADBF((SI)(BX*2), Z0)
-	VPXORD Z12, Z0, Z0        // g
+	VPXORD Z12, Z0, Z0
 	ZLOADBF((DI)(BX*2), Z1)
 	VMULPS Z8, Z1, Z1
-	ZRNDBF(Z1, Z6)            // p = bf16(p * decay)
+	ZRBFI(Z1, K2)
 	ZLOADBF((R8)(BX*2), Z2)
-	VSUBPS Z2, Z0, Z3
-	VPANDD Z13, Z0, Z4
-	VPANDND Z2, Z13, Z5
-	VPORD Z5, Z4, Z4
-	VFMADD231PS Z3, Z9, Z4
-	ZRNDBF(Z4, Z6)            // m = bf16(lerp(m, g, w))
+	ZSW3(Z0, Z2, Z3, Z4, K2)
+	ZLOADBF((R9)(BX*2), Z2)
 	ZSTOREBF(Z4, Z5, (R8)(BX*2))
-	ZLOADBF((R9)(BX*2), Z5)
-	VMULPS Z10, Z5, Z5
-	ZRNDBF(Z5, Z6)            // v = bf16(v * beta2)
-	VMULPS Z11, Z0, Z3
-	VFMADD231PS Z0, Z3, Z5
-	ZRNDBF(Z5, Z6)            // v = bf16(fma((1-beta2)*g, g, v))
-	ZSTOREBF(Z5, Z3, (R9)(BX*2))
-	VSQRTPS Z5, Z3
-	ZRNDBF(Z3, Z6)
-	VDIVPS Z14, Z3, Z3
-	ZRNDBF(Z3, Z6)
-	VADDPS Z15, Z3, Z3
-	ZRNDBF(Z3, Z6)            // denom
-	VMULPS Z4, Z20, Z2
-	VDIVPS Z3, Z2, Z2
-	VADDPS Z2, Z1, Z1
-	ZRNDBF(Z1, Z6)            // p = bf16(p + (value*m)/denom)
-	ZSTOREBF(Z1, Z2, (DI)(BX*2))
+	ZSW4(Z0, Z2, Z3, K2)
+	ZSTOREBF(Z2, Z5, (R9)(BX*2))
+	ZSW5(Z2, Z3, K2)
+	ZSW6(Z0, Z1, Z3, Z4, K2)
+	ZSTOREBF(Z1, Z5, (DI)(BX*2))
 	ADDQ $16, BX
 	JMP loopb
 doneb:
@@ -374,7 +347,7 @@ donef:
 //
 // 32 elements an iteration as two blocks of 16 lanes, the even and the odd
 // elements (ZLOADEO, ZSTOREEOF), rounded with ZRBFO; a last block of 16
-// runs alone with ZRNDBF.
+// runs alone (ZLOADBF, ZSTOREBF).
 TEXT ·fusedBF16AVX512(SB), NOSPLIT, $0-48
 	MOVQ pp+0(FP), DI
 	MOVQ gg+8(FP), SI
@@ -418,11 +391,11 @@ loopfb:
 	ZLOADBF((R8)(BX*2), Z2)
 	ZLOADBF((R9)(BX*2), Z5)
 	ZFUSED16
-	ZRNDBF(Z4, Z2)
+	ZRBFO(Z4, K2, K3)
 	ZSTOREBF(Z4, Z2, (R8)(BX*2))
-	ZRNDBF(Z5, Z2)
+	ZRBFO(Z5, K2, K3)
 	ZSTOREBF(Z5, Z2, (R9)(BX*2))
-	ZRNDBF(Z1, Z2)
+	ZRBFO(Z1, K2, K3)
 	ZSTOREBF(Z1, Z2, (DI)(BX*2))
 	ADDQ $16, BX
 	JMP loopfb
