@@ -315,6 +315,8 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
              "may wait for the server); (d) leaves it unset, which is 0 where torch's threads take every core "
              "(as here) and 1 with a core to spare, and its private sonard's workers unset: one per core, or "
              "(since 2026-12-01) the cores torch leaves free, so with a core to spare (d) runs what (g) runs; "
+             "(u) (d) with torch's idle OpenMP threads left to spin while the trainer waits for sonard "
+             "(`SONAR_OPENMP_PARK=0`; (d) parks them since 2026-12-02, see \"torch's OpenMP threads\" below); "
              "(n) no optimizer at all (forward, backward, `zero_grad`): the floor every method adds its "
              "update to.\n")
     L.append("**How peak memory is measured.** One extra step per method runs under `torch.profiler` with "
@@ -335,7 +337,7 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
                  "ring + server state) | median step ms | vs (a) | step ms min-max | CPU ms / step (trainer + sonard) | "
                  "CPU vs (a) | held-out loss | train loss (last) |")
         L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for k in "abcdefgsohn":
+        for k in "abcdefgsohun":
             m = ms.get(k)
             if m is None:
                 continue
@@ -431,9 +433,29 @@ def spin_section(res: dict) -> list[str]:
          "(measured here: 6-10 ms of CPU after a torch op when nothing follows; `GOMP_SPINCOUNT` "
          "unset). On a machine where torch's threads take every core, that spinning thread shares a core "
          "with sonard's workers and slows the very update the trainer waits for: in a `perf` profile of "
-         "GraniteMoe, (d) spent 30% more samples in libgomp's spin loop than (b). "
-         f"`GOMP_SPINCOUNT={count}` (set in the environment before Python starts: libgomp reads it when torch "
-         "loads it) makes idle threads sleep after about half a millisecond. Same configs as the main tables, "
+         "GraniteMoe, (d) spent 30% more samples in libgomp's spin loop than (b), 26 ms of CPU a step.\n",
+         "Since 2026-12-02 Sonar parks them (`sonar_moe/_openmp.py`): while the trainer's main thread waits "
+         "for a reply, it opens an OpenMP parallel region on torch's own team (`GOMP_parallel_start`) whose "
+         "other threads block in `sem_wait`, and posts the semaphore for each when the reply is in. (d) parks, "
+         "(u) is (d) with `SONAR_OPENMP_PARK=0`, in the same runs as the main tables:\n",
+         "| model | (d) parked ms | (u) spinning ms | (d) vs (u) | CPU ms / step (d / u) | CPU (d) vs (u) | "
+         "waits parked / step |",
+         "|---|---|---|---|---|---|---|"]
+    for r in res["train"]:
+        ms = r["methods"]
+        d, u = ms.get("d"), ms.get("u")
+        if d is None or u is None:
+            continue
+        steps = r["warmup"] + r["steps"]  # stats() is read after them, before the profiled step
+        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {1e3 * d['median_step_s']:.0f} | "
+                 f"{1e3 * u['median_step_s']:.0f} | {d['median_step_s'] / u['median_step_s']:.3f}x | "
+                 f"{1e3 * d['cpu_s_per_step']:.0f} / {1e3 * u['cpu_s_per_step']:.0f} | "
+                 f"{d['cpu_s_per_step'] / u['cpu_s_per_step']:.3f}x | "
+                 f"{d['sonar'].get('openmp_parks', 0) / steps:.1f} |")
+    L += ["",
+         f"The other way is the environment: `GOMP_SPINCOUNT={count}` (set before Python starts: libgomp reads it "
+         "when torch loads it) makes every idle thread sleep after about half a millisecond, also outside "
+         "Sonar's waits (Sonar then parks nothing). Same configs as the main tables, "
          "every method in the same environment, so (b) and (c) are measured with it too; the default-spin "
          "ratios are the main tables' (another run).\n",
          "| model | (b) ms | (c) ms | (d) ms | (o) ring_layers=1 ms | (d) vs (b) | (d) vs (c) | "

@@ -21,6 +21,8 @@ Methods:
      core: fewer threads competing with torch's for the cores ((d)'s private sonard runs the
      cores torch leaves free, one per core where it leaves none: with --threads 1 on 2 cores,
      (d) and (g) are the same)
+  u  (d) with torch's OpenMP threads left to spin while the trainer waits (SONAR_OPENMP_PARK=0
+     when it is built): Sonar before it parked them (sonar_moe/_openmp.py)
 
 Memory (per method, one extra profiled step after the timed ones): the trainer's tensor
 bytes are the bytes alive before the step (parameters outside shared memory, gradients,
@@ -61,6 +63,7 @@ METHODS = {
     "s": "SonarAdamW batched, ring_layers=0",
     "o": "SonarAdamW batched, ring_layers=1",
     "h": "SonarAdamW batched, ring_layers=2",
+    "u": "SonarAdamW batched, OpenMP threads not parked",
     "n": "no optimizer (forward + backward only)",
 }
 LR, WD, CLIP = 1e-3, 0.01, 1.0
@@ -96,18 +99,21 @@ class Method:
                 self.per_param[p] = torch.optim.AdamW([p], lr=LR, weight_decay=WD)
                 p.register_post_accumulate_grad_hook(self._in_backward)
         else:
-            saved = os.environ.get("SONAR_WORKERS")
-            if key == "g":
-                os.environ["SONAR_WORKERS"] = "1"  # read by the private sonard at its start
+            # SONAR_WORKERS is read by the private sonard at its start, SONAR_OPENMP_PARK when
+            # SonarAdamW is built.
+            env = {"g": {"SONAR_WORKERS": "1"}, "u": {"SONAR_OPENMP_PARK": "0"}}.get(key, {})
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
             try:
                 self.sonar = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
                                                   split_experts=(key == "e"), zero_copy=False if key == "f" else None,
                                                   ring_layers={"s": 0, "o": 1, "h": 2}.get(key))
             finally:
-                if saved is None:
-                    os.environ.pop("SONAR_WORKERS", None)
-                else:
-                    os.environ["SONAR_WORKERS"] = saved
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
             self.opt = self.sonar
         self.times: list[float] = []
         self.losses: list[float] = []

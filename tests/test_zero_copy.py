@@ -25,7 +25,6 @@ from torch import nn
 import sonar_moe
 from sonar_moe import SonarError, start_private_server, torch_scalars
 from sonar_moe._launch import private_workers
-from sonar_moe._openmp import SpinAdvice, default_spin_runtime
 from sonar_moe._shm import PAGE, Ring, Segment
 
 N = 1000
@@ -247,25 +246,3 @@ def test_only_the_connected_process(rig: tuple[sonar_moe.Connection, Segment, in
     with pytest.raises(SonarError, match="probe of 3 bytes"):
         probe_call(conn, b"abc", 4096)
 
-
-def test_spin_advice(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Where hooks wait (ring_layers 0) and torch's libgomp spins at its default, Sonar says once
-    how to make its idle threads sleep (docs/benchmarks.md, "torch's OpenMP threads"); not when
-    GOMP_SPINCOUNT or OMP_WAIT_POLICY is set, hooks do not wait, or torch runs one thread."""
-    maps = Path("/proc/self/maps").read_text()
-    if "libgomp" not in maps:
-        pytest.skip("this torch does not use libgomp")
-    assert "libgomp" in (default_spin_runtime({}) or "")
-    assert default_spin_runtime({"GOMP_SPINCOUNT": "10000"}) is None
-    assert default_spin_runtime({"OMP_WAIT_POLICY": "passive"}) is None
-    other = tmp_path / "maps"
-    other.write_text("".join(line + "\n" for line in maps.splitlines() if "libgomp" not in line))
-    assert default_spin_runtime({}, str(other)) is None  # another runtime (or none)
-    with caplog.at_level(logging.INFO, logger="sonar_moe"):
-        for ring_layers, threads, env in [(1, 2, {}), (0, 1, {}), (0, 2, {"GOMP_SPINCOUNT": "1"})]:
-            assert not SpinAdvice().advise(ring_layers, threads, env)
-        assert not caplog.records
-        advice = SpinAdvice()
-        assert advice.advise(0, 2, {})
-        assert not advice.advise(0, 2, {})  # once
-    assert len(caplog.records) == 1 and "GOMP_SPINCOUNT=10000" in caplog.records[0].getMessage()

@@ -36,7 +36,6 @@ from ._clipping import ExpertClipper
 from ._connection import Connection, SonarError
 from ._detect import group_key
 from ._launch import connect
-from ._openmp import ADVICE
 from ._steps import StepQueue
 
 log = logging.getLogger("sonar_moe")
@@ -252,7 +251,6 @@ class ServerBackend(ABC):
         self._end_session = weakref.finalize(self, conn.end_session)  # also at exit, if never closed
         if options.ring_layers is None:
             options = dataclasses.replace(options, ring_layers=self.default_ring_layers(conn))
-        ADVICE.advise(options.ring_layers, torch.get_num_threads())
         self._options = options
         self._counter = counter
         self._experts = {id(p): Expert.of(name, p, slices) for name, p in named}
@@ -438,7 +436,7 @@ class ServerBackend(ABC):
                 "step_requests": self._steps.step_requests, "grads_sent": self._steps.grads_sent,
                 "bytes_sent": self._steps.bytes_sent, "room_wait_s": self._room_wait_s,
                 "ring_layers": self._options.ring_layers, "server_workers": self._server_workers,
-                "server_isa": self._server_isa}
+                "server_isa": self._server_isa, "openmp_parks": self._conn.waiter.parks}
 
     def server_stats(self) -> dict[str, Any] | None:
         return self._conn.call("stats", {})

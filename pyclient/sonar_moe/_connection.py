@@ -21,6 +21,7 @@ import zmq
 
 from . import _fork
 from ._liveness import Link, configure
+from ._openmp import DirectWait, Waiter
 
 PROTOCOL_VERSION = 1
 # At most this many requests wait for their replies: past it, send() reads replies first
@@ -126,6 +127,9 @@ class Connection:
     _rcvtimeo: int = field(init=False, default=-1)
     _link_checked: float = field(init=False, default=-1e9)  # monotonic time of send's last link check
     latencies: list[float] = field(init=False, default_factory=list)
+    # How a blocking receive waits: the backend that knows torch's threads sets it
+    # (_openmp.choose_waiter); direct by default.
+    waiter: Waiter = field(init=False, default_factory=DirectWait)
 
     def __post_init__(self) -> None:
         check_address(self.address)
@@ -226,18 +230,30 @@ class Connection:
         # its monitor cost several more system calls and pyzmq's Python around them (4-13 us
         # of a ping's round trip, measured). A closed connection is seen by the caller's link
         # check when the timeout passes (every 50 ms in wait()).
-        ms = max(1, int(timeout * 1000))
-        if ms != self._rcvtimeo:
-            self._sock.setsockopt(zmq.RCVTIMEO, ms)
-            self._rcvtimeo = ms
-        try:
-            raw = self._sock.recv()
-        except zmq.Again:
+        raw = self.waiter.receive(self._recv, timeout)
+        if raw is None:
             return 0
         self._dispatch(raw)
         # A reply to nothing pending would be refused anyway; with nothing pending (a request that
         # was waited for), asking the socket for more costs a system call for nothing.
         return 1 + (self._drain() if self._pending else 0)
+
+    def _recv(self, timeout: float) -> bytes | None:
+        """The next reply's bytes, or None when none comes within timeout seconds (0: only one
+        already there). Called by the waiter, on the thread it chooses."""
+        if timeout <= 0:
+            try:
+                return self._sock.recv(_NOBLOCK)
+            except zmq.Again:
+                return None
+        ms = max(1, int(timeout * 1000))
+        if ms != self._rcvtimeo:
+            self._sock.setsockopt(zmq.RCVTIMEO, ms)
+            self._rcvtimeo = ms
+        try:
+            return self._sock.recv()
+        except zmq.Again:
+            return None
 
     def _drain(self) -> int:
         """Handle every reply already in the socket."""

@@ -1,21 +1,36 @@
-"""torch's OpenMP threads while a gradient hook waits for sonard.
+"""torch's OpenMP threads while the trainer waits for sonard.
 
-With ``ring_layers=0`` the hook that sends a layer's request waits for it. libgomp (the OpenMP runtime of
-torch's Linux wheels) lets a thread that ran out of work spin for several milliseconds before it
-sleeps, so while the hook waits torch's other threads spin on the cores sonard's update needs.
-``GOMP_SPINCOUNT`` (read when libgomp is loaded, so set before Python starts) shortens that; see
-docs/benchmarks.md, "torch's OpenMP threads: spinning or sleeping".
+With ``ring_layers=0`` the hook that sends a layer's request waits for it, and ``step()`` waits
+for the last updates. libgomp (the OpenMP runtime of torch's Linux wheels) lets a thread that
+ran out of work spin for several milliseconds before it sleeps, so while the trainer waits,
+torch's other threads spin on the cores sonard's update needs (docs/benchmarks.md, "torch's
+OpenMP threads: spinning or sleeping").
+
+``OpenMPPark`` stops that without the environment: while the trainer's main thread waits for a
+reply, it opens an OpenMP parallel region on torch's own team whose other threads block in
+``sem_wait``, and posts the semaphore once for each when the reply is in. The team sleeps in
+the kernel instead of spinning. ``GOMP_SPINCOUNT``
+(read when libgomp is loaded, so set before Python starts) is the other way; where it or
+``OMP_WAIT_POLICY`` is set, or ``SONAR_OPENMP_PARK=0``, nothing is parked.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 log = logging.getLogger("sonar_moe")
 
 SUGGESTED_SPINCOUNT = 10000
+PARK_ENV = "SONAR_OPENMP_PARK"
+
+# A receive: recv(timeout) is the next reply's bytes, or None when none came within timeout
+# seconds (0: do not wait).
+Receive = Callable[[float], "bytes | None"]
 
 
 def default_spin_runtime(environ: Mapping[str, str] = os.environ, maps_path: str = "/proc/self/maps") -> str | None:
@@ -35,27 +50,107 @@ def default_spin_runtime(environ: Mapping[str, str] = os.environ, maps_path: str
     return None
 
 
-class SpinAdvice:
-    """Says once (INFO) how to stop torch's idle threads spinning while hooks wait."""
+class Waiter(Protocol):
+    """How a connection waits for a reply."""
 
-    def __init__(self) -> None:
-        self.told = False
+    parks: int  # waits that parked torch's threads
 
-    def advise(self, ring_layers: int, threads: int, environ: Mapping[str, str] = os.environ,
-               maps_path: str = "/proc/self/maps") -> bool:
-        """Log the advice if hooks wait (``ring_layers`` 0), torch runs several threads and
-        libgomp spins at its default; True when it did (never twice)."""
-        if self.told or ring_layers != 0 or threads < 2:
-            return False
-        runtime = default_spin_runtime(environ, maps_path)
-        if runtime is None:
-            return False
-        self.told = True
-        log.info("ring_layers=0: each gradient hook waits for sonard, and meanwhile torch's other %d OpenMP "
-                 "thread(s) (%s) spin for milliseconds on the cores the update needs. Starting the trainer "
-                 "with GOMP_SPINCOUNT=%d in its environment lets them sleep: 4-11%% faster steps in "
-                 "docs/benchmarks.md", threads - 1, os.path.basename(runtime), SUGGESTED_SPINCOUNT)
-        return True
+    def receive(self, recv: Receive, timeout: float) -> bytes | None:
+        """recv(timeout), however this waiter waits."""
 
 
-ADVICE = SpinAdvice()  # one per process: SonarAdamW asks it each time it is built
+class DirectWait:
+    """The calling thread receives; torch's threads do as they like."""
+
+    parks = 0
+
+    def receive(self, recv: Receive, timeout: float) -> bytes | None:
+        return recv(timeout)
+
+
+class OpenMPPark:
+    """Waits with the main thread's OpenMP team (torch's threads) parked in ``sem_wait``.
+
+    The wait opens a parallel region on torch's team (``GOMP_parallel_start``, the entry point
+    of code compiled by GCC before 4.9, which every libgomp keeps): the team's other threads
+    run ``sem_wait``, the calling thread receives as it would, then posts the semaphore once
+    for each of them and closes the region (``GOMP_parallel_end``). Only the main thread parks
+    (its team is the one torch's operators use; another thread would get a team of new
+    threads), only outside a parallel region, only when the team has more than one thread and
+    no reply is waiting already. Nothing but the receive runs inside the region."""
+
+    def __init__(self, libgomp_path: str) -> None:
+        gomp = ctypes.CDLL(libgomp_path)  # the copy torch loaded: dlopen gives the same handle
+        self._start = gomp.GOMP_parallel_start
+        self._start.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        self._start.restype = None
+        self._end = gomp.GOMP_parallel_end
+        self._end.argtypes = []
+        self._end.restype = None
+        self._max_threads = gomp.omp_get_max_threads
+        self._max_threads.restype = ctypes.c_int
+        self._num_threads = gomp.omp_get_num_threads
+        self._num_threads.restype = ctypes.c_int
+        self._in_parallel = gomp.omp_in_parallel
+        self._in_parallel.restype = ctypes.c_int
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._sem_init = libc.sem_init
+        self._sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
+        self._sem_post = libc.sem_post
+        self._sem_post.argtypes = [ctypes.c_void_p]
+        self._sem_wait = ctypes.cast(libc.sem_wait, ctypes.c_void_p).value
+        self._sem = (ctypes.c_ulonglong * 8)()  # a sem_t (32 bytes on glibc) with room to spare
+        self._sem_addr = ctypes.addressof(self._sem)
+        self._main = threading.main_thread().ident
+        self.parks = 0  # waits that parked the team
+
+    @classmethod
+    def find(cls, environ: Mapping[str, str] = os.environ, maps_path: str = "/proc/self/maps") -> OpenMPPark | None:
+        """A park for this process's libgomp when it spins at its default, else None (another
+        runtime, or a spin already set, or ``SONAR_OPENMP_PARK=0``)."""
+        if environ.get(PARK_ENV, "1") == "0":
+            return None
+        path = default_spin_runtime(environ, maps_path)
+        if path is None:
+            return None
+        try:
+            return cls(path)
+        except (OSError, AttributeError) as e:  # a libgomp without these entry points
+            log.debug("cannot park OpenMP threads with %s: %s", path, e)
+            return None
+
+    def team(self) -> int:
+        """Threads a parallel region opened here now would have (1: nothing to park)."""
+        if threading.get_ident() != self._main or self._in_parallel():
+            return 1
+        return int(self._max_threads())
+
+    def receive(self, recv: Receive, timeout: float) -> bytes | None:
+        threads = self.team()
+        if threads < 2:
+            return recv(timeout)
+        got = recv(0.0)
+        if got is not None:
+            return got
+        return self.park(lambda: recv(timeout), threads)
+
+    def park(self, job: Callable[[], bytes | None], threads: int) -> bytes | None:
+        """job() with the other threads of a team of `threads` asleep; job's result."""
+        self._sem_init(self._sem_addr, 0, 0)  # drops posts a smaller team left
+        self._start(self._sem_wait, self._sem_addr, threads)
+        self.parks += 1
+        try:
+            return job()
+        finally:
+            for _ in range(int(self._num_threads()) - 1):
+                self._sem_post(self._sem_addr)
+            self._end()
+
+
+def choose_waiter(threads: int, environ: Mapping[str, str] = os.environ) -> Waiter:
+    """OpenMPPark where torch runs several threads of a libgomp that spins at its default
+    (and SONAR_OPENMP_PARK is not 0), else DirectWait."""
+    if threads < 2:
+        return DirectWait()
+    park = OpenMPPark.find(environ)
+    return park if park is not None else DirectWait()

@@ -22,6 +22,7 @@ from ._backend import Counter, BackendOptions, Expert, MemRef, ServerBackend, St
 from ._connection import Connection, SonarError, SonarRefused
 from ._direct import attach_process
 from ._launch import usable_cores
+from ._openmp import choose_waiter
 from ._shm import PAGE, Ring, Segment
 from ._sqrt import check_session_sqrt, needed_sqrt_lib
 
@@ -63,6 +64,9 @@ class ShmBackend(ServerBackend):
     def __init__(self, conn: Connection, hello: Mapping[str, Any], named: list[tuple[str, nn.Parameter]],
                  options: BackendOptions, counter: Counter, slices: Mapping[int, int] | None = None) -> None:
         super().__init__(conn, hello, named, options, counter, slices)
+        # While the trainer waits for sonard, torch's idle OpenMP threads sleep instead of
+        # spinning on the cores the update needs (_openmp).
+        conn.waiter = choose_waiter(torch.get_num_threads())
         self._params: list[Segment] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (segment id, offset)
         self._views: dict[int, torch.Tensor] = {}  # id(param) -> its memory in the segment

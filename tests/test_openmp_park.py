@@ -1,0 +1,200 @@
+"""Parking torch's OpenMP threads while the trainer waits for sonard (sonar_moe/_openmp.py).
+
+libgomp lets an idle thread spin for milliseconds; while a gradient hook waits for sonard that
+spinning takes a core the update needs. OpenMPPark opens a parallel region on torch's own team
+whose other threads sleep in sem_wait until the reply is in. These tests look at the threads
+themselves (/proc/self/task/*/stat: R running or runnable, S asleep), at what a park returns
+or raises, and at training with a real sonard, bitwise against torch.optim.AdamW."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import sonar_moe
+from sonar_moe._openmp import DirectWait, OpenMPPark, choose_waiter, default_spin_runtime
+
+MAPS = Path("/proc/self/maps").read_text()
+pytestmark = pytest.mark.skipif("libgomp" not in MAPS, reason="this torch does not use libgomp")
+
+THREADS = 2
+
+
+@pytest.fixture()
+def two_threads() -> Iterator[None]:
+    """torch on two OpenMP threads for the test (a team with a thread to park)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield None
+    torch.set_num_threads(before)
+
+
+def team_tids() -> list[int]:
+    """The native ids of the main thread's OpenMP team other than itself, from a region of its
+    own (the team torch's operators run on)."""
+    path = default_spin_runtime({})
+    assert path is not None
+    gomp = ctypes.CDLL(path)
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    def record(_: int) -> None:
+        with lock:
+            seen.append(threading.get_native_id())
+
+    gomp.GOMP_parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    gomp.GOMP_parallel(ctypes.cast(record, ctypes.c_void_p), None, THREADS, 0)
+    others = sorted(set(seen) - {threading.get_native_id()})
+    assert len(others) == THREADS - 1, seen
+    return others
+
+
+def cpu_ns(tids: list[int]) -> int:
+    """Nanoseconds the threads tids have run on a CPU (schedstat's first field)."""
+    return sum(int(Path(f"/proc/self/task/{t}/schedstat").read_text().split()[0]) for t in tids)
+
+
+def busy() -> None:
+    """A torch operator on the whole team; its threads spin (libgomp's default) after it."""
+    x = torch.arange(1 << 21, dtype=torch.float32)
+    assert (x * 2).sum().item() == float((1 << 21) * ((1 << 21) - 1))
+
+
+def sampler(tids: list[int], wait: float) -> Callable[[], bytes]:
+    """A job that waits `wait` seconds and returns how long (us) tids ran meanwhile."""
+    def job() -> bytes:
+        t0 = cpu_ns(tids)
+        time.sleep(wait)
+        return str((cpu_ns(tids) - t0) // 1000).encode()
+    return job
+
+
+WAIT = 0.02  # s: a layer's update on these machines is a few milliseconds
+
+
+def test_parked_threads_sleep(two_threads: None) -> None:
+    """Right after an operator torch's other thread spins through a plain wait (milliseconds of
+    CPU); through a park it sleeps (what it runs to get into sem_wait: microseconds), and it
+    runs the next operator as before."""
+    park = OpenMPPark.find({})
+    assert park is not None
+    tids = team_tids()
+    spun, parked = [], []
+    for _ in range(5):
+        busy()
+        spun.append(int(DirectWait().receive(lambda _t: sampler(tids, WAIT)(), WAIT)))
+        busy()
+        parked.append(int(park.receive(lambda t: None if t == 0 else sampler(tids, WAIT)(), WAIT)))
+    assert max(spun) > 2000, spun  # the control: without a park the thread spins (us of CPU)
+    assert max(parked) < 500, parked
+    assert park.parks == 5
+
+
+def test_park_returns_raises_and_leaves_no_post(two_threads: None) -> None:
+    """A park returns what the receive returned, raises what it raised, and leaves the
+    semaphore at zero: the next park's threads sleep again."""
+    park = OpenMPPark.find({})
+    assert park is not None
+    tids = team_tids()
+    assert park.park(lambda: b"reply", THREADS) == b"reply"
+    with pytest.raises(KeyError, match="lost"):
+        park.park(lambda: (_ for _ in ()).throw(KeyError("lost")), THREADS)
+    busy()
+    assert int(park.park(sampler(tids, WAIT), THREADS)) < 500
+    assert park.parks == 3
+
+
+def test_park_only_where_it_helps(two_threads: None) -> None:
+    """No park when a reply is already there, on another thread than the main one (its team
+    would be new threads), inside a parallel region, or with one thread."""
+    park = OpenMPPark.find({})
+    assert park is not None
+    assert park.receive(lambda t: b"ready" if t == 0 else None, 0.05) == b"ready"
+    assert park.parks == 0
+    seen: list[bytes | None] = []
+    t = threading.Thread(target=lambda: seen.append(park.receive(lambda _t: b"other", 0.05)))
+    t.start()
+    t.join()
+    assert seen == [b"other"] and park.parks == 0
+    torch.set_num_threads(1)
+    assert park.team() == 1
+    assert park.receive(lambda _t: b"alone", 0.05) == b"alone" and park.parks == 0
+    torch.set_num_threads(THREADS)
+    assert park.team() == THREADS
+
+
+def test_find_respects_the_environment(tmp_path: Path) -> None:
+    """Nothing is parked where the user set libgomp's wait (GOMP_SPINCOUNT, OMP_WAIT_POLICY),
+    turned parking off (SONAR_OPENMP_PARK=0), or torch runs another runtime."""
+    assert OpenMPPark.find({}) is not None
+    for env in ({"GOMP_SPINCOUNT": "10000"}, {"OMP_WAIT_POLICY": "passive"}, {"SONAR_OPENMP_PARK": "0"}):
+        assert OpenMPPark.find(env) is None, env
+        assert isinstance(choose_waiter(THREADS, env), DirectWait)
+    other = tmp_path / "maps"
+    other.write_text("".join(line + "\n" for line in MAPS.splitlines() if "libgomp" not in line))
+    assert OpenMPPark.find({}, str(other)) is None
+    assert isinstance(choose_waiter(1, {}), DirectWait)
+    assert isinstance(choose_waiter(THREADS, {}), OpenMPPark)
+
+
+class TwoLayers(nn.Module):
+    """Two layers of batched experts (HF v5 names) between dense projections."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(2):
+            blk = nn.Module()
+            blk.mlp = nn.Module()
+            blk.mlp.experts = nn.Module()
+            blk.mlp.experts.gate_up_proj = nn.Parameter(torch.randn(6, 130, 33))
+            blk.mlp.experts.down_proj = nn.Parameter(torch.randn(6, 33, 65))
+            self.layers.append(blk)
+        self.proj = nn.Linear(33, 33)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.layers:
+            e = blk.mlp.experts
+            h = torch.einsum("bh,eih->bei", x, e.gate_up_proj)
+            h = torch.nn.functional.silu(h[..., :65]) * h[..., 65:]
+            x = torch.tanh(self.proj(torch.einsum("bei,ehi->beh", h, e.down_proj).mean(1)))
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("park", [True, False])
+def test_training_parks_and_stays_exact(two_threads: None, monkeypatch: pytest.MonkeyPatch, park: bool) -> None:
+    """Hooks that wait (ring_layers=0) park the team on torch's default spin, not with
+    SONAR_OPENMP_PARK=0; either way the parameters are torch.optim.AdamW's bits."""
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("SONAR_OPENMP_PARK", "1" if park else "0")
+    torch.manual_seed(7)
+    model = TwoLayers()
+    ref = copy.deepcopy(model)
+    opt = sonar_moe.SonarAdamW(model, lr=2e-3, weight_decay=0.1, ring_layers=0, max_grad_norm=1.0)
+    topt = torch.optim.AdamW(ref.parameters(), lr=2e-3, weight_decay=0.1)
+    try:
+        for _ in range(4):
+            x = torch.randn(64, 33)
+            model(x).backward()
+            ref(x).backward()
+            opt.step()
+            opt.zero_grad()
+            torch.nn.utils.clip_grad_norm_(ref.proj.parameters(), 1.0)  # the dense ones (expert_clipping is off)
+            topt.step()
+            topt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), name
+        parks = opt.stats()["openmp_parks"]
+        assert (parks > 0) if park else (parks == 0), parks
+    finally:
+        opt.close()
