@@ -46,6 +46,7 @@ var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.negStep)-160]
 var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.wide)-164]
 var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.lsb)-484]
 var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.inf)-548]
+var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.rbc2s)-580]
 
 //go:noescape
 func pass1AVX2(pp, gg, mm, vv, out *float32, n int, k *pass1Consts)
@@ -142,6 +143,16 @@ func stepF32MKLAVX512(pp, gg, mm, vv *float32, n int, k *vecConsts)
 //go:noescape
 func stepF32IEEEAVX512(pp, gg, mm, vv *float32, n int, k *vecConsts)
 
+// divBCAVX2 and divBCAVX512 divide src by k.bc2s into dst the way the
+// kernels do (divide_amd64.h), for TestDivideByRecip; n a multiple of 8
+// (16).
+//
+//go:noescape
+func divBCAVX2(dst, src *float32, n int, k *vecConsts)
+
+//go:noescape
+func divBCAVX512(dst, src *float32, n int, k *vecConsts)
+
 //go:noescape
 func stepF32IEEEAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
 
@@ -190,7 +201,7 @@ func stepF32OnePass(p, g, m, v []float32, s Scalars, k f32, sqrt Sqrt) int {
 	if sqrt.mkl == mklAVX512 {
 		n = len(p) &^ 15
 	}
-	if n == 0 || s.Amsgrad || vecISA < ISAAVX2 {
+	if n == 0 || s.Amsgrad || vecISA < ISAAVX2 || !divisorOK(k.bc2s) {
 		return 0
 	}
 	c := vecConsts{pass1Consts: newPass1Consts(s, k), bc2s: k.bc2s, eps: k.eps, negStep: k.negStep}
@@ -227,6 +238,9 @@ type vecConsts struct {
 	// lsb, abs and inf are the masks of the bfloat16 rounding in integer
 	// operations only (RNDBFOR): 0x10000, 0x7FFFFFFF, 0x7F800000. 484, 516, 548.
 	lsb, abs, inf [8]uint32
+	// rbc2s is RN(1/bc2s), the reciprocal the kernels divide by bc2s with
+	// (divide_amd64.h). 580.
+	rbc2s [8]float32
 }
 
 //go:noescape
@@ -277,8 +291,18 @@ func newFusedConsts(k fusedScalars) vecConsts {
 	return c
 }
 
-// setWide fills c.wide from the scalars.
+// divisorOK says whether the kernels may divide by bc2s through its
+// reciprocal (divide_amd64.h): bc2s in [2^-32, 1], which every beta2 in
+// [0, 1) gives (bc2s >= 2^-26.5). Outside, the step runs in Go.
+func divisorOK(bc2s float32) bool { return bc2s >= 0x1p-32 && bc2s <= 1 }
+
+// setWide fills c.wide from the scalars, and the reciprocal of bc2s and
+// +inf the division by bc2s uses (divide_amd64.h).
 func (c *vecConsts) setWide() {
+	y := 1 / c.bc2s // a float32 division: RN(1/bc2s)
+	for i := range c.rbc2s {
+		c.rbc2s[i], c.inf[i] = y, 0x7F800000
+	}
 	words := [9]uint32{math.Float32bits(c.decay), math.Float32bits(c.c), math.Float32bits(c.b2),
 		math.Float32bits(c.omb2), c.sign, c.baseMask, math.Float32bits(c.bc2s), math.Float32bits(c.eps),
 		math.Float32bits(c.negStep)}
@@ -305,7 +329,7 @@ func (c *vecConsts) setRounding(nan uint32) {
 // returns how many it did.
 func fusedF32Vec(p, g, m, v []float32, k fusedScalars) int {
 	w, n := lanes(len(p))
-	if w+n == 0 || !k.fma || k.amsgrad {
+	if w+n == 0 || !k.fma || k.amsgrad || !divisorOK(k.bc2s) {
 		return 0
 	}
 	g, m, v = g[:w+n], m[:w+n], v[:w+n]
@@ -322,7 +346,7 @@ func fusedF32Vec(p, g, m, v []float32, k fusedScalars) int {
 // fusedBF16Vec is fusedF32Vec for bfloat16 bit patterns.
 func fusedBF16Vec(p, g, m, v []uint16, k fusedScalars) int {
 	w, n := lanes(len(p))
-	if w+n == 0 || !k.fma || k.amsgrad {
+	if w+n == 0 || !k.fma || k.amsgrad || !divisorOK(k.bc2s) {
 		return 0
 	}
 	g, m, v = g[:w+n], m[:w+n], v[:w+n]
