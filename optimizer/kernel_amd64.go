@@ -37,8 +37,6 @@ type pass1Consts struct {
 	sign, baseMask     uint32
 }
 
-type pass2Consts struct{ bc2s, eps, negStep float32 }
-
 // The assembly reads vecConsts at fixed offsets.
 var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.pass1Consts)-128]
 var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.bc2s)-152]
@@ -52,7 +50,7 @@ var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.rbc2s)-580]
 func pass1AVX2(pp, gg, mm, vv, out *float32, n int, k *pass1Consts)
 
 //go:noescape
-func pass2AVX2(pp, mm, sq *float32, n int, k *pass2Consts)
+func pass2AVX2(pp, mm, sq *float32, n int, k *vecConsts)
 
 //go:noescape
 func sqrtAVX(dst, src *float32, n int)
@@ -61,7 +59,7 @@ func sqrtAVX(dst, src *float32, n int)
 func pass1AVX512(pp, gg, mm, vv, out *float32, n int, k *pass1Consts)
 
 //go:noescape
-func pass2AVX512(pp, mm, sq *float32, n int, k *pass2Consts)
+func pass2AVX512(pp, mm, sq *float32, n int, k *vecConsts)
 
 //go:noescape
 func sqrtAVX512(dst, src *float32, n int)
@@ -110,7 +108,11 @@ func lerpConsts(decay, w, b2, omb2 float32, applyDecay, maximize bool) pass1Cons
 
 func pass2Vec(p, m, sq []float32, k f32) int {
 	w, n := lanes(len(p))
-	c2 := pass2Consts{bc2s: k.bc2s, eps: k.eps, negStep: k.negStep}
+	if w+n == 0 || !divisorOK(k.bc2s) {
+		return 0
+	}
+	c2 := vecConsts{bc2s: k.bc2s, eps: k.eps, negStep: k.negStep}
+	c2.setDivide()
 	if w > 0 {
 		pass2AVX512(&p[0], &m[0], &sq[0], w, &c2)
 	}
@@ -296,13 +298,18 @@ func newFusedConsts(k fusedScalars) vecConsts {
 // [0, 1) gives (bc2s >= 2^-26.5). Outside, the step runs in Go.
 func divisorOK(bc2s float32) bool { return bc2s >= 0x1p-32 && bc2s <= 1 }
 
-// setWide fills c.wide from the scalars, and the reciprocal of bc2s and
-// +inf the division by bc2s uses (divide_amd64.h).
-func (c *vecConsts) setWide() {
+// setDivide fills the reciprocal of bc2s and +inf the division by bc2s
+// uses (divide_amd64.h).
+func (c *vecConsts) setDivide() {
 	y := 1 / c.bc2s // a float32 division: RN(1/bc2s)
 	for i := range c.rbc2s {
 		c.rbc2s[i], c.inf[i] = y, 0x7F800000
 	}
+}
+
+// setWide fills c.wide from the scalars, and what setDivide fills.
+func (c *vecConsts) setWide() {
+	c.setDivide()
 	words := [9]uint32{math.Float32bits(c.decay), math.Float32bits(c.c), math.Float32bits(c.b2),
 		math.Float32bits(c.omb2), c.sign, c.baseMask, math.Float32bits(c.bc2s), math.Float32bits(c.eps),
 		math.Float32bits(c.negStep)}

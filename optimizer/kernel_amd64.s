@@ -6,8 +6,8 @@
 // same IEEE single-precision operations as torch's vectorized CPU kernels
 // (see StepF32), so the results are bitwise those of the scalar Go code.
 //
-// The constants block k (see pass1Consts and pass2Consts) holds broadcastable
-// float32 values and masks.
+// The constants block k (pass1Consts, vecConsts) holds broadcastable float32
+// values and masks.
 
 // func pass1AVX2(pp, gg, mm, vv, out *float32, n int, k *pass1Consts)
 // n must be a multiple of 8.
@@ -53,23 +53,23 @@ done1:
 	VZEROUPPER
 	RET
 
-// func pass2AVX2(pp, mm, sq *float32, n int, k *pass2Consts)
+// func pass2AVX2(pp, mm, sq *float32, n int, k *vecConsts)
 TEXT ·pass2AVX2(SB), NOSPLIT, $0-40
 	MOVQ pp+0(FP), DI
 	MOVQ mm+8(FP), SI
 	MOVQ sq+16(FP), R8
 	MOVQ n+24(FP), CX
 	MOVQ k+32(FP), AX
-	VBROADCASTSS 0(AX), Y8  // bias_correction2_sqrt
-	VBROADCASTSS 4(AX), Y9  // eps
-	VBROADCASTSS 8(AX), Y10 // -step_size
+	VBROADCASTSS 152(AX), Y8  // bias_correction2_sqrt
+	VBROADCASTSS 156(AX), Y9  // eps
+	VBROADCASTSS 160(AX), Y10 // -step_size
 	XORQ BX, BX
 loop2:
 	CMPQ BX, CX
 	JGE done2
 	VMOVUPS (R8)(BX*4), Y0
-	VDIVPS Y8, Y0, Y0         // sqrt(v) / bc2s
-	VADDPS Y9, Y0, Y0         // + eps
+	DIVBC(Y0, Y3, Y4, Y5, Y8) // sqrt(v) / bc2s
+	VADDPS Y9, Y3, Y0         // + eps
 	VMOVUPS (SI)(BX*4), Y1
 	VMULPS Y10, Y1, Y1        // value * m
 	VDIVPS Y0, Y1, Y1         // / denom

@@ -65,23 +65,23 @@ done1:
 	VZEROUPPER
 	RET
 
-// func pass2AVX512(pp, mm, sq *float32, n int, k *pass2Consts)
+// func pass2AVX512(pp, mm, sq *float32, n int, k *vecConsts)
 TEXT ·pass2AVX512(SB), NOSPLIT, $0-40
 	MOVQ pp+0(FP), DI
 	MOVQ mm+8(FP), SI
 	MOVQ sq+16(FP), R8
 	MOVQ n+24(FP), CX
 	MOVQ k+32(FP), AX
-	VBROADCASTSS 0(AX), Z8  // bias_correction2_sqrt
-	VBROADCASTSS 4(AX), Z9  // eps
-	VBROADCASTSS 8(AX), Z10 // -step_size
+	VBROADCASTSS 152(AX), Z14 // bias_correction2_sqrt
+	VBROADCASTSS 156(AX), Z9  // eps
+	VBROADCASTSS 160(AX), Z10 // -step_size
 	XORQ BX, BX
 loop2:
 	CMPQ BX, CX
 	JGE done2
 	VMOVUPS (R8)(BX*4), Z0
-	VDIVPS Z8, Z0, Z0         // sqrt(v) / bc2s
-	VADDPS Z9, Z0, Z0         // + eps
+	ZDIVBC(Z0, Z3, Z4, K1)    // sqrt(v) / bc2s
+	VADDPS Z9, Z3, Z0         // + eps
 	VMOVUPS (SI)(BX*4), Z1
 	VMULPS Z10, Z1, Z1        // value * m
 	VDIVPS Z0, Z1, Z1         // / denom
