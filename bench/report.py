@@ -236,11 +236,15 @@ def divider_lines(res: dict) -> list[str]:
     if d.get("zmm_ns_per_element"):
         widths.append(f"{d['zmm_ns_per_element']:.2f} with 16-lane ones")
     g = workers / _floor(res)
-    return [f"The divider's floor (`sonar-bench -divider`, this run): one square root and two divisions, which every "
-            "element of every bit-for-bit AdamW variant needs (with MKL's root computed by the engine, the two "
-            f"divisions), take {' and '.join(widths)} an element on one core, with nothing else in the loop. With "
-            f"{workers} workers no such kernel passes {g:.2f} G elements/s: {g * 14:.1f} GB/s in bfloat16 and "
-            f"{g * 28:.1f} in float32, against the stream limits below.\n"]
+    return [f"The divider's floor (`sonar-bench -divider`, this run): one square root and two divisions, torch's "
+            f"arithmetic for every element, take {' and '.join(widths)} an element on one core, with nothing else "
+            f"in the loop. With {workers} workers a kernel that ran them all on the divider could not pass "
+            f"{g:.2f} G elements/s: {g * 14:.1f} GB/s in bfloat16 and {g * 28:.1f} in float32, against the stream "
+            "limits below. Since 2026-12-02 the float32 single-tensor (IEEE root) and fused kernels, and the "
+            "AVX-512 fused bfloat16 one, divide by bias_correction2_sqrt without the divider: its reciprocal "
+            "once, then two corrections with fused multiply-adds, which give the correctly rounded quotient "
+            "(Markstein's theorem; `optimizer/divide_amd64.h`, `TestDivideByRecip`), so the divider does one "
+            "square root and one division an element there.\n"]
 
 
 def before_after_section(res: dict, by: dict) -> list[str]:
@@ -903,11 +907,11 @@ def analysis(res: dict) -> list[str]:
             txt += (f"Its rate on a {size_name(small['numel'])} tensor (working set in cache) is "
                     f"{small['elements_per_s'] / 1e9:.2f} G elem/s against {g['elements_per_s'] / 1e9:.2f} at "
                     f"{size_name(big)}, so at large sizes memory, not arithmetic, sets its speed. ")
-        cap = res["torch"].get("capability", "")
-        txt += ("Where the single-tensor Go kernel trails fused, the likely causes (not verified with hardware "
-                f"counters) are: torch's fused CPU kernel makes one pass (capability {cap} here) while the Go "
-                "single-tensor kernel makes two passes per 512-element block (p and m are loaded twice and p stored "
-                "twice, from L1), i.e. more load/store operations per element competing with the memory streams. ")
+        txt += ("The single-tensor kernel makes one pass over each element (the IEEE root and MKL's emulated "
+                "ones; a root that is a call into MKL takes two passes per block) and, since 2026-12-02, divides "
+                "by bias_correction2_sqrt with fused multiply-adds instead of the divider (exact: "
+                "`optimizer/divide_amd64.h`), which took it from 0.56 to 0.40 ns an element on one core in L2 "
+                "(AVX-512; AVX2 0.52 -> 0.42; the fused float32 kernel 0.56 -> 0.40). ")
         if single:
             txt += (f"torch's default single-tensor path (and foreach) makes one pass over memory per op, about "
                     f"eight, so it is {single['median_s'] / g['median_s']:.1f}x slower than the Go engine at "
@@ -935,9 +939,9 @@ def analysis(res: dict) -> list[str]:
                  "The Go kernel rounds to bfloat16 after every op, as torch's single-tensor path does (the "
                  "bit-for-bit reference); fused computes in float32 and rounds once per state, so it does less "
                  f"work per element (and gives different bits). The Go bf16 single-tensor kernel ran {lanes_of(gb)} "
-                 f"({bf_rates} G elem/s from the smallest to the largest tensor). Every element of every AdamW "
-                 "variant needs one square root and two divisions, which cannot be replaced without changing the "
-                 "bits; in bfloat16 the single-tensor step needs about 60 vector operations besides (eight "
+                 f"({bf_rates} G elem/s from the smallest to the largest tensor). Every element needs one square "
+                 "root and two divisions; in bfloat16 the single-tensor step needs about 60 vector operations "
+                 "besides (eight "
                  "roundings, widening the loads, narrowing the stores), one long chain of dependent instructions "
                  "per block. Since 2026-12-02 the kernels (AVX2 and AVX-512) widen the 2n bfloat16 values of one "
                  "load as two blocks of lanes (even elements shifted up, odd ones masked) and write the two "
@@ -950,10 +954,14 @@ def analysis(res: dict) -> list[str]:
                  "32.6 -> 15.5 ms, of which placing the state at the parameter's offset mod 4 KiB "
                  "(`optimizer.stateOffset`, no 4K aliasing of loads with earlier stores) gave 32.6 -> 24.8 and "
                  "the prefetch the rest. The fused bf16 kernels widen and narrow the same way and round a stored "
-                 "value in five integer operations (AVX-512, one core in L2: 0.77 -> 0.63 ns an element)."
-                 + (f" The divider's floor measured above ({_floor(res):.2f} ns an element on one core) is what the "
-                    "fused kernels run at within a few percent; the single-tensor one adds its roundings on the "
-                    "same vector ports." if _floor(res) else "")
+                 "value in five integer operations (AVX-512, one core in L2: 0.77 -> 0.63 ns an element), and on "
+                 "AVX-512 divide by bias_correction2_sqrt with fused multiply-adds instead of the divider "
+                 "(`optimizer/divide_amd64.h`; 0.56 -> 0.54 ns). The bf16 single-tensor kernel keeps both "
+                 "divisions on the divider: its loop is bound by the roundings on the same vector ports, where the "
+                 "multiply-adds would add work (as they did to the AVX2 fused bf16 loop, 0.67 -> 0.81 ns, which "
+                 "keeps the divider too)."
+                 + (f" The divider's floor measured above ({_floor(res):.2f} ns an element on one core) is under "
+                    "every bf16 kernel but the AVX-512 fused one." if _floor(res) else "")
                  + ("" if gb.get("cpu_isa") == "avx512" else
                     " This machine has no AVX-512: the AVX-512 kernels (16 lanes) are verified lane for lane on an "
                     "emulated CPU (`make test-avx512`) but could not be timed here."))

@@ -142,6 +142,13 @@ def test_find_respects_the_environment(tmp_path: Path) -> None:
     other = tmp_path / "maps"
     other.write_text("".join(line + "\n" for line in MAPS.splitlines() if "libgomp" not in line))
     assert OpenMPPark.find({}, str(other)) is None
+    # another package's libgomp mapped first: torch's (under torch/lib) is the one chosen
+    ours = default_spin_runtime({})
+    assert ours is not None
+    two = tmp_path / "maps2"
+    two.write_text("7f0000000000-7f0000001000 r-xp 00000000 00:00 1 /opt/other/libgomp-1234.so.1\n" + MAPS)
+    assert default_spin_runtime({}, str(two)) == ours
+    assert default_spin_runtime({}, str(two), prefer="/opt/other/") == "/opt/other/libgomp-1234.so.1"
     assert isinstance(choose_waiter(1, {}), DirectWait)
     assert isinstance(choose_waiter(THREADS, {}), OpenMPPark)
 

@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
+import torch
+
 log = logging.getLogger("sonar_moe")
 
 SUGGESTED_SPINCOUNT = 10000
@@ -33,21 +35,27 @@ PARK_ENV = "SONAR_OPENMP_PARK"
 Receive = Callable[[float], "bytes | None"]
 
 
-def default_spin_runtime(environ: Mapping[str, str] = os.environ, maps_path: str = "/proc/self/maps") -> str | None:
+def default_spin_runtime(environ: Mapping[str, str] = os.environ, maps_path: str = "/proc/self/maps",
+                         prefer: str | None = None) -> str | None:
     """The file of the libgomp loaded in this process when its spin-wait is left at the default
     (neither ``GOMP_SPINCOUNT`` nor ``OMP_WAIT_POLICY`` set), else None (another runtime, or
-    none, or one already told how long to spin)."""
+    none, or one already told how long to spin). Where several are loaded (another package may
+    bring its own), the one under ``prefer`` (torch's library directory by default) is torch's."""
     if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
         return None
+    if prefer is None:
+        prefer = os.path.join(os.path.dirname(torch.__file__), "lib") + os.sep
+    found: list[str] = []
     try:
         with open(maps_path) as f:
             for line in f:
                 fields = line.split()
-                if len(fields) >= 6 and "libgomp" in os.path.basename(fields[-1]):
-                    return fields[-1]
+                if len(fields) >= 6 and "libgomp" in os.path.basename(fields[-1]) and fields[-1] not in found:
+                    found.append(fields[-1])
     except OSError:
         return None
-    return None
+    ours = [path for path in found if path.startswith(prefer)]
+    return (ours or found or [None])[0]
 
 
 class Waiter(Protocol):
