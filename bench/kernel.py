@@ -86,14 +86,21 @@ def torch_adamw(n: int, dtype: torch.dtype, reps: int, variants: tuple[str, ...]
     return out
 
 
-def sonard_e2e(n: int, dtype: torch.dtype, reps: int, fused: bool = False) -> dict:
+def sonard_e2e(n: int, dtype: torch.dtype, reps: int, fused: bool = False, ping_baseline: bool = False) -> dict:
     """One expert tensor of n elements updated by a private sonard: request latency seen by
-    the client (send -> reply handled) and the server's own time for the step."""
+    the client (send -> reply handled) and the server's own time for the step. With
+    ping_baseline, each step alternates with a ``ping`` on a second connection to the same
+    server sent from the same place: right after an equal backward on a plain tensor, so it
+    waits after the same idle gap (the baseline of what a step costs beyond a request)."""
     import sonar_moe
+    from sonar_moe import Connection
     p, grad = make(n, dtype, 1)
     w = grad.clone()
+    q = p.detach().clone().requires_grad_(True)
+    pings: list[float] = []
     with sonar_moe.SonarAdamW([("experts.w", p)], lr=1e-3, weight_decay=0.01, fused=fused or None,
                               expert_params=lambda name, t: True) as opt:
+        other = Connection(opt.server_address, timeout=30) if ping_baseline and opt.server_address else None
         walls = []
         for i in range(reps + 1):
             (p * w).sum().backward()  # the hook hands the gradient over (zero copy) and sends the request
@@ -101,17 +108,30 @@ def sonard_e2e(n: int, dtype: torch.dtype, reps: int, fused: bool = False) -> di
             opt.step()  # waits for the reply
             if i:
                 walls.append(time.perf_counter() - t)
+            if other is not None:
+                (q * w).sum().backward()
+                q.grad = None
+                t = time.perf_counter()
+                other.call("ping", {})
+                if i:
+                    pings.append(time.perf_counter() - t)
+        if other is not None:
+            other.close()
         lat = opt.request_latencies[-reps:]  # one latency per request
         st = opt.stats()
         srv = st["server"]
     med = common.median(lat)
     bpe = 7 * torch.finfo(dtype).bits // 8
-    return {"impl": "sonard-e2e-fused" if fused else "sonard-e2e", "arithmetic": "fused" if fused else "single",
-            "dtype": str(dtype).removeprefix("torch."), "numel": n,
-            "median_s": med, "min_s": min(lat), "times_s": lat, "elements_per_s": n / med,
-            "gb_per_s": n * bpe / med / 1e9, "bytes_per_element": bpe,
-            "server_step_us_p50": srv.get("step_us_p50"), "server_step_us_p99": srv.get("step_us_p99"),
-            "wait_in_step_s": common.median(walls)}
+    out = {"impl": "sonard-e2e-fused" if fused else "sonard-e2e", "arithmetic": "fused" if fused else "single",
+           "dtype": str(dtype).removeprefix("torch."), "numel": n,
+           "median_s": med, "min_s": min(lat), "times_s": lat, "elements_per_s": n / med,
+           "gb_per_s": n * bpe / med / 1e9, "bytes_per_element": bpe,
+           "server_step_us_p50": srv.get("step_us_p50"), "server_step_us_p99": srv.get("step_us_p99"),
+           "wait_in_step_s": common.median(walls)}
+    if pings:
+        out["ping_after_backward_s"] = common.median(pings)
+        out["ping_after_backward_times_s"] = pings
+    return out
 
 
 def _stats(times: list[float]) -> dict:
@@ -353,7 +373,7 @@ def main() -> None:
     if not a.no_sonard:
         res["ping"] = ipc_ping(a.pings, a.go_bench)
         # A step request whose kernel is negligible (64 elements): what a step costs beyond it.
-        res["step_small"] = sonard_e2e(64, torch.float32, max(50, a.pings // 4))
+        res["step_small"] = sonard_e2e(64, torch.float32, max(50, a.pings // 4), ping_baseline=True)
     if a.contended and a.go_bench:
         res["contended"] = contended(a.go_bench, parse_sizes(a.contended)[0], a.reps)
     res["copy"].append(copy_bandwidth(a.copy_mb, a.reps))
