@@ -716,8 +716,9 @@ def ipc_section(res: dict) -> list[str]:
                         f"from the same place (right after an equal backward on a plain tensor, so after the same "
                         f"idle gap): p50 {1e6 * small['ping_after_backward_s']:.0f} us, so the step costs "
                         f"{1e6 * (small['median_s'] - small['ping_after_backward_s']):+.0f} us beyond a request "
-                        "sent under the same conditions; the rest of the difference to the back-to-back round "
-                        "trip is the gap's wake-ups." if small.get("ping_after_backward_s") else "")
+                        "sent under the same conditions (the step's hook also parks torch's OpenMP threads while "
+                        "it waits, a wake-up more than the ping's plain wait)." if small.get("ping_after_backward_s")
+                        else "")
                      + "\n")
     L.append("In training, each request's latency (send to reply handled, `opt.request_latencies`) also holds the "
              "server's AdamW and the time until the trainer next polls (it polls in the gradient hooks and in "
