@@ -162,9 +162,9 @@ def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
     if e2e:
         L.append("\nsonard end to end: the client's request latency (send to reply handled) for one tensor, "
                  "which includes the server's AdamW (server-side time in the last column), msgpack and the "
-                 "ZeroMQ round trip; the private server uses torch's MKL sqrt for float32 (as `SonarAdamW` "
-                 "starts it). The trainer also copies the gradient into a shared-memory slot before sending "
-                 "(not in the latency).\n")
+                 "ZeroMQ round trip; the private server computes torch's float32 square root as `SonarAdamW` "
+                 "asks it to (MKL's, emulated by the engine where an emulation matches, as here). The server "
+                 "reads the gradient in place out of the trainer (zero copy), inside the latency.\n")
         L.append("| dtype | size | arithmetic | request latency ms | server step ms (p50) | G elem/s (latency) |")
         L.append("|---|---|---|---|---|---|")
         for r in e2e:
