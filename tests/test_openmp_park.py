@@ -37,22 +37,27 @@ def two_threads() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def team_tids() -> list[int]:
-    """The native ids of the main thread's OpenMP team other than itself, from a region of its
-    own (the team torch's operators run on)."""
+def in_region(fn: Callable[[], None]) -> None:
+    """fn() on each thread of a parallel region of THREADS opened here (torch's libgomp)."""
     path = default_spin_runtime({})
     assert path is not None
     gomp = ctypes.CDLL(path)
-    seen: list[int] = []
     lock = threading.Lock()
 
     @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-    def record(_: int) -> None:
+    def body(_: int) -> None:
         with lock:
-            seen.append(threading.get_native_id())
+            fn()
 
     gomp.GOMP_parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
-    gomp.GOMP_parallel(ctypes.cast(record, ctypes.c_void_p), None, THREADS, 0)
+    gomp.GOMP_parallel(ctypes.cast(body, ctypes.c_void_p), None, THREADS, 0)
+
+
+def team_tids() -> list[int]:
+    """The native ids of the main thread's OpenMP team other than itself, from a region of its
+    own (the team torch's operators run on)."""
+    seen: list[int] = []
+    in_region(lambda: seen.append(threading.get_native_id()))
     others = sorted(set(seen) - {threading.get_native_id()})
     assert len(others) == THREADS - 1, seen
     return others
@@ -115,7 +120,8 @@ def test_park_returns_raises_and_leaves_no_post(two_threads: None) -> None:
 
 def test_park_only_where_it_helps(two_threads: None) -> None:
     """No park when a reply is already there, on another thread than the main one (its team
-    would be new threads), inside a parallel region, or with one thread."""
+    would be new threads), inside a parallel region (on any of its threads), or with one
+    thread."""
     park = OpenMPPark.find({})
     assert park is not None
     assert park.receive(lambda t: b"ready" if t == 0 else None, 0.05) == b"ready"
@@ -125,6 +131,9 @@ def test_park_only_where_it_helps(two_threads: None) -> None:
     t.start()
     t.join()
     assert seen == [b"other"] and park.parks == 0
+    inside: list[int] = []
+    in_region(lambda: inside.append(park.team()))  # on every thread of a region: main's too
+    assert inside == [1] * THREADS
     torch.set_num_threads(1)
     assert park.team() == 1
     assert park.receive(lambda _t: b"alone", 0.05) == b"alone" and park.parks == 0

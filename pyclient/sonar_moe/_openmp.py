@@ -9,9 +9,9 @@ OpenMP threads: spinning or sleeping").
 ``OpenMPPark`` stops that without the environment: while the trainer's main thread waits for a
 reply, it opens an OpenMP parallel region on torch's own team whose other threads block in
 ``sem_wait``, and posts the semaphore once for each when the reply is in. The team sleeps in
-the kernel instead of spinning. ``GOMP_SPINCOUNT``
-(read when libgomp is loaded, so set before Python starts) is the other way; where it or
-``OMP_WAIT_POLICY`` is set, or ``SONAR_OPENMP_PARK=0``, nothing is parked.
+the kernel instead of spinning. ``GOMP_SPINCOUNT`` (read when libgomp is loaded, so set before
+Python starts) is the other way; where it or ``OMP_WAIT_POLICY`` is set, or
+``SONAR_OPENMP_PARK=0``, nothing is parked.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch
 
 log = logging.getLogger("sonar_moe")
 
-SUGGESTED_SPINCOUNT = 10000
 PARK_ENV = "SONAR_OPENMP_PARK"
 
 # A receive: recv(timeout) is the next reply's bytes, or None when none came within timeout
@@ -55,7 +54,9 @@ def default_spin_runtime(environ: Mapping[str, str] = os.environ, maps_path: str
     except OSError:
         return None
     ours = [path for path in found if path.startswith(prefer)]
-    return (ours or found or [None])[0]
+    if ours:
+        return ours[0]
+    return found[0] if found else None
 
 
 class Waiter(Protocol):
@@ -99,8 +100,8 @@ class OpenMPPark:
         self._max_threads.restype = ctypes.c_int
         self._num_threads = gomp.omp_get_num_threads
         self._num_threads.restype = ctypes.c_int
-        self._in_parallel = gomp.omp_in_parallel
-        self._in_parallel.restype = ctypes.c_int
+        self._level = gomp.omp_get_level  # parallel regions around the caller, active or not
+        self._level.restype = ctypes.c_int
         libc = ctypes.CDLL(None, use_errno=True)
         self._sem_init = libc.sem_init
         self._sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
@@ -109,7 +110,6 @@ class OpenMPPark:
         self._sem_wait = ctypes.cast(libc.sem_wait, ctypes.c_void_p).value
         self._sem = (ctypes.c_ulonglong * 8)()  # a sem_t (32 bytes on glibc) with room to spare
         self._sem_addr = ctypes.addressof(self._sem)
-        self._main = threading.main_thread().ident
         self.parks = 0  # waits that parked the team
 
     @classmethod
@@ -129,7 +129,7 @@ class OpenMPPark:
 
     def team(self) -> int:
         """Threads a parallel region opened here now would have (1: nothing to park)."""
-        if threading.get_ident() != self._main or self._in_parallel():
+        if threading.current_thread() is not threading.main_thread() or self._level():
             return 1
         return int(self._max_threads())
 
@@ -145,14 +145,16 @@ class OpenMPPark:
     def park(self, job: Callable[[], bytes | None], threads: int) -> bytes | None:
         """job() with the other threads of a team of `threads` asleep; job's result."""
         self._sem_init(self._sem_addr, 0, 0)  # drops posts a smaller team left
-        self._start(self._sem_wait, self._sem_addr, threads)
         self.parks += 1
         try:
+            self._start(self._sem_wait, self._sem_addr, threads)
             return job()
         finally:
-            for _ in range(int(self._num_threads()) - 1):
-                self._sem_post(self._sem_addr)
-            self._end()
+            # Closed only if it opened: an interrupt (KeyboardInterrupt) may come before.
+            if self._level():
+                for _ in range(int(self._num_threads()) - 1):
+                    self._sem_post(self._sem_addr)
+                self._end()
 
 
 def choose_waiter(threads: int, environ: Mapping[str, str] = os.environ) -> Waiter:
