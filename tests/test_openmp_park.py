@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import sonar_moe
-from sonar_moe._openmp import DirectWait, OpenMPPark, choose_waiter, default_spin_runtime
+from sonar_moe._openmp import DirectWait, OpenMPPark, choose_waiter, default_spin_runtime, torch_uses_openmp
 
 MAPS = Path("/proc/self/maps").read_text()
 pytestmark = pytest.mark.skipif("libgomp" not in MAPS, reason="this torch does not use libgomp")
@@ -159,6 +159,7 @@ def test_find_respects_the_environment(tmp_path: Path) -> None:
     assert default_spin_runtime({}, str(two)) == ours
     assert default_spin_runtime({}, str(two), prefer="/opt/other/") == "/opt/other/libgomp-1234.so.1"
     assert isinstance(choose_waiter(1, {}), DirectWait)
+    assert torch_uses_openmp()  # this torch's threads are OpenMP's (libgomp is mapped)
     assert isinstance(choose_waiter(THREADS, {}), OpenMPPark)
 
 

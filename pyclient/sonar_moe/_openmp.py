@@ -157,10 +157,16 @@ class OpenMPPark:
                 self._end()
 
 
+def torch_uses_openmp() -> bool:
+    """Whether torch's intra-op threads are OpenMP's (its Linux wheels); another backend's
+    (native, TBB) would not be the team a park holds."""
+    return "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 def choose_waiter(threads: int, environ: Mapping[str, str] = os.environ) -> Waiter:
-    """OpenMPPark where torch runs several threads of a libgomp that spins at its default
-    (and SONAR_OPENMP_PARK is not 0), else DirectWait."""
-    if threads < 2:
+    """OpenMPPark where torch runs several OpenMP threads of a libgomp that spins at its
+    default (and SONAR_OPENMP_PARK is not 0), else DirectWait."""
+    if threads < 2 or not torch_uses_openmp():
         return DirectWait()
     park = OpenMPPark.find(environ)
     return park if park is not None else DirectWait()
