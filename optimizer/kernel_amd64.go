@@ -203,7 +203,7 @@ func stepF32OnePass(p, g, m, v []float32, s Scalars, k f32, sqrt Sqrt) int {
 	if sqrt.mkl == mklAVX512 {
 		n = len(p) &^ 15
 	}
-	if n == 0 || s.Amsgrad || vecISA < ISAAVX2 || !divisorOK(k.bc2s) {
+	if n == 0 || s.Amsgrad || vecISA < ISAAVX2 {
 		return 0
 	}
 	c := vecConsts{pass1Consts: newPass1Consts(s, k), bc2s: k.bc2s, eps: k.eps, negStep: k.negStep}
@@ -213,7 +213,7 @@ func stepF32OnePass(p, g, m, v []float32, s Scalars, k f32, sqrt Sqrt) int {
 		stepF32MKLAVX512(&p[0], &g[0], &m[0], &v[0], n, &c)
 	case sqrt.IsMKLEmulation():
 		stepF32MKLAVX2(&p[0], &g[0], &m[0], &v[0], n, &c, sqrt.mkl == mklFMA)
-	case sqrt.IsIEEE():
+	case sqrt.IsIEEE() && divisorOK(k.bc2s): // the IEEE kernels divide by bc2s through its reciprocal
 		w, _ := lanes(n)
 		if w > 0 {
 			stepF32IEEEAVX512(&p[0], &g[0], &m[0], &v[0], w, &c)

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import sonar_moe
 from sonar_moe._openmp import DirectWait, OpenMPPark, choose_waiter, default_spin_runtime, torch_uses_openmp
+
+from moe_util import TinyMoE
 
 MAPS = Path("/proc/self/maps").read_text()
 pytestmark = pytest.mark.skipif("libgomp" not in MAPS, reason="this torch does not use libgomp")
@@ -163,30 +164,6 @@ def test_find_respects_the_environment(tmp_path: Path) -> None:
     assert isinstance(choose_waiter(THREADS, {}), OpenMPPark)
 
 
-class TwoLayers(nn.Module):
-    """Two layers of batched experts (HF v5 names) between dense projections."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList()
-        for _ in range(2):
-            blk = nn.Module()
-            blk.mlp = nn.Module()
-            blk.mlp.experts = nn.Module()
-            blk.mlp.experts.gate_up_proj = nn.Parameter(torch.randn(6, 130, 33))
-            blk.mlp.experts.down_proj = nn.Parameter(torch.randn(6, 33, 65))
-            self.layers.append(blk)
-        self.proj = nn.Linear(33, 33)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for blk in self.layers:
-            e = blk.mlp.experts
-            h = torch.einsum("bh,eih->bei", x, e.gate_up_proj)
-            h = torch.nn.functional.silu(h[..., :65]) * h[..., 65:]
-            x = torch.tanh(self.proj(torch.einsum("bei,ehi->beh", h, e.down_proj).mean(1)))
-        return x.pow(2).mean()
-
-
 @pytest.mark.parametrize("park", [True, False])
 def test_training_parks_and_stays_exact(two_threads: None, monkeypatch: pytest.MonkeyPatch, park: bool) -> None:
     """Hooks that wait (ring_layers=0) park the team on torch's default spin, not with
@@ -195,7 +172,7 @@ def test_training_parks_and_stays_exact(two_threads: None, monkeypatch: pytest.M
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setenv("SONAR_OPENMP_PARK", "1" if park else "0")
     torch.manual_seed(7)
-    model = TwoLayers()
+    model = TinyMoE(torch.float32, experts=6, hidden=33, inter=65)
     ref = copy.deepcopy(model)
     opt = sonar_moe.SonarAdamW(model, lr=2e-3, weight_decay=0.1, ring_layers=0, max_grad_norm=1.0)
     topt = torch.optim.AdamW(ref.parameters(), lr=2e-3, weight_decay=0.1)

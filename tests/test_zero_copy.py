@@ -20,40 +20,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import sonar_moe
 from sonar_moe import SonarError, start_private_server, torch_scalars
 from sonar_moe._launch import private_workers
 from sonar_moe._shm import PAGE, Ring, Segment
 
+from moe_util import TinyMoE
+
 N = 1000
 GROUP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False, "maximize": False}
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False, "maximize": False}
-
-
-class TinyMoE(nn.Module):
-    """Two layers of batched experts (HF v5 names) and a dense projection."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList()
-        for _ in range(2):
-            blk = nn.Module()
-            blk.mlp = nn.Module()
-            blk.mlp.experts = nn.Module()
-            blk.mlp.experts.gate_up_proj = nn.Parameter(torch.randn(4, 22, 9, dtype=dtype))
-            blk.mlp.experts.down_proj = nn.Parameter(torch.randn(4, 9, 11, dtype=dtype))
-            self.layers.append(blk)
-        self.proj = nn.Linear(9, 9, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for blk in self.layers:
-            e = blk.mlp.experts
-            h = torch.einsum("bh,eih->bei", x, e.gate_up_proj)
-            h = torch.nn.functional.silu(h[..., :11]) * h[..., 11:]
-            x = torch.tanh(self.proj(torch.einsum("bei,ehi->beh", h, e.down_proj).mean(1)))
-        return x.float().pow(2).mean()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -12,11 +12,13 @@ func dividerYMM(n int, x *float32)
 //go:noescape
 func dividerZMM(n int, x *float32)
 
-// Divider is the floor the core's divider puts under every bit-for-bit
-// AdamW kernel: each element needs one square root and two divisions (the
-// IEEE ones; MKL's emulated root needs none of it, but the two divisions
-// stay), which no reordering removes. Measured on one core with nothing
-// else in the loop; the best of the reps.
+// Divider is the floor the core's divider puts under an AdamW kernel that
+// runs torch's arithmetic for each element on it: one square root and two
+// divisions (the IEEE ones; MKL's emulated root needs none of it). The
+// kernels that divide by bias_correction2_sqrt with fused multiply-adds
+// instead (optimizer/divide_amd64.h) leave the divider one square root and
+// one division. Measured on one core with nothing else in the loop; the
+// best of the reps.
 type Divider struct {
 	YMM float64 `json:"ymm_ns_per_element"`           // 8 lanes (AVX)
 	ZMM float64 `json:"zmm_ns_per_element,omitempty"` // 16 lanes, where the CPU has AVX-512

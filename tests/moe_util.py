@@ -1,0 +1,34 @@
+"""A small model with batched expert tensors (HF v5 names), shared by the tests that train it
+against ``torch.optim.AdamW`` (tests/test_zero_copy.py, tests/test_openmp_park.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TinyMoE(nn.Module):
+    """Two layers of batched experts (``experts`` of them, ``hidden`` wide, ``inter`` in the
+    middle: gate_up_proj [experts, 2*inter, hidden], down_proj [experts, hidden, inter]) and a
+    dense projection."""
+
+    def __init__(self, dtype: torch.dtype, experts: int = 4, hidden: int = 9, inter: int = 11) -> None:
+        super().__init__()
+        self.inter = inter
+        self.layers = nn.ModuleList()
+        for _ in range(2):
+            blk = nn.Module()
+            blk.mlp = nn.Module()
+            blk.mlp.experts = nn.Module()
+            blk.mlp.experts.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, hidden, dtype=dtype))
+            blk.mlp.experts.down_proj = nn.Parameter(torch.randn(experts, hidden, inter, dtype=dtype))
+            self.layers.append(blk)
+        self.proj = nn.Linear(hidden, hidden, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.layers:
+            e = blk.mlp.experts
+            h = torch.einsum("bh,eih->bei", x, e.gate_up_proj)
+            h = torch.nn.functional.silu(h[..., :self.inter]) * h[..., self.inter:]
+            x = torch.tanh(self.proj(torch.einsum("bei,ehi->beh", h, e.down_proj).mean(1)))
+        return x.float().pow(2).mean()
