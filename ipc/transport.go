@@ -201,11 +201,9 @@ func (t *Transport) configure(o Options) error {
 // that cannot be decoded gets an error reply (id 0 when unknown); the
 // server goes on serving.
 func (t *Transport) Serve(ctx context.Context, h Handler) error {
-	w, err := t.newWaiter()
-	if err != nil {
-		return err
-	}
-	defer w.close()
+	poller := zmq.NewPoller()
+	poller.Add(t.sock, zmq.POLLIN)
+	poller.Add(t.mon, zmq.POLLIN)
 	ticker, _ := h.(Ticker)
 	lastTick := time.Now()
 	for ctx.Err() == nil {
@@ -217,15 +215,20 @@ func (t *Transport) Serve(ctx context.Context, h Handler) error {
 		if t.flush(h) {
 			wait = 2 * time.Millisecond // replies wait for room, or parked requests for their turn
 		}
-		message, events, err := w.wait(wait)
+		ready, err := poller.Poll(wait)
 		if err != nil {
 			if errors.Is(err, zmq.Errno(4)) { // EINTR
 				continue
 			}
 			return fmt.Errorf("poll: %w", err)
 		}
-		if events {
-			t.events(h)
+		message := false
+		for _, p := range ready {
+			if p.Socket == t.mon {
+				t.events(h)
+			} else {
+				message = true
+			}
 		}
 		if !message {
 			continue
@@ -244,63 +247,6 @@ func (t *Transport) Serve(ctx context.Context, h Handler) error {
 	}
 	return nil
 }
-
-// waiter is how Serve waits for a request or a monitor event, chosen once:
-// Go's poller where libzmq's descriptors allow (netWait), else zmq_poll.
-type waiter interface {
-	// wait returns whether a message and whether monitor events may be
-	// waiting, after at most d.
-	wait(d time.Duration) (message, events bool, err error)
-	close()
-}
-
-func (t *Transport) newWaiter() (waiter, error) {
-	sig, err := watch(t.sock, t.mon)
-	if err == nil {
-		return &netWait{sig}, nil
-	}
-	t.log.Warn("waiting for requests in zmq_poll (the Go runtime's monitor thread will wake often)", zap.Error(err))
-	poller := zmq.NewPoller()
-	poller.Add(t.sock, zmq.POLLIN)
-	poller.Add(t.mon, zmq.POLLIN)
-	return &zmqWait{poller: poller, mon: t.mon}, nil
-}
-
-// netWait waits in Go's poller (see signals).
-type netWait struct{ sig *signals }
-
-func (w *netWait) wait(d time.Duration) (bool, bool, error) {
-	if p := w.sig.pending(); p[0] || p[1] {
-		return p[0], p[1], nil
-	}
-	if err := w.sig.wait(d); err != nil {
-		return false, false, err
-	}
-	p := w.sig.pending()
-	return p[0], p[1], nil
-}
-
-func (w *netWait) close() { w.sig.close() }
-
-// zmqWait waits in zmq_poll.
-type zmqWait struct {
-	poller *zmq.Poller
-	mon    *zmq.Socket
-}
-
-func (w *zmqWait) wait(d time.Duration) (message, events bool, err error) {
-	ready, err := w.poller.Poll(d)
-	for _, p := range ready {
-		if p.Socket == w.mon {
-			events = true
-		} else {
-			message = true
-		}
-	}
-	return message, events, err
-}
-
-func (w *zmqWait) close() {}
 
 // recv receives one message and the descriptor of the connection it came
 // on ("" when libzmq does not say). The descriptor is libzmq's "__fd"

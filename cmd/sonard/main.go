@@ -241,13 +241,7 @@ func run() int {
 		zap.Stringer("isa", optimizer.KernelISA()), zap.Stringer("cpu_isa", optimizer.CPUISA()),
 		zap.String("max_state_bytes", budgetString(budget)), zap.String("max_session_state_bytes", budgetString(sessionBudget)))
 	announceCUDA() // after "sonard listening", which stays the first line
-	// Served on a goroutine of its own: this one is locked to the main
-	// thread (parent.go), and a locked goroutine that blocks hands its P
-	// over and needs its own thread woken to run again, one more thread
-	// wake-up per request.
-	served := make(chan error, 1)
-	go func() { served <- tr.Serve(ctx, srv) }()
-	serveErr := <-served
+	serveErr := tr.Serve(ctx, srv)
 	if err := tr.Close(); err != nil {
 		log.Warn("closing socket", zap.Error(err))
 	}
