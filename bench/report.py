@@ -742,7 +742,40 @@ def ipc_section(res: dict) -> list[str]:
                      f"{m['latency_ms_p50']:.2f} | {m['latency_ms_p99']:.2f} | {srv['step_us_p50'] / 1e3:.2f} | "
                      f"{1e3 * m['hook_s_median']:.1f} | {1e3 * m['drain_s_median']:.1f} | {pct(blocked)} | "
                      f"{pct(transport)} |")
+    L += trace_table(res)
     L.append("\n![IPC latency](ipc-latency.png)\n")
+    return L
+
+
+TRACE_COLUMNS = (("client_send", "client packs and sends"), ("to_server", "ZeroMQ to sonard's loop"),
+                 ("decode", "sonard decodes"), ("handle", "sonard handles"),
+                 ("server_step", "of which the step (validation, page check, read, update)"),
+                 ("to_client", "reply encoded, sent, ZeroMQ back"), ("wake", "trainer's wait ends (parked threads woken)"),
+                 ("dispatch", "reply handled"), ("total", "round trip"))
+
+
+def trace_table(res: dict) -> list[str]:
+    """Where a training step request's round trip went: each reply's server readings of
+    CLOCK_MONOTONIC beside the client's (`opt.request_traces`)."""
+    rows = [(r, k, r["methods"][k]) for r in res["train"] for k in "d" if "step_trace_p50_us" in r["methods"].get(k, {})]
+    if not rows:
+        return []
+    L = ["\nWhere a step request's round trip goes in training: every reply carries sonard's readings of "
+         "CLOCK_MONOTONIC when it had received, decoded and handled the request, which the client keeps beside "
+         "its own (`opt.request_traces`, `RequestTrace.segments()`); p50 in us over the timed steps' requests "
+         "(each a layer's expert tensors), so the columns need not add up to the round trip's p50. \"Sends\" "
+         "ends when the send call returns, which on a busy machine can be after sonard has the request (the "
+         "thread lost its core on the way out): the next column is then short or negative.\n",
+         "| model | method | requests | " + " | ".join(h for _, h in TRACE_COLUMNS) + " |",
+         "|---|---|---|" + "---|" * len(TRACE_COLUMNS)]
+    for r, k, m in rows:
+        t = m["step_trace_p50_us"]
+        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | ({k}) | {m.get('step_trace_count', 0)} | "
+                 + " | ".join(f"{t.get(c, float('nan')):.0f}" for c, _ in TRACE_COLUMNS) + " |")
+    L.append("\nEverything but the step's own time is the price of a separate process on these two cores: "
+             "on an idle machine the same exchange around a 409K-element update took 35 / 120 / 24 us for the "
+             "first three columns (2026-12-02), here each hand-over waits for a core that torch's threads "
+             "hold.\n")
     return L
 
 
@@ -1076,5 +1109,20 @@ def analysis(res: dict) -> list[str]:
                  "(torch on fewer threads), the update overlaps backward instead: " + ratio_summary(res.get("spare") or []) +
                  ". Per-expert requests (e) multiply the round trips by the expert count. Measured: " +
                  "; ".join(time_lines) + ".")
+        L.append("- **Where GraniteMoe's (d) loses to (b).** The table of request segments in section 4 shows it: "
+                 "of each layer's round trip, only sonard's step (validation, page check, read, update) is the "
+                 "update; the rest (the client's send, ZeroMQ both ways, decoding, waking the trainer, handling the "
+                 "reply) is several hundred microseconds a request, 8 requests a step, on cores torch's threads "
+                 "hold. The update itself is memory-bound: the same 614K-element request on an idle machine takes "
+                 "sonard 449-453 us with its data in cache and 783-884 us after 256 MiB were written between "
+                 "steps, as training does (2026-12-02, a one-tensor `SonarAdamW` loop). torch's single-tensor "
+                 "AdamW (b) does more passes but no exchange. Two changes aimed at the exchange were measured and "
+                 "not kept (2026-12-02): (1) sonard waiting in Go's poller (libzmq's ZMQ_FD in an epoll set) "
+                 "instead of in `zmq_poll`, a cgo call during which the Go runtime's monitor thread wakes every "
+                 "90 us: the trainer's threads were switched out half as often, but (d)/(b) did not move (4 "
+                 "alternating runs: 1.049 vs 1.054 mean step, 1.026 vs 1.024 CPU) and a request after an idle "
+                 "gap took 15-25 us longer (each cgo call then wakes the sleeping monitor); (2) parking torch's "
+                 "threads from before the send instead of from the wait: (d)/(b) 1.049 and 1.060 against 1.024 "
+                 "and 1.030 without, in alternating runs.")
     L.append("")
     return L

@@ -312,6 +312,7 @@ def main() -> None:
             for m in methods:  # latencies and request counts of the timed steps only
                 if m.sonar is not None:
                     m.lat0 = len(m.sonar.request_latencies)
+                    m.trace0 = len(m.sonar.request_traces)
                     m.req0 = m.sonar.stats(server=False)["step_requests"]
                     m.phases0 = server_phases(m.sonar.stats()["server"])
         for m in methods:
@@ -334,6 +335,13 @@ def main() -> None:
             r["latency_ms_p50"] = 1e3 * lat[len(lat) // 2] if lat else float("nan")
             r["latency_ms_p99"] = 1e3 * lat[min(len(lat) - 1, len(lat) * 99 // 100)] if lat else float("nan")
             r["requests_per_step"] = (st["step_requests"] - getattr(m, "req0", 0)) / max(a.steps, 1)
+            # Where a step request's round trip went (client and server readings of one clock), p50 us.
+            traces = [t for t in m.sonar.request_traces[getattr(m, "trace0", 0):] if t.op == "step"]
+            if traces:
+                segs = [t.segments() for t in traces]
+                r["step_trace_p50_us"] = {k: common.median([x[k] for x in segs]) for k in segs[0]}
+                r["step_trace_p50_us"]["server_step"] = common.median([float(t.server_us) for t in traces])
+                r["step_trace_count"] = len(traces)
             # Where sonard's time went, per timed step (wall time added over its workers).
             p0, p1 = getattr(m, "phases0", {}), server_phases(st["server"])
             r["server_phase_s_per_step"] = {k: (v - p0.get(k, 0.0)) / max(a.steps, 1) for k, v in p1.items()}

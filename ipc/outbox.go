@@ -131,7 +131,7 @@ func (t *Transport) flush(h Handler) bool {
 			for _, f := range req {
 				ob.parkedBytes -= len(f)
 			}
-			rep := t.serveOne(h, client, req)
+			rep := t.serveOne(h, client, req, Monotonic()) // parked: received now, as far as its reply says
 			switch t.trySend(client, rep) {
 			case sendFull:
 				ob.replies = append(ob.replies, rep)

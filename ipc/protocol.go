@@ -11,6 +11,7 @@ import (
 	"reflect"
 
 	"github.com/vmihailenco/msgpack/v5"
+	"golang.org/x/sys/unix"
 )
 
 // Version is the protocol version carried in every message. A server
@@ -63,6 +64,21 @@ type Reply struct {
 	OK    bool   `msgpack:"ok"`
 	Error string `msgpack:"error,omitempty"`
 	Body  any    `msgpack:"body,omitempty"`
+	// Times are the server's CLOCK_MONOTONIC readings, in nanoseconds, when
+	// the request had been received, decoded and handled (the reply is
+	// encoded and sent right after): a client on the same machine reads the
+	// same clock and can tell where a round trip's time went.
+	Times []int64 `msgpack:"t,omitempty"`
+}
+
+// Monotonic is CLOCK_MONOTONIC in nanoseconds, the clock of Reply.Times
+// (Python's time.monotonic_ns on Linux).
+func Monotonic() int64 {
+	var ts unix.Timespec
+	if unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts) != nil {
+		return 0
+	}
+	return ts.Nano()
 }
 
 // MemRef names bytes [Offset, Offset+Bytes) of an attached segment.

@@ -303,6 +303,7 @@ func (t *Transport) disconnected(h Handler, client string) {
 // client's replies that wait for room (backpressure), or dropped when its
 // connection is already closed (nobody could read the reply).
 func (t *Transport) receive(h Handler, frames [][]byte, fdText string) {
+	received := Monotonic()
 	if len(frames) < 2 {
 		t.log.Warn("dropping message without routing id and payload", zap.Int("frames", len(frames)))
 		return
@@ -326,11 +327,12 @@ func (t *Transport) receive(h Handler, frames [][]byte, fdText string) {
 		ob.park(t, client, frames)
 		return
 	}
-	t.send(client, t.serveOne(h, client, frames))
+	t.send(client, t.serveOne(h, client, frames, received))
 }
 
-// serveOne executes one message and returns the reply's frames.
-func (t *Transport) serveOne(h Handler, client string, frames [][]byte) [][]byte {
+// serveOne executes one message, received at the Monotonic time received,
+// and returns the reply's frames.
+func (t *Transport) serveOne(h Handler, client string, frames [][]byte, received int64) [][]byte {
 	id := frames[0]
 	// REQ clients put an empty delimiter before the payload; keep it in replies.
 	head := [][]byte{id}
@@ -344,12 +346,14 @@ func (t *Transport) serveOne(h Handler, client string, frames [][]byte) [][]byte
 		rep.Error = fmt.Sprintf("%v: expected 1 payload frame, got %d", ErrProtocol, len(rest))
 	} else {
 		req, err := DecodeRequest(rest[0])
+		decoded := Monotonic()
 		rep.ID = req.ID
 		if err == nil {
 			var body any
 			body, err = h.Handle(client, req)
 			rep.Body = body
 		}
+		rep.Times = []int64{received, decoded, Monotonic()}
 		if err != nil {
 			rep.Error = err.Error()
 			t.log.Debug("request failed", zap.String("client", client), zap.String("op", req.Op), zap.Uint64("id", req.ID), zap.Error(err))

@@ -21,6 +21,7 @@ type stubHandler struct {
 	mu      sync.Mutex
 	calls   int
 	clients map[string]int
+	delay   time.Duration // each request takes this long
 }
 
 func (h *stubHandler) Handle(client string, req Request) (any, error) {
@@ -31,6 +32,7 @@ func (h *stubHandler) Handle(client string, req Request) (any, error) {
 	}
 	h.clients[client]++
 	h.mu.Unlock()
+	time.Sleep(h.delay)
 	if req.Op == "fail" {
 		return nil, errors.New("stub failure")
 	}
@@ -102,10 +104,11 @@ func dealer(t *testing.T, addr string) *zmq.Socket {
 }
 
 type stubReply struct {
-	V     int    `msgpack:"v"`
-	ID    uint64 `msgpack:"id"`
-	OK    bool   `msgpack:"ok"`
-	Error string `msgpack:"error"`
+	V     int     `msgpack:"v"`
+	ID    uint64  `msgpack:"id"`
+	OK    bool    `msgpack:"ok"`
+	Error string  `msgpack:"error"`
+	Times []int64 `msgpack:"t"`
 	Body  struct {
 		Op   string         `msgpack:"op"`
 		ID   uint64         `msgpack:"id"`
@@ -184,6 +187,32 @@ func TestTransportRoundTrip(t *testing.T) {
 	frames, r = recvReply(t, c)
 	if len(frames) != 2 || len(frames[0]) != 0 || !r.OK || r.ID != 8 {
 		t.Errorf("delimited request: %d frames, reply %+v", len(frames), r)
+	}
+}
+
+// TestReplyTimes: every reply, an error's too, carries the server's
+// CLOCK_MONOTONIC readings at receipt, decoding and handling, in that order,
+// between the client's readings of the same clock around the round trip;
+// the handler's time falls between the last two.
+func TestReplyTimes(t *testing.T) {
+	h := &stubHandler{delay: 3 * time.Millisecond}
+	addr, _ := serve(t, h)
+	c := dealer(t, addr)
+	for _, op := range []string{"ping", "fail"} {
+		before := Monotonic()
+		send(t, c, envelope(t, Version, op, 1, nil))
+		_, r := recvReply(t, c)
+		after := Monotonic()
+		if len(r.Times) != 3 {
+			t.Fatalf("%s: reply times %v, want 3", op, r.Times)
+		}
+		recv, dec, done := r.Times[0], r.Times[1], r.Times[2]
+		if before >= recv || recv > dec || dec > done || done >= after {
+			t.Errorf("%s: client %d .. %d, server received %d decoded %d handled %d: out of order", op, before, after, recv, dec, done)
+		}
+		if got := time.Duration(done - dec); got < h.delay {
+			t.Errorf("%s: handled %v after decoding, the handler alone takes %v", op, got, h.delay)
+		}
 	}
 }
 

@@ -20,7 +20,7 @@ or None).
 """
 
 from ._binary import find_sonard
-from ._connection import PROTOCOL_VERSION, Connection, SonarError, SonarRefused, SonarServerDied
+from ._connection import PROTOCOL_VERSION, Connection, RequestTrace, SonarError, SonarRefused, SonarServerDied
 from ._detect import ExpertTensor, find_experts, group_key, is_expert_param
 from ._shm import ShmFullError
 from ._launch import start_private_server
@@ -36,6 +36,7 @@ __all__ = [
     "save_checkpoint",
     "PROTOCOL_VERSION",
     "Connection",
+    "RequestTrace",
     "SonarRefused",
     "start_private_server",
     "torch_sqrt_library",

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ._clipping import ExpertClipper
-from ._connection import Connection, SonarError
+from ._connection import Connection, RequestTrace, SonarError
 from ._detect import group_key
 from ._launch import connect
 from ._openmp import DirectWait, Waiter
@@ -200,6 +200,10 @@ class ExpertBackend(Protocol):
 
     @property
     def request_latencies(self) -> list[float]:
+        ...
+
+    @property
+    def request_traces(self) -> list[RequestTrace]:
         ...
 
 
@@ -466,6 +470,10 @@ class ServerBackend(ABC):
     def request_latencies(self) -> list[float]:
         return list(self._conn.latencies)
 
+    @property
+    def request_traces(self) -> list[RequestTrace]:
+        return list(self._conn.traces)
+
 
 class Transfer(ABC):
     """The shared part of a state transfer: export/import requests per server tensor."""
@@ -562,6 +570,10 @@ class NoExperts:
 
     @property
     def request_latencies(self) -> list[float]:
+        return []
+
+    @property
+    def request_traces(self) -> list[RequestTrace]:
         return []
 
 

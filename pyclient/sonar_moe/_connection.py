@@ -12,9 +12,10 @@ import shutil
 import signal
 import subprocess
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import zmq
@@ -35,6 +36,10 @@ EXIT_GRACE_S = 0.25
 # between is still seen before any reconnection (ZeroMQ waits 100 ms to reconnect), by wait()'s
 # link check when no reply comes.
 LINK_CHECK_S = 0.01
+
+# How many of the latest requests' latencies and traces a connection keeps: a long run sends
+# millions of requests, and an unbounded list would grow with each.
+RECENT_REQUESTS = 1 << 16
 
 # Plain ints: pyzmq's enum flags cost microseconds per operation on the hot path.
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
@@ -106,6 +111,31 @@ class Pending:
     sent: float
     on_reply: Callable[[dict[str, Any]], None] | None
     reply: dict[str, Any] | None = None
+    start_ns: int = 0  # CLOCK_MONOTONIC before the request was packed
+    sent_ns: int = 0  # and once the socket took it
+
+
+class RequestTrace(NamedTuple):
+    """Where one request's round trip went: CLOCK_MONOTONIC readings in nanoseconds, the
+    client's and (from the reply's ``t``) the server's, which share the clock on one machine."""
+
+    op: str
+    start: int  # client: before packing the request
+    sent: int  # client: the send call returned (on a busy machine, possibly after `received`)
+    received: int  # server: received
+    decoded: int  # server: decoded
+    handled: int  # server: handled (the reply is encoded and sent next)
+    got: int  # client: the reply's bytes came out of the socket
+    woke: int  # client: the wait returned (torch's parked threads woken)
+    done: int  # client: the reply handled (callbacks run)
+    server_us: int  # a step's own time in the server (validation and update), else 0
+
+    def segments(self) -> dict[str, float]:
+        """The round trip cut where the hand-overs are, in microseconds."""
+        return {"client_send": (self.sent - self.start) / 1e3, "to_server": (self.received - self.sent) / 1e3,
+                "decode": (self.decoded - self.received) / 1e3, "handle": (self.handled - self.decoded) / 1e3,
+                "to_client": (self.got - self.handled) / 1e3, "wake": (self.woke - self.got) / 1e3,
+                "dispatch": (self.done - self.woke) / 1e3, "total": (self.done - self.start) / 1e3}
 
 
 @dataclass
@@ -126,7 +156,11 @@ class Connection:
     _forked_from: int | None = field(init=False, default=None)
     _rcvtimeo: int = field(init=False, default=-1)
     _link_checked: float = field(init=False, default=-1e9)  # monotonic time of send's last link check
-    latencies: list[float] = field(init=False, default_factory=list)
+    # The latest requests' latencies (seconds, send to reply handled) and, where the server
+    # shares this machine's clock (ipc://), their traces.
+    latencies: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
+    traces: deque[RequestTrace] = field(init=False, default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
+    _got_ns: int = field(init=False, default=0)  # when _recv last returned a reply's bytes
     # How a blocking receive waits: the backend that knows torch's threads sets it
     # (_openmp.choose_waiter); direct by default.
     waiter: Waiter = field(init=False, default_factory=DirectWait)
@@ -190,13 +224,15 @@ class Connection:
         if now - self._link_checked >= LINK_CHECK_S:
             self._check_link()
             self._link_checked = now
+        start = time.monotonic_ns()
         rid = next(self._ids)
         msg = msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "id": rid, "body": body}, use_bin_type=True)
-        self._pending[rid] = Pending(op, time.perf_counter(), on_reply)
+        p = self._pending[rid] = Pending(op, time.perf_counter(), on_reply, start_ns=start)
         try:
             self._sock.send(msg, flags=_NOBLOCK)
         except zmq.Again:
             self._sock.send(msg)  # high-water mark reached: wait for the queue
+        p.sent_ns = time.monotonic_ns()
         return rid
 
     def send_raw(self, frames: list[bytes]) -> None:
@@ -233,7 +269,7 @@ class Connection:
         raw = self.waiter.receive(self._recv, timeout)
         if raw is None:
             return 0
-        self._dispatch(raw)
+        self._dispatch(raw, self._got_ns, time.monotonic_ns())
         # A reply to nothing pending would be refused anyway; with nothing pending (a request that
         # was waited for), asking the socket for more costs a system call for nothing.
         return 1 + (self._drain() if self._pending else 0)
@@ -243,23 +279,28 @@ class Connection:
         already there). Called by the waiter, on the thread it chooses."""
         if timeout <= 0:
             try:
-                return self._sock.recv(_NOBLOCK)
+                raw = self._sock.recv(_NOBLOCK)
             except zmq.Again:
                 return None
-        ms = max(1, int(timeout * 1000))
-        if ms != self._rcvtimeo:
-            self._sock.setsockopt(zmq.RCVTIMEO, ms)
-            self._rcvtimeo = ms
-        try:
-            return self._sock.recv()
-        except zmq.Again:
-            return None
+        else:
+            ms = max(1, int(timeout * 1000))
+            if ms != self._rcvtimeo:
+                self._sock.setsockopt(zmq.RCVTIMEO, ms)
+                self._rcvtimeo = ms
+            try:
+                raw = self._sock.recv()
+            except zmq.Again:
+                return None
+        self._got_ns = time.monotonic_ns()
+        return raw
 
     def _drain(self) -> int:
         """Handle every reply already in the socket."""
         n = 0
         while self._sock.getsockopt(_EVENTS) & _POLLIN:
-            self._dispatch(self._sock.recv(_NOBLOCK))
+            raw = self._sock.recv(_NOBLOCK)
+            got = time.monotonic_ns()
+            self._dispatch(raw, got, got)
             n += 1
         return n
 
@@ -344,7 +385,9 @@ class Connection:
             f.seek(max(0, f.tell() - (4 << 20)))
             return f.read().decode(errors="replace")
 
-    def _dispatch(self, raw: bytes) -> None:
+    def _dispatch(self, raw: bytes, got: int = 0, woke: int = 0) -> None:
+        """Handle one reply whose bytes came at ``got`` (monotonic ns) and whose wait ended at
+        ``woke``."""
         try:
             rep = msgpack.unpackb(raw, raw=False)
         except Exception as e:  # noqa: BLE001 - a broken reply is a server bug
@@ -362,6 +405,18 @@ class Connection:
             p.on_reply(rep)
         else:
             self._done[rid] = rep
+        self._trace(p, rep, got, woke)
+
+    def _trace(self, p: Pending, rep: dict[str, Any], got: int, woke: int) -> None:
+        """Keep the request's trace where the server's readings share this machine's clock."""
+        t = rep.get("t")
+        if not (got and self.address.startswith("ipc://") and isinstance(t, list) and len(t) == 3
+                and all(isinstance(x, int) for x in t)):
+            return
+        body = rep.get("body")
+        micros = body.get("micros", 0) if p.op == "step" and isinstance(body, dict) else 0
+        self.traces.append(RequestTrace(p.op, p.start_ns, p.sent_ns, t[0], t[1], t[2], got, woke,
+                                        time.monotonic_ns(), micros if isinstance(micros, int) else 0))
 
     def close(self) -> None:
         self._closed = True

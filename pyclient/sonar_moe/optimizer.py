@@ -34,7 +34,7 @@ from torch.optim.adam import adam
 from ._backend import DTYPES, STATE_KEYS, BackendOptions, ExpertBackend, NoExperts
 from ._clipping import MODES as EXPERT_CLIPPING_MODES
 from ._clipping import ExpertClipper
-from ._connection import SonarError
+from ._connection import RequestTrace, SonarError
 from ._cuda_backend import CudaBackend
 from ._params import ExpertPredicate, expert_slices, group_names, is_expert, module_experts, torch_params
 from ._shm_backend import ShmBackend
@@ -545,8 +545,16 @@ class SonarAdamW(torch.optim.AdamW):
 
     @property
     def request_latencies(self) -> list[float]:
-        """Seconds from sending each answered request to handling its reply, oldest first (a copy)."""
+        """Seconds from sending each answered request to handling its reply, oldest first (a copy;
+        the latest 65,536)."""
         return self._backend.request_latencies
+
+    @property
+    def request_traces(self) -> list[RequestTrace]:
+        """Where each answered request's round trip went (``RequestTrace``, its ``segments()`` in
+        microseconds), oldest first (a copy; the latest 65,536). Only with a server on this machine
+        (``ipc://``), whose clock the client shares."""
+        return self._backend.request_traces
 
     # --------------------------------------------------------------- backward
     def _on_grad(self, p: torch.Tensor) -> None:
