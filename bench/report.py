@@ -1109,7 +1109,14 @@ def analysis(res: dict) -> list[str]:
                  "(torch on fewer threads), the update overlaps backward instead: " + ratio_summary(res.get("spare") or []) +
                  ". Per-expert requests (e) multiply the round trips by the expert count. Measured: " +
                  "; ".join(time_lines) + ".")
-        L.append("- **Where GraniteMoe's (d) loses to (b).** The table of request segments in section 4 shows it: "
+        cb = [f"{MODEL_NAME[r['model']]} {r['impl']} {r['methods']['c']['median_step_s'] / r['methods']['b']['median_step_s']:.2f}x"
+              for r in res["train"] if "b" in r["methods"] and "c" in r["methods"]]
+        L.append("- **Where GraniteMoe's (d) loses to (b).** Updating during backward on the cores backward runs on "
+                 "costs torch itself: its own optimizer-in-backward (c) took " + ", ".join(cb) + " (b)'s step time "
+                 "in this run, with no process, request or copy in between (likely, not measured: each update's data "
+                 "passes through the caches backward is using, and the hooks run one after another in backward's "
+                 "thread). The "
+                 "table of request segments in section 4 shows what Sonar adds: "
                  "of each layer's round trip, only sonard's step (validation, page check, read, update) is the "
                  "update; the rest (the client's send, ZeroMQ both ways, decoding, waking the trainer, handling the "
                  "reply) is several hundred microseconds a request, 8 requests a step, on cores torch's threads "
