@@ -42,7 +42,11 @@ def test_step_traces_ordered(ring_layers: int) -> None:
             opt.zero_grad()
         traces = opt.request_traces
         n_latencies = len(opt.request_latencies)
+        st = opt.stats(server=False)
     after = time.monotonic_ns()
+    assert st["requests"] == n_latencies  # all of them: fewer than the window
+    assert set(st["step_us_p50"]) == set(traces[0].segments())
+    assert 0 < st["step_us_p50"]["total"] < (after - before) / 1e3
     steps = [t for t in traces if t.op == "step"]
     assert len(steps) == 4 * 2  # a request per layer per step
     assert len(traces) == n_latencies  # every answered request, the connection's own too
@@ -78,3 +82,21 @@ def test_recent_requests_only(monkeypatch: pytest.MonkeyPatch) -> None:
             assert conn.traces[-2] == last and len(conn.traces) == 10
         finally:
             conn.close()
+
+
+def test_stats_count_every_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stats()["requests"]`` counts every answered request, also past the window the
+    latencies are kept for."""
+    monkeypatch.setattr(_connection, "RECENT_REQUESTS", 4)
+    torch.manual_seed(4)
+    model = TinyMoE(torch.float32)
+    x = torch.randn(5, 9)
+    with sonar_moe.SonarAdamW(model.named_parameters(), lr=1e-3) as opt:
+        for _ in range(3):
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+        st = opt.stats(server=False)
+        assert len(opt.request_latencies) == 4 and len(opt.request_traces) == 4
+        assert st["requests"] >= 3 * 2 + 2  # six step requests, the session's own before them
+        assert st["step_requests"] == 3 * 2

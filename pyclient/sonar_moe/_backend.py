@@ -206,6 +206,10 @@ class ExpertBackend(Protocol):
     def request_traces(self) -> list[RequestTrace]:
         ...
 
+    @property
+    def requests_answered(self) -> int:
+        ...
+
 
 def say_hello(conn: Connection, namespace: str | None, fields: Mapping[str, Any], timeout: float) -> dict[str, Any]:
     """Open the session: who this client is, and what its path needs (`fields`)."""
@@ -474,6 +478,10 @@ class ServerBackend(ABC):
     def request_traces(self) -> list[RequestTrace]:
         return list(self._conn.traces)
 
+    @property
+    def requests_answered(self) -> int:
+        return self._conn.answered
+
 
 class Transfer(ABC):
     """The shared part of a state transfer: export/import requests per server tensor."""
@@ -575,6 +583,10 @@ class NoExperts:
     @property
     def request_traces(self) -> list[RequestTrace]:
         return []
+
+    @property
+    def requests_answered(self) -> int:
+        return 0
 
 
 class _NoTransfer:

@@ -161,6 +161,7 @@ class Connection:
     latencies: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     traces: deque[RequestTrace] = field(init=False, default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     _got_ns: int = field(init=False, default=0)  # when _recv last returned a reply's bytes
+    answered: int = field(init=False, default=0)  # replies handled since the connection opened
     # How a blocking receive waits: the backend that knows torch's threads sets it
     # (_openmp.choose_waiter); direct by default.
     waiter: Waiter = field(init=False, default_factory=DirectWait)
@@ -401,6 +402,7 @@ class Connection:
         if p is None or not isinstance(rid, int):
             raise SonarError(f"reply to unknown request {rid}: {rep.get('error')}")
         self.latencies.append(time.perf_counter() - p.sent)
+        self.answered += 1
         if p.on_reply is not None:
             p.on_reply(rep)
         else:

@@ -869,8 +869,10 @@ class SonarAdamW(torch.optim.AdamW):
     # ------------------------------------------------------------ reporting
     def stats(self, server: bool = True) -> dict[str, Any]:
         """Client figures (peak expert-gradient bytes, requests, latencies, seconds spent handing
-        gradients over and waiting for updates) and, with server=True, the server's counters."""
+        gradients over and waiting for updates, where the latest step requests' time went) and,
+        with server=True, the server's counters."""
         lat = sorted(self._backend.request_latencies)
+        segs = [t.segments() for t in self._backend.request_traces if t.op == "step"]
         out: dict[str, Any] = {
             **self._backend.stats(),
             "namespace": self.namespace,
@@ -879,10 +881,12 @@ class SonarAdamW(torch.optim.AdamW):
             "skipped_nonfinite": self._skipped_nonfinite,
             "hand_over_s": self._hand_over_s,
             "wait_s": self._wait_s,
-            "requests": len(lat),
+            "requests": self._backend.requests_answered,
+            # over the latest requests (RECENT_REQUESTS)
             "latency_ms_p50": 1e3 * lat[len(lat) // 2] if lat else 0.0,
             "latency_ms_p99": 1e3 * lat[min(len(lat) - 1, len(lat) * 99 // 100)] if lat else 0.0,
             "latency_ms_mean": 1e3 * statistics.fmean(lat) if lat else 0.0,
+            "step_us_p50": {k: statistics.median(x[k] for x in segs) for k in segs[0]} if segs else {},
         }
         if server and not self._closed:
             srv = self._backend.server_stats()
