@@ -757,7 +757,7 @@ TRACE_COLUMNS = (("client_send", "client packs and sends"), ("to_server", "ZeroM
 def trace_table(res: dict) -> list[str]:
     """Where a training step request's round trip went: each reply's server readings of
     CLOCK_MONOTONIC beside the client's (`opt.request_traces`)."""
-    rows = [(r, k, r["methods"][k]) for r in res["train"] for k in "d" if "step_trace_p50_us" in r["methods"].get(k, {})]
+    rows = [(r, "d", r["methods"]["d"]) for r in res["train"] if "step_trace_p50_us" in r["methods"].get("d", {})]
     if not rows:
         return []
     L = ["\nWhere a step request's round trip goes in training: every reply carries sonard's readings of "

@@ -338,8 +338,7 @@ def main() -> None:
             # Where a step request's round trip went (client and server readings of one clock), p50 us.
             traces = [t for t in m.sonar.request_traces[getattr(m, "trace0", 0):] if t.op == "step"]
             if traces:
-                segs = [t.segments() for t in traces]
-                r["step_trace_p50_us"] = {k: common.median([x[k] for x in segs]) for k in segs[0]}
+                r["step_trace_p50_us"] = sonar_moe.RequestTrace.median_segments(traces)
                 r["step_trace_p50_us"]["server_step"] = common.median([float(t.server_us) for t in traces])
                 r["step_trace_count"] = len(traces)
             # Where sonard's time went, per timed step (wall time added over its workers).

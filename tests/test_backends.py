@@ -15,6 +15,7 @@ from torch import nn
 from sonar_moe import SonarError
 from sonar_moe import _backend, _cuda_backend
 from sonar_moe._backend import BackendOptions, ServerBackend
+from sonar_moe._openmp import DirectWait
 from sonar_moe._cuda_backend import CudaBackend
 
 
@@ -31,6 +32,7 @@ class FakeConn:
         self.sent: list[tuple[str, dict[str, Any]]] = []
         self.replies: list[Callable[[dict[str, Any]], None] | None] = []
         self.latencies: list[float] = []
+        self.waiter = DirectWait()  # as a Connection's: the CUDA path never parks
         self.ended = 0
         self.next_id = 0
 

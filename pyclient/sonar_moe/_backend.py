@@ -36,7 +36,6 @@ from ._clipping import ExpertClipper
 from ._connection import Connection, RequestTrace, SonarError
 from ._detect import group_key
 from ._launch import connect
-from ._openmp import DirectWait, Waiter
 from ._steps import StepQueue
 
 log = logging.getLogger("sonar_moe")
@@ -273,7 +272,6 @@ class ServerBackend(ABC):
         self._room_wait_s = 0.0  # time the gradient hooks waited for room in the ring
         self._server_workers = int(hello.get("workers") or 0)  # the server's CPU update workers
         self._server_isa = str(hello.get("isa") or "")  # the vector instructions of its CPU kernels
-        self._waiter: Waiter = DirectWait()  # how the connection waits (the CPU path may park torch's threads)
 
     # ------------------------------------------------------------ path-specific
     def default_ring_layers(self, conn: Connection) -> int:
@@ -446,7 +444,7 @@ class ServerBackend(ABC):
                 "step_requests": self._steps.step_requests, "grads_sent": self._steps.grads_sent,
                 "bytes_sent": self._steps.bytes_sent, "room_wait_s": self._room_wait_s,
                 "ring_layers": self._options.ring_layers, "server_workers": self._server_workers,
-                "server_isa": self._server_isa, "openmp_parks": self._waiter.parks}
+                "server_isa": self._server_isa, "openmp_parks": self._conn.waiter.parks}
 
     def server_stats(self) -> dict[str, Any] | None:
         return self._conn.call("stats", {})

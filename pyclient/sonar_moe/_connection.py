@@ -10,6 +10,7 @@ import re
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import time
 from collections import deque
@@ -136,6 +137,12 @@ class RequestTrace(NamedTuple):
                 "decode": (self.decoded - self.received) / 1e3, "handle": (self.handled - self.decoded) / 1e3,
                 "to_client": (self.got - self.handled) / 1e3, "wake": (self.woke - self.got) / 1e3,
                 "dispatch": (self.done - self.woke) / 1e3, "total": (self.done - self.start) / 1e3}
+
+    @staticmethod
+    def median_segments(traces: list[RequestTrace]) -> dict[str, float]:
+        """The median of each segment over traces (us); empty without traces."""
+        segs = [t.segments() for t in traces]
+        return {k: statistics.median(x[k] for x in segs) for k in segs[0]} if segs else {}
 
 
 @dataclass

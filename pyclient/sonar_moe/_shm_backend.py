@@ -66,7 +66,7 @@ class ShmBackend(ServerBackend):
         super().__init__(conn, hello, named, options, counter, slices)
         # While the trainer waits for sonard, torch's idle OpenMP threads sleep instead of
         # spinning on the cores the update needs (_openmp).
-        self._waiter = conn.waiter = choose_waiter(torch.get_num_threads())
+        conn.waiter = choose_waiter(torch.get_num_threads())
         self._params: list[Segment] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (segment id, offset)
         self._views: dict[int, torch.Tensor] = {}  # id(param) -> its memory in the segment

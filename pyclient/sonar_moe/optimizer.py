@@ -872,7 +872,6 @@ class SonarAdamW(torch.optim.AdamW):
         gradients over and waiting for updates, where the latest step requests' time went) and,
         with server=True, the server's counters."""
         lat = sorted(self._backend.request_latencies)
-        segs = [t.segments() for t in self._backend.request_traces if t.op == "step"]
         out: dict[str, Any] = {
             **self._backend.stats(),
             "namespace": self.namespace,
@@ -886,7 +885,7 @@ class SonarAdamW(torch.optim.AdamW):
             "latency_ms_p50": 1e3 * lat[len(lat) // 2] if lat else 0.0,
             "latency_ms_p99": 1e3 * lat[min(len(lat) - 1, len(lat) * 99 // 100)] if lat else 0.0,
             "latency_ms_mean": 1e3 * statistics.fmean(lat) if lat else 0.0,
-            "step_us_p50": {k: statistics.median(x[k] for x in segs) for k in segs[0]} if segs else {},
+            "step_us_p50": RequestTrace.median_segments([t for t in self._backend.request_traces if t.op == "step"]),
         }
         if server and not self._closed:
             srv = self._backend.server_stats()
