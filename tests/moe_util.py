@@ -1,7 +1,10 @@
 """A small model with batched expert tensors (HF v5 names), shared by the tests that train it
-against ``torch.optim.AdamW`` (tests/test_zero_copy.py, tests/test_openmp_park.py)."""
+against ``torch.optim.AdamW`` (tests/test_zero_copy.py, tests/test_openmp_park.py), and the
+side-by-side training loop they run."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -32,3 +35,28 @@ class TinyMoE(nn.Module):
             h = torch.nn.functional.silu(h[..., :self.inter]) * h[..., self.inter:]
             x = torch.tanh(self.proj(torch.einsum("bei,ehi->beh", h, e.down_proj).mean(1)))
         return x.float().pow(2).mean()
+
+
+def train_beside(model: nn.Module, ref: nn.Module, opt: torch.optim.Optimizer, topt: torch.optim.Optimizer,
+                 batch: Callable[[], torch.Tensor], steps: int, micro: int = 1,
+                 before_ref_step: Callable[[], None] | None = None) -> None:
+    """Train model with opt and its copy ref with torch's optimizer topt on the same batches:
+    `micro` backward passes a step (one batch() each, fed to both), opt's step, then
+    before_ref_step (the reference's clipping) and topt's."""
+    for _ in range(steps):
+        for _ in range(micro):
+            x = batch()
+            model(x).backward()
+            ref(x).backward()
+        opt.step()
+        opt.zero_grad()
+        if before_ref_step is not None:
+            before_ref_step()
+        topt.step()
+        topt.zero_grad()
+
+
+def assert_same_params(model: nn.Module, ref: nn.Module) -> None:
+    """Every parameter of model has the bits of ref's."""
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name

@@ -21,7 +21,7 @@ import torch
 import sonar_moe
 from sonar_moe._openmp import DirectWait, OpenMPPark, choose_waiter, default_spin_runtime, torch_uses_openmp
 
-from moe_util import TinyMoE
+from moe_util import TinyMoE, assert_same_params, train_beside
 
 MAPS = Path("/proc/self/maps").read_text()
 pytestmark = pytest.mark.skipif("libgomp" not in MAPS, reason="this torch does not use libgomp")
@@ -177,17 +177,10 @@ def test_training_parks_and_stays_exact(two_threads: None, monkeypatch: pytest.M
     opt = sonar_moe.SonarAdamW(model, lr=2e-3, weight_decay=0.1, ring_layers=0, max_grad_norm=1.0)
     topt = torch.optim.AdamW(ref.parameters(), lr=2e-3, weight_decay=0.1)
     try:
-        for _ in range(4):
-            x = torch.randn(64, 33)
-            model(x).backward()
-            ref(x).backward()
-            opt.step()
-            opt.zero_grad()
-            torch.nn.utils.clip_grad_norm_(ref.proj.parameters(), 1.0)  # the dense ones (expert_clipping is off)
-            topt.step()
-            topt.zero_grad()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(p, q), name
+        # The reference clips the dense parameters only (expert_clipping is off).
+        train_beside(model, ref, opt, topt, lambda: torch.randn(64, 33), steps=4,
+                     before_ref_step=lambda: torch.nn.utils.clip_grad_norm_(ref.proj.parameters(), 1.0))
+        assert_same_params(model, ref)
         parks = opt.stats()["openmp_parks"]
         assert (parks > 0) if park else (parks == 0), parks
     finally:

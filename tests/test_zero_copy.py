@@ -26,7 +26,7 @@ from sonar_moe import SonarError, start_private_server, torch_scalars
 from sonar_moe._launch import private_workers
 from sonar_moe._shm import PAGE, Ring, Segment
 
-from moe_util import TinyMoE
+from moe_util import TinyMoE, assert_same_params, train_beside
 
 N = 1000
 GROUP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False, "maximize": False}
@@ -49,17 +49,8 @@ def test_bitwise_either_way(dtype: torch.dtype, zero_copy: bool, ring_layers: in
         st = opt.stats()
         assert st["zero_copy"] is zero_copy
         assert (st["ring_bytes"] == 0) is zero_copy  # zero copy makes no ring
-        for _ in range(3):
-            for _ in range(2):
-                x = torch.randn(5, 9, dtype=dtype)
-                model(x).backward()
-                ref(x).backward()
-            opt.step()
-            opt.zero_grad()
-            topt.step()
-            topt.zero_grad()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(p, q), name
+        train_beside(model, ref, opt, topt, lambda: torch.randn(5, 9, dtype=dtype), steps=3, micro=2)
+        assert_same_params(model, ref)
         assert opt.stats()["held_grad_bytes"] == 0  # everything given back after step()
     finally:
         opt.close()
@@ -83,14 +74,7 @@ def test_held_bytes_within_budget(ring_layers: int, zero_copy: bool) -> None:
     opt = sonar_moe.SonarAdamW(model, lr=1e-3, ring_layers=ring_layers, zero_copy=zero_copy)
     topt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     try:
-        for _ in range(3):
-            x = torch.randn(5, 9)
-            model(x).backward()
-            ref(x).backward()
-            opt.step()
-            opt.zero_grad()
-            topt.step()
-            topt.zero_grad()
+        train_beside(model, ref, opt, topt, lambda: torch.randn(5, 9), steps=3)
         st = opt.stats()
         assert st["zero_copy"] is zero_copy and st["ring_layers"] == ring_layers
         if zero_copy:
@@ -98,8 +82,7 @@ def test_held_bytes_within_budget(ring_layers: int, zero_copy: bool) -> None:
         else:  # the ring, plus autograd's gradient while it is copied into its slot
             assert bound <= st["ring_bytes"] < bound + PAGE
             assert 0 < st["peak_expert_grad_bytes"] <= bound + max(p.numel() * 4 for p in model.parameters())
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(p, q), name
+        assert_same_params(model, ref)
     finally:
         opt.close()
 
