@@ -37,6 +37,23 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def cpu_idle() -> dict:
+    """How an idle CPU waits (Linux cpuidle): the driver and, for a virtual machine's haltpoll
+    driver, how long an idle virtual CPU polls before it halts (0: it halts at once, and waking
+    it goes through the host). Entries the machine does not have are left out."""
+    out = {"driver": _read("/sys/devices/system/cpu/cpuidle/current_driver"),
+           "guest_halt_poll_ns": _read("/sys/module/haltpoll/parameters/guest_halt_poll_ns")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 
 import common  # noqa: F401  (sys.path)
@@ -144,16 +147,17 @@ def _stats(times: list[float]) -> dict:
 IDLE_GAPS_S = (0.001, 0.005)
 
 
-def ipc_ping(n: int, go_bench: str | None = None) -> dict:
+def ipc_ping(n: int, go_bench: str | None = None, cross_cpu: int | None = None) -> dict:
     """Round trips of a request the server answers without doing anything ("ping"),
     as SonarAdamW makes them (``Connection.call``), and where their microseconds go: the same
     request sent with bare pyzmq + msgpack (no sonar_moe client code), and (with go_bench) a
     bare ZeroMQ ROUTER echo in Go (no decoding, no handler: the transport's floor) and a plain
     Unix seqpacket echo in Go (no ZeroMQ: the machine's floor). They
     are measured in interleaved rounds, so a change of the machine's load hits all alike. The
-    client's CPU time per call (this process, all threads) is reported beside the wall time."""
+    client's CPU time per call (this process, all threads) is reported beside the wall time.
+    With cross_cpu (the caller pinned to one CPU, see one_core), one more Unix echo runs pinned to
+    that other CPU: the same path, but every hand-over crosses between two virtual CPUs."""
     import socket
-    import subprocess
     import tempfile
 
     import msgpack
@@ -168,11 +172,12 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
     raw.connect(conn.address)
     tmp = tempfile.mkdtemp(prefix="sonar-echo-")
     servers: list[subprocess.Popen[str]] = []
-    echo, unix = None, None
+    echo, unix, cross = None, None, None
 
-    def serve(flag: str, where: str) -> None:
-        """Start a sonar-bench echo and wait until it listens."""
-        proc = subprocess.Popen([go_bench, flag, where], stdout=subprocess.PIPE, text=True)
+    def serve(flag: str, where: str, cpu: int | None = None) -> None:
+        """Start a sonar-bench echo (on one CPU if told) and wait until it listens."""
+        pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+        proc = subprocess.Popen([go_bench, flag, where], stdout=subprocess.PIPE, text=True, preexec_fn=pin)
         servers.append(proc)
         proc.stdout.readline()  # "ready"
 
@@ -187,6 +192,10 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
         serve("-unix-echo", path)
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         unix.connect(path)
+        if cross_cpu is not None:
+            serve("-unix-echo", f"{tmp}/cross.unix", cross_cpu)
+            cross = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            cross.connect(f"{tmp}/cross.unix")
     req = msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping", "id": 1, "body": {}}, use_bin_type=True)
 
     def via_client() -> None:
@@ -204,11 +213,17 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
         unix.send(req)
         msgpack.unpackb(unix.recv(1 << 16), raw=False)
 
+    def via_cross() -> None:
+        cross.send(req)
+        msgpack.unpackb(cross.recv(1 << 16), raw=False)
+
     cases = {"client": via_client, "pyzmq": via_pyzmq}
     if echo is not None:
         cases["echo"] = via_echo
     if unix is not None:
         cases["unix"] = via_unix
+    if cross is not None:
+        cases["unix_cross"] = via_cross
     times: dict[str, list[float]] = {k: [] for k in cases}
     cpu: dict[str, float] = {k: 0.0 for k in cases}
     gapped: dict[float, dict[str, list[float]]] = {}
@@ -241,6 +256,8 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
             echo.close()
         if unix is not None:
             unix.close()
+        if cross is not None:
+            cross.close()
         for proc in servers:
             proc.kill()
             proc.wait()
@@ -263,7 +280,6 @@ def ipc_ping(n: int, go_bench: str | None = None) -> dict:
 
 def run_go_bench(go_bench: str, *args: str) -> dict:
     """One run of cmd/sonar-bench with args; its JSON report."""
-    import subprocess
     return json.loads(subprocess.run([go_bench, *args], check=True, stdout=subprocess.PIPE).stdout)
 
 
@@ -288,8 +304,6 @@ def contended(go_bench: str, n: int, reps: int, rounds: int = 3) -> dict:
     (several chunks per worker from a shared counter) and with one fixed chunk per worker (the
     engine before 2026-12-01: the worker that shares a core finishes last and the others wait).
     Interleaved rounds of each, medians over all repeats."""
-    import subprocess
-    import sys
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         times: dict[tuple[str, str, int], list[float]] = {}
@@ -330,6 +344,44 @@ def merge(a: list[dict], b: list[dict]) -> list[dict]:
     return out
 
 
+def one_core(pings: int, go_bench: str | None) -> dict | None:
+    """The ping and small-step measurements again with this process, sonard and the echo servers
+    all on one CPU (a child process pinned before it starts anything; children inherit it), and
+    a Unix echo pinned to another CPU beside them. On a virtual machine, waking a thread on
+    another virtual CPU that has halted is a trip through the host; on one CPU every hand-over
+    is a plain context switch. Comparing the two shows what the software costs and what the
+    placement costs. None on a one-CPU machine."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    cmd = [sys.executable, __file__, "--transport-only", "--pings", str(pings), "--cross-cpu", str(cpus[1])]
+    if go_bench:
+        cmd += ["--go-bench", go_bench]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {cpus[0]}))
+    out = json.loads(proc.stdout)
+    out["cpu"], out["other_cpu"] = cpus[0], cpus[1]
+    return out
+
+
+FLOORS = ("echo", "unix", "unix_cross")
+
+
+def transport(pings: int, go_bench: str | None, cross_cpu: int | None = None, apart: bool = False) -> dict:
+    """The bare round trip (ipc_ping) and a step request whose kernel is negligible (64 elements):
+    what a step costs beyond a request. With apart, sonard's paths and the echo floors are
+    measured in two runs instead of interleaved: on one CPU, an echo server's Go runtime, busy
+    from its own batch, took the CPU from the batch after it (the client's round trip measured
+    53-70 us beside the echo servers, 33-34 us without them, 2026-12-02)."""
+    ping = ipc_ping(pings, None if apart else go_bench, None if apart else cross_cpu)
+    if apart and go_bench:
+        floors = ipc_ping(pings, go_bench, cross_cpu)
+        ping["layers"].update({k: v for k, v in floors["layers"].items() if k in FLOORS})
+        for mine, theirs in zip(ping["after_idle"], floors["after_idle"]):
+            mine["layers"].update({k: v for k, v in theirs["layers"].items() if k in FLOORS})
+    return {"ping": ping, "step_small": sonard_e2e(64, torch.float32, max(50, pings // 4), ping_baseline=True)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", default="1M,16M,64M")
@@ -344,7 +396,13 @@ def main() -> None:
     ap.add_argument("--torch-lib", help="libtorch_cpu.so for the Go engine's MKL sqrt variant")
     ap.add_argument("--contended", default="", help="size (K/M suffix) of the kernels also timed with one core "
                     "kept busy by another process (needs --go-bench); empty: not")
+    ap.add_argument("--transport-only", action="store_true",
+                    help="only the ping and small-step measurements (one_core runs this pinned to one CPU)")
+    ap.add_argument("--cross-cpu", type=int, help="with --transport-only: a CPU for one more Unix echo")
     a = ap.parse_args()
+    if a.transport_only:
+        print(json.dumps(transport(a.pings, a.go_bench, a.cross_cpu, apart=True)))
+        return
     res: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(),
                  "capability": torch.backends.cpu.get_cpu_capability(), "default_path": default_path(),
                  "copy": [copy_bandwidth(a.copy_mb, a.reps)], "kernels": [], "sonard": []}
@@ -371,9 +429,8 @@ def main() -> None:
                 res["sonard"].append(sonard_e2e(n, dtype, a.reps))
                 res["sonard"].append(sonard_e2e(n, dtype, a.reps, fused=True))
     if not a.no_sonard:
-        res["ping"] = ipc_ping(a.pings, a.go_bench)
-        # A step request whose kernel is negligible (64 elements): what a step costs beyond it.
-        res["step_small"] = sonard_e2e(64, torch.float32, max(50, a.pings // 4), ping_baseline=True)
+        res.update(transport(a.pings, a.go_bench))
+        res["one_core"] = one_core(a.pings, a.go_bench)
     if a.contended and a.go_bench:
         res["contended"] = contended(a.go_bench, parse_sizes(a.contended)[0], a.reps)
     res["copy"].append(copy_bandwidth(a.copy_mb, a.reps))
