@@ -266,6 +266,10 @@ type Engine struct {
 	// (0: chunksPerWorker; 1: one fixed chunk each, the engine before
 	// 2026-12-01, kept for benchmarks).
 	ChunksPerWorker int
+	// CallerWaits makes the caller of a step only wait while Workers
+	// goroutines take the chunks (the engine before 2026-12-02, kept for
+	// benchmarks); by default the caller is one of the workers.
+	CallerWaits bool
 }
 
 // NewEngine returns an engine using all cores.
@@ -480,11 +484,11 @@ func (e *Engine) kernel(t *Tensor, g []byte, s Scalars, lo, hi int) {
 }
 
 // parallel runs fn over [0, n) in contiguous chunks aligned to 64 elements
-// and waits for all. Up to Workers goroutines take the chunks in order from a
-// shared counter, several each (chunksPerWorker), so a worker whose core is
-// busy with another thread (torch's, another process's) takes fewer and the
-// others take its share, instead of everyone waiting for the slowest fixed
-// half. The chunks' bounds depend on n and Workers only, never on timing, so
+// and waits for all. The caller and up to Workers-1 goroutines take the
+// chunks in order from a shared counter, several each (chunksPerWorker), so
+// a worker whose core is busy with another thread (torch's, another
+// process's) takes fewer and the others take its share, instead of everyone
+// waiting for the slowest fixed half. The chunks' bounds depend on n and Workers only, never on timing, so
 // sums kept by position (positionSums) are the same whoever ran which chunk.
 // Each chunk runs under fault.Catch (the memory may be a client's shared
 // memory); the first fault is returned, after every chunk has finished.
@@ -494,30 +498,48 @@ func (e *Engine) parallel(n int, fn func(lo, hi int)) error {
 		return fault.Catch(func() { fn(0, n) })
 	}
 	chunks := (n + chunk - 1) / chunk
-	var next atomic.Int64
-	var wg sync.WaitGroup
+	var next, done atomic.Int64
+	finished := make(chan struct{}) // closed by whoever finishes the last chunk
 	errs := make([]error, 0, w)
 	var mu sync.Mutex
-	for range min(w, chunks) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				i := int(next.Add(1)) - 1
-				if i >= chunks {
-					return
-				}
-				lo := i * chunk
-				hi := min(lo+chunk, n)
-				if err := fault.Catch(func() { fn(lo, hi) }); err != nil {
-					mu.Lock()
-					errs = append(errs, err)
-					mu.Unlock()
-				}
+	work := func() {
+		for {
+			i := int(next.Add(1)) - 1
+			if i >= chunks {
+				return
 			}
-		}()
+			lo := i * chunk
+			hi := min(lo+chunk, n)
+			if err := fault.Catch(func() { fn(lo, hi) }); err != nil {
+				mu.Lock()
+				errs = append(errs, err)
+				mu.Unlock()
+			}
+			if done.Add(1) == int64(chunks) {
+				close(finished)
+			}
+		}
 	}
-	wg.Wait()
+	// The caller is one of the workers and returns once every chunk is done,
+	// not when the other goroutines have exited: one that starts late finds
+	// no chunk left and ends without touching fn. On a virtual CPU that halts
+	// when idle every thread wake-up costs tens of microseconds, and a caller
+	// that only waited (sonard's goroutine is locked to the main thread,
+	// which lends itself to no other goroutine) handed its P to another
+	// thread and had to be woken again at the end: a float32 step on two
+	// workers took 2.1x as long for 131K elements, 1.14x for 614K, the same
+	// for 2M (BenchmarkParallelCaller, medians of 5, 2026-12-02).
+	helpers := min(w, chunks) - 1
+	if e.CallerWaits {
+		helpers++
+	}
+	for range helpers {
+		go work()
+	}
+	if !e.CallerWaits {
+		work()
+	}
+	<-finished
 	if len(errs) > 0 {
 		return errs[0]
 	}

@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
@@ -561,7 +563,7 @@ func TestParallelCoversOnce(t *testing.T) {
 	for _, n := range []int{1, 7, 63, 64, 65, 1000, 100003} {
 		for _, w := range []int{0, 1, 2, 3, 8, 64} {
 			for _, mc := range []int{0, 1, 64, 1 << 16} {
-				e := &Engine{Workers: w, MinChunk: mc}
+				e := &Engine{Workers: w, MinChunk: mc, CallerWaits: n%2 == 1}
 				hits := make([]int32, n)
 				chunks := make(chan [2]int, 128)
 				e.parallel(n, func(lo, hi int) {
@@ -587,6 +589,31 @@ func TestParallelCoversOnce(t *testing.T) {
 					}
 				}
 			}
+		}
+	}
+}
+
+// TestParallelReturnsWhenChunksDone: parallel returns once every chunk is
+// done, and a worker goroutine that starts after that calls fn no more (the
+// caller may have taken every chunk itself: on one P it runs before them).
+func TestParallelReturnsWhenChunksDone(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+	for _, w := range []int{2, 8} {
+		e := &Engine{Workers: w, MinChunk: 1}
+		var calls, elems atomic.Int64
+		if err := e.parallel(100003, func(lo, hi int) {
+			calls.Add(1)
+			elems.Add(int64(hi - lo))
+		}); err != nil {
+			t.Fatal(err)
+		}
+		atReturn := calls.Load()
+		if elems.Load() != 100003 {
+			t.Fatalf("workers=%d: %d of 100003 elements done at return", w, elems.Load())
+		}
+		time.Sleep(20 * time.Millisecond) // the late goroutines run now
+		if got := calls.Load(); got != atReturn {
+			t.Fatalf("workers=%d: %d calls of fn after parallel returned", w, got-atReturn)
 		}
 	}
 }

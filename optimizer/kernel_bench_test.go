@@ -1,8 +1,11 @@
 package optimizer
 
 import (
+	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"testing"
+	"unsafe"
 )
 
 func benchBufs(n int) (p, g, m, v []float32) {
@@ -56,5 +59,42 @@ func BenchmarkStepBF16(b *testing.B) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		StepBF16(p, g, m, v, nil, s)
+	}
+}
+
+// BenchmarkParallelCaller times one float32 step of a mid-sized tensor on
+// two workers, called from a goroutine locked to its thread as sonard's is,
+// with the caller taking chunks itself (the default) or only waiting
+// (CallerWaits, the engine before 2026-12-02); one worker beside them.
+// Compare the modes within one run: go test -bench ParallelCaller ./optimizer
+func BenchmarkParallelCaller(b *testing.B) {
+	for _, n := range []int{1 << 17, 614400, 1 << 21} {
+		p, g, _, _ := benchBufs(n)
+		for _, c := range []struct {
+			name    string
+			workers int
+			waits   bool
+		}{{"works", 2, false}, {"waits", 2, true}, {"one-worker", 1, false}} {
+			b.Run(fmt.Sprintf("n=%d/%s", n, c.name), func(b *testing.B) {
+				runtime.LockOSThread()
+				defer runtime.UnlockOSThread()
+				e := NewEngine()
+				e.Workers, e.CallerWaits = c.workers, c.waits
+				param := unsafe.Slice((*byte)(unsafe.Pointer(&p[0])), 4*n)
+				grad := unsafe.Slice((*byte)(unsafe.Pointer(&g[0])), 4*n)
+				t, err := NewTensor("w", Float32, n, Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}, param)
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer t.Free()
+				b.SetBytes(28 * int64(n))
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					if err := e.Apply(t, grad, ScalarsFor(t.Hyper, int64(i+1))); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
 	}
 }
