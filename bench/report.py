@@ -1198,6 +1198,17 @@ def analysis(res: dict) -> list[str]:
                  "alternating runs: 1.049 vs 1.054 mean step, 1.026 vs 1.024 CPU) and a request after an idle "
                  "gap took 15-25 us longer (each cgo call then wakes the sleeping monitor); (2) parking torch's "
                  "threads from before the send instead of from the wait: (d)/(b) 1.049 and 1.060 against 1.024 "
-                 "and 1.030 without, in alternating runs.")
+                 "and 1.030 without, in alternating runs. While a layer's request is out, the trainer's "
+                 "threads sleep, so most of the exchange's hand-overs between threads land on a virtual CPU "
+                 "that has halted (section 4, Placement: about 28 us each here, several a request). Two "
+                 "measurements of 2026-12-02 aimed at that: (3) sonard's loop and ZeroMQ I/O thread pinned to "
+                 "one CPU (a prototype, not kept): a 614K-element request on an idle machine took 810 us "
+                 "against 885-937 when the trainer's thread was on that CPU, no less when it was on the other; "
+                 "which CPU the trainer's thread is on is the scheduler's choice; (4) the engine's caller "
+                 "taking chunks itself instead of sleeping while its workers run (kept): a two-worker step of "
+                 "614K elements in the engine alone 266 us against 303 (`go test -bench ParallelCaller "
+                 "./optimizer`), in sonard from the ring 413-445 us against 484-506, and no change measured "
+                 "with zero copy, where reading the gradient out of the trainer scales poorly over two "
+                 "threads.")
     L.append("")
     return L
