@@ -840,8 +840,9 @@ def trace_table(res: dict) -> list[str]:
                  + " | ".join(f"{t.get(c, float('nan')):.0f}" for c, _ in TRACE_COLUMNS) + " |")
     L.append("\nEverything but the step's own time is the price of a separate process on these two cores: "
              "on an idle machine the same exchange around a 409K-element update took 35 / 120 / 24 us for the "
-             "first three columns (2026-12-02), here each hand-over waits for a core that torch's threads "
-             "hold.\n")
+             "first three columns (2026-12-02). While a request is out the trainer's threads sleep, so each "
+             "hand-over between threads is a wake-up, often on a virtual CPU that has halted (Placement, "
+             "above).\n")
     return L
 
 
@@ -1187,8 +1188,7 @@ def analysis(res: dict) -> list[str]:
                  "table of request segments in section 4 shows what Sonar adds: "
                  "of each layer's round trip, only sonard's step (validation, page check, read, update) is the "
                  "update; the rest (the client's send, ZeroMQ both ways, decoding, waking the trainer, handling the "
-                 "reply) is several hundred microseconds a request, 8 requests a step, on cores torch's threads "
-                 "hold. The update itself is memory-bound: the same 614K-element request on an idle machine takes "
+                 "reply) is several hundred microseconds a request, 8 requests a step. The update itself is memory-bound: the same 614K-element request on an idle machine takes "
                  "sonard 449-453 us with its data in cache and 783-884 us after 256 MiB were written between "
                  "steps, as training does (2026-12-02, a one-tensor `SonarAdamW` loop). torch's single-tensor "
                  "AdamW (b) does more passes but no exchange. Two changes aimed at the exchange were measured and "
@@ -1203,8 +1203,8 @@ def analysis(res: dict) -> list[str]:
                  "that has halted (section 4, Placement: about 28 us each here, several a request). Two "
                  "measurements of 2026-12-02 aimed at that: (3) sonard's loop and ZeroMQ I/O thread pinned to "
                  "one CPU (a prototype, not kept): a 614K-element request on an idle machine took 810 us "
-                 "against 885-937 when the trainer's thread was on that CPU, no less when it was on the other; "
-                 "which CPU the trainer's thread is on is the scheduler's choice; (4) the engine's caller "
+                 "pinned to the CPU the trainer's thread happened to run on, 937 us pinned to the other and 885 "
+                 "us unpinned; which CPU the trainer's thread runs on is the scheduler's choice; (4) the engine's caller "
                  "taking chunks itself instead of sleeping while its workers run (kept): a two-worker step of "
                  "614K elements in the engine alone 266 us against 303 (`go test -bench ParallelCaller "
                  "./optimizer`), in sonard from the ring 413-445 us against 484-506, and no change measured "

@@ -488,8 +488,9 @@ func (e *Engine) kernel(t *Tensor, g []byte, s Scalars, lo, hi int) {
 // chunks in order from a shared counter, several each (chunksPerWorker), so
 // a worker whose core is busy with another thread (torch's, another
 // process's) takes fewer and the others take its share, instead of everyone
-// waiting for the slowest fixed half. The chunks' bounds depend on n and Workers only, never on timing, so
-// sums kept by position (positionSums) are the same whoever ran which chunk.
+// waiting for the slowest fixed half. The chunks' bounds depend on n and
+// Workers only, never on timing, so sums kept by position (positionSums) are
+// the same whoever ran which chunk.
 // Each chunk runs under fault.Catch (the memory may be a client's shared
 // memory); the first fault is returned, after every chunk has finished.
 func (e *Engine) parallel(n int, fn func(lo, hi int)) error {
