@@ -165,7 +165,9 @@ def ipc_ping(n: int, go_bench: str | None = None, cross_cpu: int | None = None) 
     from sonar_moe import start_private_server
     from sonar_moe._connection import PROTOCOL_VERSION
 
-    conn = start_private_server(timeout=10.0)  # as SonarAdamW starts one
+    conn = start_private_server(timeout=10.0, transport="zmq")  # as SonarAdamW starts one
+    # The same client code over sonard's own Unix socket (unix://): no ZeroMQ I/O threads.
+    conn_unix = start_private_server(timeout=10.0, transport="unix")
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
@@ -201,6 +203,9 @@ def ipc_ping(n: int, go_bench: str | None = None, cross_cpu: int | None = None) 
     def via_client() -> None:
         conn.call("ping", {})
 
+    def via_client_unix() -> None:
+        conn_unix.call("ping", {})
+
     def via_pyzmq() -> None:
         raw.send(req)
         msgpack.unpackb(raw.recv(), raw=False)
@@ -217,7 +222,7 @@ def ipc_ping(n: int, go_bench: str | None = None, cross_cpu: int | None = None) 
         cross.send(req)
         msgpack.unpackb(cross.recv(1 << 16), raw=False)
 
-    cases = {"client": via_client, "pyzmq": via_pyzmq}
+    cases = {"client": via_client, "client_unix": via_client_unix, "pyzmq": via_pyzmq}
     if echo is not None:
         cases["echo"] = via_echo
     if unix is not None:
@@ -262,6 +267,7 @@ def ipc_ping(n: int, go_bench: str | None = None, cross_cpu: int | None = None) 
             proc.kill()
             proc.wait()
         conn.shutdown()
+        conn_unix.shutdown()
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
     out = {**_stats(times["client"]), "cpu_s_per_call": cpu["client"] / len(times["client"]),

@@ -677,7 +677,8 @@ def placement_section(res: dict) -> list[str]:
                                                      f"{1e3 * gap:g} ms idle, on one CPU |" if gap else "")
     L += [head, "|---|---|---|" + ("---|---|" if gap else "")]
     names = (("unix", "plain Unix socket echo"), ("unix_cross", "plain Unix socket echo, server on the other CPU"),
-             ("echo", "bare ZeroMQ echo"), ("pyzmq", "sonard, pyzmq client"), ("client", "sonard, `Connection.call`"))
+             ("echo", "bare ZeroMQ echo"), ("pyzmq", "sonard, pyzmq client"), ("client", "sonard, `Connection.call`"),
+             ("client_unix", "sonard over unix://, `Connection.call`"))
     for k, name in names:
         if k not in a and k not in b:
             continue
@@ -739,6 +740,11 @@ def ipc_section(res: dict) -> list[str]:
                      f"{us(z['p99_s'])} | {us(z['cpu_s_per_call'])} | sonard: {us(z['p50_s'] - e['p50_s'])} |")
             L.append(f"| sonard, `Connection.call` (what SonarAdamW uses) | {us(c['p50_s'])} | {us(c['p90_s'])} | "
                      f"{us(c['p99_s'])} | {us(c['cpu_s_per_call'])} | sonar_moe client: {us(c['p50_s'] - z['p50_s'])} |")
+            if "client_unix" in layers:
+                cu = layers["client_unix"]
+                L.append(f"| sonard over its own Unix socket (`unix://`, no ZeroMQ), `Connection.call` | "
+                         f"{us(cu['p50_s'])} | {us(cu['p90_s'])} | {us(cu['p99_s'])} | {us(cu['cpu_s_per_call'])} | "
+                         f"vs ZeroMQ: {us(cu['p50_s'] - c['p50_s'])} |")
             if "unix" in layers:
                 L.append(f"\nAs the scheduler placed them, ZeroMQ costs more than the 50 us target here: each "
                          f"message passes through libzmq's I/O thread in both processes, three hand-overs "
@@ -753,8 +759,8 @@ def ipc_section(res: dict) -> list[str]:
         idle = ping.get("after_idle") or []
         if idle and layers:
             names = {"unix": "plain Unix socket", "echo": "bare ZeroMQ echo", "pyzmq": "sonard, pyzmq client",
-                     "client": "sonard, `Connection.call`"}
-            keys = [k for k in ("unix", "echo", "pyzmq", "client") if k in layers]
+                     "client": "sonard, `Connection.call`", "client_unix": "sonard over unix://"}
+            keys = [k for k in ("unix", "echo", "pyzmq", "client", "client_unix") if k in layers]
             L.append("After an idle gap (the client sleeps before each request, as a trainer computes between "
                      "its requests), the same round trips, p50 us:\n")
             L.append("| idle before each request | " + " | ".join(names[k] for k in keys) + " |")

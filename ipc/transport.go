@@ -345,32 +345,47 @@ func (t *Transport) serveOne(h Handler, client string, frames [][]byte, received
 	if len(rest) != 1 {
 		rep.Error = fmt.Sprintf("%v: expected 1 payload frame, got %d", ErrProtocol, len(rest))
 	} else {
-		req, err := DecodeRequest(rest[0])
-		decoded := Monotonic()
-		rep.ID = req.ID
-		if err == nil {
-			var body any
-			body, err = h.Handle(client, req)
-			rep.Body = body
-		}
-		rep.Times = []int64{received, decoded, Monotonic()}
-		if err != nil {
-			rep.Error = err.Error()
-			t.log.Debug("request failed", zap.String("client", client), zap.String("op", req.Op), zap.Uint64("id", req.ID), zap.Error(err))
-		} else {
-			rep.OK = true
-		}
+		rep = execute(h, t.log, client, rest[0], received)
 	}
 	return t.replyFrames(head, rep)
 }
 
 func (t *Transport) replyFrames(head [][]byte, rep Reply) [][]byte {
+	return append(append([][]byte(nil), head...), encodeReply(rep, t.log))
+}
+
+// execute decodes one request of client, received at the Monotonic time
+// received, runs it and returns its reply (with the times of its steps). Both
+// transports serve a message through it.
+func execute(h Handler, log *zap.Logger, client string, payload []byte, received int64) Reply {
+	var rep Reply
+	req, err := DecodeRequest(payload)
+	decoded := Monotonic()
+	rep.ID = req.ID
+	if err == nil {
+		var body any
+		body, err = h.Handle(client, req)
+		rep.Body = body
+	}
+	rep.Times = []int64{received, decoded, Monotonic()}
+	if err != nil {
+		rep.Error = err.Error()
+		log.Debug("request failed", zap.String("client", client), zap.String("op", req.Op), zap.Uint64("id", req.ID), zap.Error(err))
+	} else {
+		rep.OK = true
+	}
+	return rep
+}
+
+// encodeReply is the reply's message; a reply that cannot be encoded becomes
+// an error reply saying why.
+func encodeReply(rep Reply, log *zap.Logger) []byte {
 	b, err := EncodeReply(rep)
 	if err != nil {
-		t.log.Error("encode reply", zap.Error(err))
+		log.Error("encode reply", zap.Error(err))
 		b, _ = EncodeReply(Reply{ID: rep.ID, Error: "encode reply: " + err.Error()})
 	}
-	return append(append([][]byte(nil), head...), b)
+	return b
 }
 
 // PeerPID is the process id of client, from its connection's peer

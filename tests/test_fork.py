@@ -59,7 +59,7 @@ def test_forked_child_cannot_touch_the_parents_model_server_or_files() -> None:
     ref, mine = pair()
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = sonar_moe.SonarAdamW(mine, lr=1e-2)
-    rundir = os.path.dirname(opt.server_address.removeprefix("ipc://"))
+    rundir = os.path.dirname(opt.server_address.split("://", 1)[1])
     x = torch.randn(3, 6)
 
     def train() -> None:
@@ -117,7 +117,7 @@ def test_dataloader_fork_workers_keep_working(persistent: bool) -> None:
     ref, mine = pair()
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     with sonar_moe.SonarAdamW(mine, lr=1e-2) as opt:
-        rundir = os.path.dirname(opt.server_address.removeprefix("ipc://"))
+        rundir = os.path.dirname(opt.server_address.split("://", 1)[1])
         loader = torch.utils.data.DataLoader(Data(), batch_size=4, num_workers=2, multiprocessing_context="fork",
                                              persistent_workers=persistent)
         for _epoch in range(2):

@@ -26,7 +26,7 @@ def test_server_refuses_transports_off_the_allow_list(sonard_binary: str, addr: 
 
 @pytest.mark.parametrize("addr", ["ws://127.0.0.1:5555", "inproc://sonard", "ipc://@x", "wss://h:1"])
 def test_client_refuses_transports_off_the_allow_list(addr: str) -> None:
-    with pytest.raises(SonarError, match="only ipc:///path and tcp://"):
+    with pytest.raises(SonarError, match="only ipc:///path, unix:///path and tcp://"):
         Connection(addr, timeout=1)
 
 

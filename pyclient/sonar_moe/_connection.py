@@ -1,5 +1,6 @@
-"""The connection to sonard: one ZeroMQ DEALER socket speaking the msgpack protocol
-(docs/protocol.md), pipelined requests matched to their replies by id."""
+"""The connection to sonard: one channel (``_channel``: ZeroMQ, or sonard's own Unix socket)
+speaking the msgpack protocol (docs/protocol.md), pipelined requests matched to their replies
+by id."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import itertools
 import logging
 import os
 import re
-import secrets
 import shutil
 import signal
 import statistics
@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgpack
-import zmq
 
 from . import _fork
-from ._liveness import Link, configure
+from ._channel import Channel, ChannelError, open_channel
 from ._openmp import DirectWait, Waiter
 
 PROTOCOL_VERSION = 1
@@ -41,9 +40,6 @@ LINK_CHECK_S = 0.01
 # How many of the latest requests' latencies and traces a connection keeps: a long run sends
 # millions of requests, and an unbounded list would grow with each.
 RECENT_REQUESTS = 1 << 16
-
-# Plain ints: pyzmq's enum flags cost microseconds per operation on the hot path.
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 log = logging.getLogger("sonar_moe")
 
@@ -98,12 +94,22 @@ class SonarRefused(SonarError):
     """The server answered a request with an error."""
 
 
+LOCAL_SCHEMES = ("ipc://", "unix://")  # a server on this machine (its clock, its processes)
+
+
 def check_address(address: str) -> None:
-    """The transports a client speaks: ipc:///path, and tcp:// (always with CURVE)."""
-    if address.startswith("ipc:///") or address.startswith("tcp://"):
+    """The transports a client speaks: ipc:///path and unix:///path (local), and tcp://
+    (always with CURVE)."""
+    if address.startswith(("ipc:///", "unix:///", "tcp://")):
         return
-    raise SonarError(f"sonard address {address!r}: only ipc:///path and tcp://host:port (with CURVE) are allowed; "
-                     "other transports (ws://, inproc://, ipc://@abstract, ...) do not authenticate the server's peers")
+    raise SonarError(f"sonard address {address!r}: only ipc:///path, unix:///path and tcp://host:port (with CURVE) "
+                     "are allowed; other transports (ws://, inproc://, ipc://@abstract, ...) do not authenticate "
+                     "the server's peers")
+
+
+def is_local(address: str) -> bool:
+    """The server runs on this machine (a Unix socket address)."""
+    return address.startswith(LOCAL_SCHEMES)
 
 
 @dataclass
@@ -147,24 +153,22 @@ class RequestTrace(NamedTuple):
 
 @dataclass
 class Connection:
-    """One DEALER socket to sonard. Requests are pipelined; replies are matched by id."""
+    """One channel to sonard. Requests are pipelined; replies are matched by id."""
 
     address: str
     timeout: float = 30.0
     process: subprocess.Popen[bytes] | None = None
     log_path: str | None = None
     admin_token: str | None = None  # the private server's owner token (shutdown)
-    _ctx: zmq.Context[Any] = field(init=False)
-    _sock: zmq.Socket[Any] = field(init=False)
+    _chan: Channel = field(init=False)
     _ids: itertools.count[int] = field(init=False, default_factory=lambda: itertools.count(1))
     _pending: dict[int, Pending] = field(init=False, default_factory=dict)
     _done: dict[int, dict[str, Any]] = field(init=False, default_factory=dict)
     _closed: bool = field(init=False, default=False)
     _forked_from: int | None = field(init=False, default=None)
-    _rcvtimeo: int = field(init=False, default=-1)
     _link_checked: float = field(init=False, default=-1e9)  # monotonic time of send's last link check
     # The latest requests' latencies (seconds, send to reply handled) and, where the server
-    # shares this machine's clock (ipc://), their traces.
+    # shares this machine's clock (ipc://, unix://), their traces.
     latencies: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     traces: deque[RequestTrace] = field(init=False, default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     _got_ns: int = field(init=False, default=0)  # when _recv last returned a reply's bytes
@@ -175,17 +179,10 @@ class Connection:
 
     def __post_init__(self) -> None:
         check_address(self.address)
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # Our own routing id: after a reconnect (a network blip) the server finds the
-        # session again, within its grace period (hello's reconnect_grace_ms).
-        self._sock.setsockopt(zmq.ROUTING_ID, b"S" + secrets.token_bytes(15))
-        configure(self._sock)
-        if self.address.startswith("tcp://"):
-            self._use_curve()
-        self._link = Link(self._sock)
-        self._sock.connect(self.address)
+        try:
+            self._chan = open_channel(self.address, self.timeout, self.check_alive)
+        except ChannelError as e:
+            raise SonarError(str(e)) from e
         _fork.track(self)
 
     def _after_fork_in_child(self) -> None:
@@ -202,22 +199,6 @@ class Connection:
                 f"this SonarAdamW belongs to process {self._forked_from}; a forked child cannot use it (its "
                 "server session, shared memory and private sonard are the parent's). Build a new SonarAdamW "
                 "in the child, or use the spawn start method")
-
-    def _use_curve(self) -> None:
-        """tcp:// servers authenticate clients with ZeroMQ CURVE (sonard --gen-curve-keys)."""
-        server_pub = os.environ.get("SONAR_CURVE_SERVER_PUBLIC_FILE")
-        prefix = os.environ.get("SONAR_CURVE_CLIENT_KEYS")
-        if not server_pub or not prefix:
-            raise SonarError(
-                "a tcp:// sonard requires CURVE keys: set SONAR_CURVE_SERVER_PUBLIC_FILE to the server's "
-                "PREFIX.public and SONAR_CURVE_CLIENT_KEYS to the PREFIX of this client's key pair "
-                "(both made by `sonard --gen-curve-keys PREFIX`)")
-        def key(path: str) -> bytes:
-            with open(path, "rb") as f:
-                return f.read().strip()
-        self._sock.curve_serverkey = key(server_pub)
-        self._sock.curve_publickey = key(prefix + ".public")
-        self._sock.curve_secretkey = key(prefix + ".secret")
 
     @property
     def in_flight(self) -> int:
@@ -237,21 +218,24 @@ class Connection:
         msg = msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "id": rid, "body": body}, use_bin_type=True)
         p = self._pending[rid] = Pending(op, time.perf_counter(), on_reply, start_ns=start)
         try:
-            self._sock.send(msg, flags=_NOBLOCK)
-        except zmq.Again:
-            self._sock.send(msg)  # high-water mark reached: wait for the queue
+            self._chan.send(msg)
+        except ChannelError as e:
+            self._pending.pop(rid, None)
+            self.check_alive()
+            raise SonarServerDied(f"{e}: {self.address}") from e
         p.sent_ns = time.monotonic_ns()
         return rid
 
     def send_raw(self, frames: list[bytes]) -> None:
         """Send arbitrary frames (tests of the server's input checks)."""
-        self._sock.send_multipart(frames)
+        self._chan.send_frames(frames)
 
     def recv_raw(self, timeout: float) -> dict[str, Any]:
         """Receive one reply without matching it (tests)."""
-        if not self._sock.poll(int(timeout * 1000)):
+        raw = self._chan.recv(timeout)
+        if raw is None:
             raise TimeoutError("no reply from sonard")
-        return msgpack.unpackb(self._sock.recv(), raw=False)
+        return msgpack.unpackb(raw, raw=False)
 
     def call(self, op: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """Send a request and wait for its reply; raise SonarError if it failed."""
@@ -270,10 +254,8 @@ class Connection:
         self._check_process()
         if timeout <= 0:
             return self._drain()
-        # A blocking receive with a timeout is one call into libzmq; a poll of the socket and
-        # its monitor cost several more system calls and pyzmq's Python around them (4-13 us
-        # of a ping's round trip, measured). A closed connection is seen by the caller's link
-        # check when the timeout passes (every 50 ms in wait()).
+        # One blocking receive (the channel's); a closed connection is seen by the caller's
+        # link check when the timeout passes (every 50 ms in wait()).
         raw = self.waiter.receive(self._recv, timeout)
         if raw is None:
             return 0
@@ -285,28 +267,22 @@ class Connection:
     def _recv(self, timeout: float) -> bytes | None:
         """The next reply's bytes, or None when none comes within timeout seconds (0: only one
         already there). Called by the waiter, on the thread it chooses."""
-        if timeout <= 0:
-            try:
-                raw = self._sock.recv(_NOBLOCK)
-            except zmq.Again:
-                return None
-        else:
-            ms = max(1, int(timeout * 1000))
-            if ms != self._rcvtimeo:
-                self._sock.setsockopt(zmq.RCVTIMEO, ms)
-                self._rcvtimeo = ms
-            try:
-                raw = self._sock.recv()
-            except zmq.Again:
-                return None
+        try:
+            raw = self._chan.recv(timeout)
+        except ChannelError as e:
+            raise SonarError(f"{e}: {self.address}") from e
+        if raw is None:
+            return None
         self._got_ns = time.monotonic_ns()
         return raw
 
     def _drain(self) -> int:
         """Handle every reply already in the socket."""
         n = 0
-        while self._sock.getsockopt(_EVENTS) & _POLLIN:
-            raw = self._sock.recv(_NOBLOCK)
+        while self._chan.ready():
+            raw = self._chan.recv(0.0)
+            if raw is None:
+                break
             got = time.monotonic_ns()
             self._dispatch(raw, got, got)
             n += 1
@@ -363,7 +339,7 @@ class Connection:
     def _check_link(self) -> None:
         """Raise SonarServerDied when the connection to the server is lost (the private
         server's exit code and log when it was the private one)."""
-        why = self._link.lost(len(self._pending))
+        why = self._chan.lost(len(self._pending))
         if why is None:
             return
         if self.process is not None:
@@ -419,7 +395,7 @@ class Connection:
     def _trace(self, p: Pending, rep: dict[str, Any], got: int, woke: int) -> None:
         """Keep the request's trace where the server's readings share this machine's clock."""
         t = rep.get("t")
-        if not (got and self.address.startswith("ipc://") and isinstance(t, list) and len(t) == 3
+        if not (got and is_local(self.address) and isinstance(t, list) and len(t) == 3
                 and all(isinstance(x, int) for x in t)):
             return
         body = rep.get("body")
@@ -431,8 +407,7 @@ class Connection:
         self._closed = True
         if self._forked_from is not None:
             return  # the parent's sockets: never touched in a forked child
-        self._link.close()
-        self._sock.close(linger=0)
+        self._chan.close()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """End the session: a private server is told to shut down, waited for and its run

@@ -1,7 +1,7 @@
 """Zero-copy gradients on CPU: sonard reads each expert gradient where autograd left it.
 
 The server reads this process's memory with ``process_vm_readv``; it learns our process id
-from the connection (``SO_PEERCRED`` of the ipc:// socket), never from us, and proves it can
+from the connection (``SO_PEERCRED`` of the ipc:// or unix:// socket), never from us, and proves it can
 read by finding a random probe at the address we name. The kernel allows that read to a
 process that may ptrace this one: the same user and, where Yama's ``ptrace_scope`` is 1, a
 process this one named with ``prctl(PR_SET_PTRACER)``, which we do for the private sonard we
@@ -18,7 +18,7 @@ import os
 import secrets
 import sys
 
-from ._connection import Connection, SonarRefused
+from ._connection import Connection, SonarRefused, is_local
 
 log = logging.getLogger("sonar_moe")
 
@@ -43,7 +43,7 @@ def allow_reads_by(pid: int) -> None:
 def attach_process(conn: Connection, server_pid: int) -> tuple[int | None, str]:
     """Ask the server (process `server_pid`, from its hello) to read gradients from this
     process: (segment id, "") when it can, (None, why not) when it cannot."""
-    if not conn.address.startswith("ipc://"):
+    if not is_local(conn.address):
         return None, "a tcp:// server is on another machine"
     if server_pid > 0:
         allow_reads_by(server_pid)

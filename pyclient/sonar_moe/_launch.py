@@ -10,7 +10,11 @@ import tempfile
 import torch
 
 from ._binary import find_sonard
-from ._connection import Connection
+from ._connection import Connection, SonarError
+
+# How a private server is spoken to (SONAR_TRANSPORT overrides): both ends on this machine.
+PRIVATE_SCHEMES = {"unix": "unix://", "zmq": "ipc://"}
+DEFAULT_TRANSPORT = "zmq"
 
 
 def usable_cores() -> int:
@@ -31,16 +35,27 @@ def private_workers(torch_threads: int, cores: int) -> int | None:
     return cores - torch_threads if 0 < torch_threads < cores else None
 
 
-def start_private_server(timeout: float, log_level: str = "warn", workers: int | None = None) -> Connection:
+def private_scheme(transport: str | None = None) -> str:
+    """The address scheme of a private server's transport: ``transport``, else
+    ``SONAR_TRANSPORT``, else DEFAULT_TRANSPORT ("unix": sonard's own Unix socket; "zmq":
+    ZeroMQ over ipc://)."""
+    name = (transport or os.environ.get("SONAR_TRANSPORT") or DEFAULT_TRANSPORT).strip().lower()
+    if name not in PRIVATE_SCHEMES:
+        raise SonarError(f"SONAR_TRANSPORT={name!r}: want one of {sorted(PRIVATE_SCHEMES)}")
+    return PRIVATE_SCHEMES[name]
+
+
+def start_private_server(timeout: float, log_level: str = "warn", workers: int | None = None,
+                         transport: str | None = None) -> Connection:
     """Start a sonard for this process on an ipc:// socket in a fresh 0700 directory, with
     ``workers`` update workers (None: sonard's default; ``SONAR_WORKERS`` in the environment
-    wins over both).
+    wins over both), spoken to over ``transport`` (``private_scheme``).
 
     Nothing about this process's torch is passed on the command line: each client names its
     float32 sqrt in ``hello``, so the same plain server serves any client."""
     binary = find_sonard()
     rundir = tempfile.mkdtemp(prefix="sonar-")  # mode 0700
-    sock = os.path.join(rundir, "sonard.sock")
+    address = private_scheme(transport) + os.path.join(rundir, "sonard.sock")
     log_path = os.path.join(rundir, "sonard.log")
     # Only this process may stop its server: shutdown carries this token (the file is 0600
     # in the 0700 run directory; never on the command line, which others can read).
@@ -51,7 +66,7 @@ def start_private_server(timeout: float, log_level: str = "warn", workers: int |
         f.write(token)
     # --parent-pid: the server exits within a second of this process, however it ends, and
     # then removes this run directory (--run-dir), which this process can no longer do.
-    args = [binary, "--listen", f"ipc://{sock}", "--log-level", log_level,
+    args = [binary, "--listen", address, "--log-level", log_level,
             "--parent-pid", str(os.getpid()), "--admin-token-file", token_path, "--run-dir", rundir]
     if workers is not None and not os.environ.get("SONAR_WORKERS"):
         args += ["--workers", str(workers)]
@@ -63,7 +78,7 @@ def start_private_server(timeout: float, log_level: str = "warn", workers: int |
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C in the trainer reaches the trainer; close() stops the server
         )
-    return Connection(address=f"ipc://{sock}", timeout=timeout, process=proc, log_path=log_path, admin_token=token)
+    return Connection(address=address, timeout=timeout, process=proc, log_path=log_path, admin_token=token)
 
 
 def connect(server: str | None, timeout: float) -> Connection:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ._backend import Counter, BackendOptions, Expert, MemRef, ServerBackend, Staged, Transfer, no_ref, say_hello
-from ._connection import Connection, SonarError, SonarRefused
+from ._connection import Connection, SonarError, SonarRefused, is_local
 from ._direct import attach_process
 from ._launch import usable_cores
 from ._openmp import choose_waiter
@@ -54,8 +54,8 @@ class ShmBackend(ServerBackend):
             raise SonarRefused(
                 f"{e}. This torch computes float32 sqrt with MKL's vmsSqrt from {lib}, and float32 expert "
                 "tensors are bitwise equal to torch.optim.AdamW only when sonard calls that same function; "
-                "an ipc:// sonard of this user on this host loads a client's library, a tcp:// one only those "
-                "its operator trusts: use server=None (a private sonard), an ipc:// server, a tcp:// sonard "
+                "an ipc:// or unix:// sonard of this user on this host loads a client's library, a tcp:// one only those "
+                "its operator trusts: use server=None (a private sonard), an ipc:// or unix:// server, a tcp:// sonard "
                 f"started with --trusted-sqrt-lib {lib}, or bfloat16 expert tensors") from e
         if torch.float32 in dtypes:
             check_session_sqrt(str(rep.get("sqrt", "")))
@@ -89,11 +89,11 @@ class ShmBackend(ServerBackend):
     def default_ring_layers(self, conn: Connection) -> int:
         """Measured (docs/benchmarks.md, "How many gradients wait"): where torch's threads
         already take every core this process may use and the server runs on the same machine
-        (ipc://), the server's work cannot overlap backward, only compete with it; each hook
+        (ipc://, unix://), the server's work cannot overlap backward, only compete with it; each hook
         then waits for its own update (0), for about 3% of step time and a layer of gradients
         less at the peak. With a core to spare, or a server elsewhere, one layer waits (1) and the updates
         overlap backward."""
-        local = conn.address.startswith("ipc://")
+        local = is_local(conn.address)
         return 0 if local and torch.get_num_threads() >= usable_cores() else 1
 
     def _place(self, experts: list[Expert]) -> None:

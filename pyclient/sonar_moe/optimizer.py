@@ -553,7 +553,7 @@ class SonarAdamW(torch.optim.AdamW):
     def request_traces(self) -> list[RequestTrace]:
         """Where each answered request's round trip went (``RequestTrace``, its ``segments()`` in
         microseconds), oldest first (a copy; the latest 65,536). Only with a server on this machine
-        (``ipc://``), whose clock the client shares."""
+        (``ipc://``, ``unix://``), whose clock the client shares."""
         return self._backend.request_traces
 
     # --------------------------------------------------------------- backward

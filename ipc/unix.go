@@ -1,0 +1,357 @@
+package ipc
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+)
+
+// The unix:// transport: a Unix stream socket, a goroutine per connection
+// that reads a request, runs it and writes its reply itself.
+//
+// Why a second transport: with ZeroMQ every message passes through libzmq's
+// I/O threads (the caller hands it over over an eventfd, both ends), and on
+// virtual machines whose idle CPUs halt, each of those hand-overs that lands
+// on another CPU costs tens of microseconds (docs/benchmarks.md,
+// "Placement"). A plain socket read and written by the threads that produce
+// and consume the messages lets the kernel's synchronous wake-up run the
+// reader where the writer ran.
+//
+// Framing (docs/protocol.md): every frame is a 4-byte little-endian length,
+// then that many bytes. A client's first frame is its id (1 to 255 bytes, the
+// role of a ZeroMQ routing id); every later frame is one msgpack request, and
+// every frame the server writes is one msgpack reply, in the order of the
+// requests.
+
+const (
+	frameHeader = 4
+	maxIDBytes  = 255
+)
+
+// errFrameTooLong is a frame longer than the reader allows.
+var errFrameTooLong = errors.New("frame too long")
+
+// UnixTransport serves a Handler on a Unix stream socket (unix:///path).
+// Handle runs on the goroutine of the connection whose request it is, one
+// request at a time (mu), so the handler sees the same one-call-at-a-time
+// discipline as on the ZeroMQ transport.
+type UnixTransport struct {
+	ln   *net.UnixListener
+	log  *zap.Logger
+	path string
+
+	mu      sync.Mutex // held while the handler runs; guards what follows
+	h       Handler
+	stopped bool
+	conns   map[string]*net.UnixConn   // by client id
+	open    map[*net.UnixConn]struct{} // every accepted connection, for shutdown
+
+	wg sync.WaitGroup // connection goroutines
+}
+
+// ListenUnix binds a Unix stream socket at the path of addr ("unix:///path"):
+// the directory is made (or checked) private to this user, mode 0700, and
+// the socket file gets mode 0600. A socket file left by a server that is
+// gone (nothing accepts on it) is replaced; one a live server listens on is
+// an error.
+func ListenUnix(addr string, log *zap.Logger) (*UnixTransport, error) {
+	if err := CheckEndpoint(addr, false); err != nil {
+		return nil, fmt.Errorf("listen: %w", err)
+	}
+	path, ok := strings.CutPrefix(addr, "unix://")
+	if !ok {
+		return nil, fmt.Errorf("listen: %q is not a unix:// address", addr)
+	}
+	if err := privateDir(filepath.Dir(path)); err != nil {
+		return nil, err
+	}
+	if err := removeStaleSocket(path); err != nil {
+		return nil, err
+	}
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		return nil, fmt.Errorf("bind %s: %w", addr, err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		_ = ln.Close()
+		return nil, fmt.Errorf("chmod %s: %w", path, err)
+	}
+	return &UnixTransport{ln: ln, log: log, path: path, conns: map[string]*net.UnixConn{},
+		open: map[*net.UnixConn]struct{}{}}, nil
+}
+
+// removeStaleSocket removes the socket file at path when no server accepts on
+// it any more (a crashed server's), and refuses to take over a live one.
+func removeStaleSocket(path string) error {
+	st, err := os.Lstat(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("socket %s: %w", path, err)
+	}
+	if st.Mode()&os.ModeSocket == 0 {
+		return fmt.Errorf("socket %s: a file that is not a socket is in the way", path)
+	}
+	c, err := net.DialTimeout("unix", path, time.Second)
+	if err == nil {
+		_ = c.Close()
+		return fmt.Errorf("socket %s: another server is listening on it", path)
+	}
+	if err := os.Remove(path); err != nil {
+		return fmt.Errorf("socket %s: removing the stale socket file: %w", path, err)
+	}
+	return nil
+}
+
+// Serve accepts connections and serves their requests until ctx is done
+// (every accepted connection is then closed, after up to a second for the
+// replies being written, such as the answer to a shutdown request). Tick
+// runs about once a second, between requests.
+func (t *UnixTransport) Serve(ctx context.Context, h Handler) error {
+	t.mu.Lock()
+	t.h = h
+	t.mu.Unlock()
+	accepted := make(chan error, 1)
+	go func() { accepted <- t.accept() }()
+	ticker, _ := h.(Ticker)
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			t.stop()
+			return nil
+		case err := <-accepted:
+			t.stop()
+			return fmt.Errorf("accept: %w", err)
+		case now := <-tick.C:
+			if ticker != nil {
+				t.mu.Lock()
+				ticker.Tick(now)
+				t.mu.Unlock()
+			}
+		}
+	}
+}
+
+// accept starts a goroutine for every connection until the listener closes.
+func (t *UnixTransport) accept() error {
+	for {
+		c, err := t.ln.AcceptUnix()
+		if err != nil {
+			t.mu.Lock()
+			stopped := t.stopped
+			t.mu.Unlock()
+			if stopped || errors.Is(err, net.ErrClosed) {
+				return nil
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) {
+				t.log.Warn("accept: out of file descriptors; retrying", zap.Error(err))
+				time.Sleep(100 * time.Millisecond)
+				continue
+			}
+			return err
+		}
+		t.mu.Lock()
+		if t.stopped {
+			t.mu.Unlock()
+			_ = c.Close()
+			return nil
+		}
+		t.open[c] = struct{}{}
+		t.wg.Add(1)
+		t.mu.Unlock()
+		go t.serveConn(c)
+	}
+}
+
+// stop ends serving: no request runs after it returns, the connections stop
+// reading, and those writing a reply get up to a second to finish.
+func (t *UnixTransport) stop() {
+	t.mu.Lock()
+	t.stopped = true
+	for c := range t.open {
+		_ = c.CloseRead()
+	}
+	t.mu.Unlock()
+	_ = t.ln.Close()
+	done := make(chan struct{})
+	go func() { t.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(time.Second):
+		t.mu.Lock()
+		for c := range t.open {
+			_ = c.Close()
+		}
+		t.mu.Unlock()
+		<-done
+	}
+}
+
+// serveConn reads one client's id, then its requests, running each and
+// writing its reply, until the client closes the connection or sends what
+// cannot be a frame.
+func (t *UnixTransport) serveConn(c *net.UnixConn) {
+	defer t.wg.Done()
+	defer func() {
+		t.mu.Lock()
+		delete(t.open, c)
+		t.mu.Unlock()
+		_ = c.Close()
+	}()
+	r := bufio.NewReaderSize(c, 64<<10)
+	id, err := readFrame(r, maxIDBytes)
+	if err != nil || len(id) == 0 {
+		t.log.Debug("dropping a connection without a client id", zap.Error(err), zap.Int("bytes", len(id)))
+		t.refuse(c, fmt.Sprintf("%v: the first frame must be a client id of 1 to %d bytes", ErrProtocol, maxIDBytes))
+		return
+	}
+	client := hex.EncodeToString(id)
+	if !t.register(client, c) {
+		t.refuse(c, fmt.Sprintf("%v: client id %s is already connected", ErrProtocol, client))
+		return
+	}
+	defer t.unregister(client)
+	for {
+		payload, err := readFrame(r, MaxMessageBytes)
+		received := Monotonic()
+		if err != nil {
+			if errors.Is(err, errFrameTooLong) {
+				t.log.Warn("closing a connection that sent an oversized frame", zap.String("client", client), zap.Error(err))
+				t.refuse(c, fmt.Sprintf("%v: %v", ErrProtocol, err))
+			} else if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+				t.log.Debug("connection read failed", zap.String("client", client), zap.Error(err))
+			}
+			return
+		}
+		t.mu.Lock()
+		if t.stopped {
+			t.mu.Unlock()
+			return
+		}
+		rep := execute(t.h, t.log, client, payload, received)
+		t.mu.Unlock()
+		if err := writeFrame(c, encodeReply(rep, t.log)); err != nil {
+			t.log.Debug("connection write failed", zap.String("client", client), zap.Error(err))
+			return
+		}
+	}
+}
+
+// register records client's connection and tells the handler; false when the
+// id is already connected or the transport stopped.
+func (t *UnixTransport) register(client string, c *net.UnixConn) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if _, dup := t.conns[client]; dup || t.stopped {
+		return false
+	}
+	t.conns[client] = c
+	if w, ok := t.h.(Watcher); ok {
+		w.Connected(client)
+	}
+	return true
+}
+
+// unregister forgets client's connection and tells the handler it closed.
+func (t *UnixTransport) unregister(client string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	delete(t.conns, client)
+	if w, ok := t.h.(Watcher); ok && !t.stopped {
+		w.Disconnected(client)
+	}
+}
+
+// refuse writes an error reply (id 0) on a connection about to be closed.
+func (t *UnixTransport) refuse(c *net.UnixConn, msg string) {
+	_ = c.SetWriteDeadline(time.Now().Add(time.Second))
+	_ = writeFrame(c, encodeReply(Reply{Error: msg}, t.log))
+}
+
+// PeerPID is the process id of client, from its connection's peer
+// credentials (SO_PEERCRED). It must be called from the handler.
+func (t *UnixTransport) PeerPID(client string) (int, error) {
+	c, ok := t.conns[client]
+	if !ok {
+		return 0, fmt.Errorf("client %s has no connection on record", client)
+	}
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return 0, fmt.Errorf("peer credentials of client %s: %w", client, err)
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return 0, fmt.Errorf("peer credentials of client %s: %w", client, err)
+	}
+	if cerr != nil {
+		return 0, fmt.Errorf("peer credentials of client %s: %w", client, cerr)
+	}
+	return int(cred.Pid), nil
+}
+
+// Close stops serving if Serve has not, and removes the socket file.
+func (t *UnixTransport) Close() error {
+	t.mu.Lock()
+	stopped := t.stopped
+	t.mu.Unlock()
+	if !stopped {
+		t.stop()
+	}
+	if err := os.Remove(t.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove socket %s: %w", t.path, err)
+	}
+	return nil
+}
+
+// readFrame reads one frame of at most limit bytes.
+func readFrame(r *bufio.Reader, limit int) ([]byte, error) {
+	var head [frameHeader]byte
+	if _, err := io.ReadFull(r, head[:]); err != nil {
+		return nil, err
+	}
+	n := binary.LittleEndian.Uint32(head[:])
+	if int64(n) > int64(limit) {
+		return nil, fmt.Errorf("%w: %d bytes, the limit is %d", errFrameTooLong, n, limit)
+	}
+	b := make([]byte, n)
+	if _, err := io.ReadFull(r, b); err != nil {
+		if errors.Is(err, io.EOF) {
+			err = io.ErrUnexpectedEOF
+		}
+		return nil, fmt.Errorf("frame of %d bytes: %w", n, err)
+	}
+	return b, nil
+}
+
+// writeFrame writes b as one frame, in one write call.
+func writeFrame(w io.Writer, b []byte) error {
+	buf := make([]byte, frameHeader+len(b))
+	binary.LittleEndian.PutUint32(buf, uint32(len(b)))
+	copy(buf[frameHeader:], b)
+	_, err := w.Write(buf)
+	return err
+}

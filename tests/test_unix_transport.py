@@ -1,0 +1,186 @@
+"""sonard's own Unix socket transport (unix:///path, issue 15 item 3) against a real sonard:
+training through it is bitwise torch's, a shared server serves several clients and survives
+raw bad input, a dead or stopped server is an error within seconds, never a hang; the private
+server speaks it when SONAR_TRANSPORT=unix. (The whole suite also runs with SONAR_TRANSPORT=unix
+in `make test-unix`.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import sonar_moe
+from conftest import server_stats, sonard_command
+from moe_util import TinyMoE, assert_same_params, train_beside
+from sonar_moe import Connection, SonarError, SonarServerDied
+from sonar_moe._launch import start_private_server
+
+
+@pytest.fixture()
+def unix_server(sonard_binary: str, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A shared sonard on a unix:// socket; its address and process."""
+    path = tmp_path / "run" / "sonard.sock"
+    proc = subprocess.Popen(sonard_command(sonard_binary, f"unix://{path}", "--log-level", "warn"))
+    deadline = time.monotonic() + 20
+    while not path.exists():
+        assert proc.poll() is None, "sonard exited at start"
+        assert time.monotonic() < deadline, "sonard did not bind its socket"
+        time.sleep(0.01)
+    yield f"unix://{path}", proc
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+        assert not path.exists(), "socket file left behind by a clean exit"
+
+
+def stop(pid: int) -> None:
+    """SIGSTOP pid and wait until every thread of it has stopped (the signal is not
+    synchronous: a thread woken by a request just sent could still answer it)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+            states.append(stat[stat.rfind(b")") + 2:][:1])
+        if all(s in (b"T", b"t") for s in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop")
+
+
+def hello(conn: Connection) -> None:
+    conn.call("hello", {"client": "test", "pid": os.getpid(), "torch": torch.__version__, "threads": 1, "capability": ""})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_private_unix_server_trains_bitwise(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                            zero_copy: bool) -> None:
+    monkeypatch.setenv("SONAR_TRANSPORT", "unix")
+    torch.manual_seed(11 if zero_copy else 12)
+    model = TinyMoE(dtype, experts=5, hidden=13, inter=7)
+    ref = TinyMoE(dtype, experts=5, hidden=13, inter=7)
+    ref.load_state_dict(model.state_dict())
+    hyper = {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.05}
+    g = torch.Generator().manual_seed(5)
+    with sonar_moe.SonarAdamW(model, zero_copy=zero_copy, **hyper) as opt:
+        assert (opt.server_address or "").startswith("unix:///")
+        topt = torch.optim.AdamW(ref.parameters(), **hyper)
+        train_beside(model, ref, opt, topt, lambda: torch.randn(6, 13, generator=g).to(dtype), steps=4)
+        assert opt.request_traces, "no request traces over unix://"
+        assert opt.request_traces[-1].segments()["total"] > 0
+    assert_same_params(model, ref)
+
+
+def test_shared_unix_server_serves_clients_and_survives_bad_input(
+        unix_server: tuple[str, subprocess.Popen[bytes]]) -> None:
+    addr, proc = unix_server
+    path = addr.removeprefix("unix://")
+    assert Path(path).stat().st_mode & 0o777 == 0o600
+    torch.manual_seed(3)
+    models = [TinyMoE(torch.float32) for _ in range(2)]
+    refs = [TinyMoE(torch.float32) for _ in range(2)]
+    for m, r in zip(models, refs):
+        r.load_state_dict(m.state_dict())
+    opts = [sonar_moe.SonarAdamW(m, lr=1e-2, server=addr) for m in models]
+    topts = [torch.optim.AdamW(r.parameters(), lr=1e-2) for r in refs]
+    g = torch.Generator().manual_seed(9)
+    try:
+        for step in range(3):
+            for m, r, o, t in zip(models, refs, opts, topts):
+                train_beside(m, r, o, t, lambda: torch.randn(4, 9, generator=g), steps=1)
+            # Raw bad input between steps: garbage, a frame longer than any message, a
+            # truncated frame, a connection that never says who it is.
+            bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            bad.connect(path)
+            bad.sendall(struct.pack("<I", 3) + b"bad" + struct.pack("<I", 5) + b"\xc1\xff\x00\x01\x02")
+            bad.sendall(struct.pack("<I", 0xFFFFFFF0))
+            bad.close()
+            cut = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            cut.connect(path)
+            cut.sendall(struct.pack("<I", 1000) + b"short")
+            cut.close()
+            mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            mute.connect(path)
+            mute.close()
+        raw = Connection(addr, timeout=10)
+        raw.send_raw([b"\xc1\xff\x00garbage"])
+        assert raw.recv_raw(timeout=10)["ok"] is False
+        raw.send_raw([b"\x93\x01\x02", b"\x03"])  # one message of two parts: not a request
+        rep = raw.recv_raw(timeout=10)
+        assert rep["ok"] is False and "protocol" in rep["error"]
+        raw.close()
+        assert proc.poll() is None
+        assert server_stats(addr)["tensors"] == 8  # two clients, four expert tensors each
+    finally:
+        for o in opts:
+            o.close()
+    for m, r in zip(models, refs):
+        assert_same_params(m, r)
+
+
+def test_killed_unix_server_is_an_error_within_a_second(unix_server: tuple[str, subprocess.Popen[bytes]]) -> None:
+    addr, proc = unix_server
+    conn = Connection(addr, timeout=30)
+    hello(conn)
+    stop(proc.pid)  # the request below waits
+    rid = conn.send("stats", {})
+    time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    t0 = time.monotonic()
+    with pytest.raises(SonarServerDied, match="connection to sonard closed"):
+        conn.wait(rid)
+    assert time.monotonic() - t0 < 1.0
+    conn.close()
+
+
+def test_stopped_unix_server_is_given_up_like_a_heartbeat_timeout(
+        unix_server: tuple[str, subprocess.Popen[bytes]]) -> None:
+    addr, proc = unix_server
+    conn = Connection(addr, timeout=30)
+    hello(conn)
+    stop(proc.pid)
+    t0 = time.monotonic()
+    with pytest.raises(SonarServerDied, match="stopped"):
+        conn.call("stats", {})
+    took = time.monotonic() - t0
+    assert 4.5 < took < 7.0, f"a stopped server was given up after {took:.2f} s (limit 5 s)"
+    conn.close()
+    os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_no_unix_server_is_a_clear_error(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(SonarError, match="no sonard listening"):
+        Connection(f"unix://{tmp_path}/none.sock", timeout=0.3)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_private_unix_server_crash_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SONAR_TRANSPORT", "unix")
+    conn = start_private_server(timeout=10)
+    assert conn.address.startswith("unix:///") and conn.process is not None
+    hello(conn)
+    conn.process.kill()
+    with pytest.raises(SonarServerDied, match="killed by SIGKILL"):
+        conn.call("stats", {})
+    conn.close()
+
+
+def test_unknown_transport_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SONAR_TRANSPORT", "carrier-pigeon")
+    with pytest.raises(SonarError, match="SONAR_TRANSPORT"):
+        start_private_server(timeout=10)
