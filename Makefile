@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 GO      ?= go
 export SONARD := $(CURDIR)/bin/sonard
 
-.PHONY: all setup system-deps venv build demo test test-go test-avx512 test-py lint fuzz soak quality bench bench-quick clean
+.PHONY: all setup system-deps venv build demo test test-go test-avx512 test-py test-py-unix lint fuzz soak quality bench bench-quick clean
 
 all: build
 
@@ -40,6 +40,12 @@ test-go: system-deps
 test-py: setup build
 	$(PY) -m pytest -q --timeout=600 tests
 
+# The Python suite again with every private sonard spoken to over its own Unix socket
+# (unix://, SONAR_TRANSPORT=unix) instead of ZeroMQ; tests that name an ipc:// or tcp://
+# address still use ZeroMQ.
+test-py-unix: setup build
+	SONAR_TRANSPORT=unix $(PY) -m pytest -q --timeout=600 tests
+
 # The AVX-512 kernels lane for lane against the Go code, on an emulated AVX-512 CPU (Bochs, a
 # Linux guest; ~1 min, installs what it needs): this project's machines lack AVX-512. GOGC=off:
 # Go's garbage collector fails its own consistency check in that guest ("found pointer to free
@@ -49,7 +55,7 @@ test-avx512: system-deps
 	scripts/emu-avx512 --timeout 900 --env GOGC=off build/emu/optimizer.test -test.run 'Assembly|ISA|TestMKLSqrt|NaNPayloads|DivideByRecip' -test.short -test.v \
 		-require-isa avx512
 
-test: lint test-go test-avx512 test-py
+test: lint test-go test-avx512 test-py test-py-unix
 
 # Coverage-guided fuzzing of message decoding and request handling (the corpus is committed).
 FUZZTIME ?= 10m

@@ -23,6 +23,9 @@ Methods:
      (d) and (g) are the same)
   u  (d) with torch's OpenMP threads left to spin while the trainer waits (SONAR_OPENMP_PARK=0
      when it is built): Sonar before it parked them (sonar_moe/_openmp.py)
+  x  (d) with its private sonard spoken to over sonard's own Unix socket (SONAR_TRANSPORT=unix)
+  z  (d) with its private sonard spoken to over ZeroMQ (SONAR_TRANSPORT=zmq)
+  y  (e) over sonard's own Unix socket: one request per expert slice, each without ZeroMQ
 
 Memory (per method, one extra profiled step after the timed ones): the trainer's tensor
 bytes are the bytes alive before the step (parameters outside shared memory, gradients,
@@ -64,6 +67,9 @@ METHODS = {
     "o": "SonarAdamW batched, ring_layers=1",
     "h": "SonarAdamW batched, ring_layers=2",
     "u": "SonarAdamW batched, OpenMP threads not parked",
+    "x": "SonarAdamW batched, unix:// transport",
+    "z": "SonarAdamW batched, ZeroMQ transport",
+    "y": "SonarAdamW split_experts, unix:// transport",
     "n": "no optimizer (forward + backward only)",
 }
 LR, WD, CLIP = 1e-3, 0.01, 1.0
@@ -101,12 +107,13 @@ class Method:
         else:
             # SONAR_WORKERS is read by the private sonard at its start, SONAR_OPENMP_PARK when
             # SonarAdamW is built.
-            env = {"g": {"SONAR_WORKERS": "1"}, "u": {"SONAR_OPENMP_PARK": "0"}}.get(key, {})
+            env = {"g": {"SONAR_WORKERS": "1"}, "u": {"SONAR_OPENMP_PARK": "0"}, "x": {"SONAR_TRANSPORT": "unix"},
+                   "y": {"SONAR_TRANSPORT": "unix"}, "z": {"SONAR_TRANSPORT": "zmq"}}.get(key, {})
             saved = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
             try:
                 self.sonar = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
-                                                  split_experts=(key == "e"), zero_copy=False if key == "f" else None,
+                                                  split_experts=key in "ey", zero_copy=False if key == "f" else None,
                                                   ring_layers={"s": 0, "o": 1, "h": 2}.get(key))
             finally:
                 for k, v in saved.items():

@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -47,20 +48,59 @@ var errFrameTooLong = errors.New("frame too long")
 
 // UnixTransport serves a Handler on a Unix stream socket (unix:///path).
 // Handle runs on the goroutine of the connection whose request it is, one
-// request at a time (mu), so the handler sees the same one-call-at-a-time
-// discipline as on the ZeroMQ transport.
+// request at a time, so the handler sees the same one-call-at-a-time
+// discipline as on the ZeroMQ transport. The turns are granted in the order
+// they were asked for, and each connection asks for one at a time, so a
+// request waits for at most one request of each other client, as ZeroMQ's
+// fair queueing bounds it (docs/reliability.md).
 type UnixTransport struct {
 	ln   *net.UnixListener
 	log  *zap.Logger
 	path string
 
-	mu      sync.Mutex // held while the handler runs; guards what follows
+	turn    fifoLock // held while the handler runs (Handle, Tick, Connected, Disconnected)
 	h       Handler
-	stopped bool
-	conns   map[string]*net.UnixConn   // by client id
-	open    map[*net.UnixConn]struct{} // every accepted connection, for shutdown
+	conns   map[string]*net.UnixConn // by client id (guarded by turn)
+	stopped atomic.Bool              // no request runs once set
+
+	mu   sync.Mutex
+	open map[*net.UnixConn]struct{} // every accepted connection, for shutdown (guarded by mu)
 
 	wg sync.WaitGroup // connection goroutines
+}
+
+// fifoLock is a mutex granted in the order Lock was called (sync.Mutex lets a
+// newcomer take the lock before a goroutine that has waited less than 1 ms).
+type fifoLock struct {
+	mu      sync.Mutex
+	held    bool
+	waiting []chan struct{}
+}
+
+func (l *fifoLock) Lock() {
+	l.mu.Lock()
+	if !l.held {
+		l.held = true
+		l.mu.Unlock()
+		return
+	}
+	ch := make(chan struct{})
+	l.waiting = append(l.waiting, ch)
+	l.mu.Unlock()
+	<-ch // the lock is handed over held
+}
+
+func (l *fifoLock) Unlock() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.waiting) == 0 {
+		l.held = false
+		return
+	}
+	next := l.waiting[0]
+	l.waiting[0] = nil
+	l.waiting = l.waiting[1:]
+	close(next)
 }
 
 // ListenUnix binds a Unix stream socket at the path of addr ("unix:///path"):
@@ -123,9 +163,9 @@ func removeStaleSocket(path string) error {
 // replies being written, such as the answer to a shutdown request). Tick
 // runs about once a second, between requests.
 func (t *UnixTransport) Serve(ctx context.Context, h Handler) error {
-	t.mu.Lock()
+	t.turn.Lock()
 	t.h = h
-	t.mu.Unlock()
+	t.turn.Unlock()
 	accepted := make(chan error, 1)
 	go func() { accepted <- t.accept() }()
 	ticker, _ := h.(Ticker)
@@ -141,9 +181,9 @@ func (t *UnixTransport) Serve(ctx context.Context, h Handler) error {
 			return fmt.Errorf("accept: %w", err)
 		case now := <-tick.C:
 			if ticker != nil {
-				t.mu.Lock()
+				t.turn.Lock()
 				ticker.Tick(now)
-				t.mu.Unlock()
+				t.turn.Unlock()
 			}
 		}
 	}
@@ -154,10 +194,7 @@ func (t *UnixTransport) accept() error {
 	for {
 		c, err := t.ln.AcceptUnix()
 		if err != nil {
-			t.mu.Lock()
-			stopped := t.stopped
-			t.mu.Unlock()
-			if stopped || errors.Is(err, net.ErrClosed) {
+			if t.stopped.Load() || errors.Is(err, net.ErrClosed) {
 				return nil
 			}
 			var ne net.Error
@@ -172,7 +209,7 @@ func (t *UnixTransport) accept() error {
 			return err
 		}
 		t.mu.Lock()
-		if t.stopped {
+		if t.stopped.Load() {
 			t.mu.Unlock()
 			_ = c.Close()
 			return nil
@@ -187,8 +224,10 @@ func (t *UnixTransport) accept() error {
 // stop ends serving: no request runs after it returns, the connections stop
 // reading, and those writing a reply get up to a second to finish.
 func (t *UnixTransport) stop() {
+	t.stopped.Store(true)
+	t.turn.Lock() // the request running now, if any, ends first
+	t.turn.Unlock()
 	t.mu.Lock()
-	t.stopped = true
 	for c := range t.open {
 		_ = c.CloseRead()
 	}
@@ -244,13 +283,13 @@ func (t *UnixTransport) serveConn(c *net.UnixConn) {
 			}
 			return
 		}
-		t.mu.Lock()
-		if t.stopped {
-			t.mu.Unlock()
+		t.turn.Lock()
+		if t.stopped.Load() {
+			t.turn.Unlock()
 			return
 		}
 		rep := execute(t.h, t.log, client, payload, received)
-		t.mu.Unlock()
+		t.turn.Unlock()
 		if err := writeFrame(c, encodeReply(rep, t.log)); err != nil {
 			t.log.Debug("connection write failed", zap.String("client", client), zap.Error(err))
 			return
@@ -261,9 +300,9 @@ func (t *UnixTransport) serveConn(c *net.UnixConn) {
 // register records client's connection and tells the handler; false when the
 // id is already connected or the transport stopped.
 func (t *UnixTransport) register(client string, c *net.UnixConn) bool {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if _, dup := t.conns[client]; dup || t.stopped {
+	t.turn.Lock()
+	defer t.turn.Unlock()
+	if _, dup := t.conns[client]; dup || t.stopped.Load() {
 		return false
 	}
 	t.conns[client] = c
@@ -275,10 +314,10 @@ func (t *UnixTransport) register(client string, c *net.UnixConn) bool {
 
 // unregister forgets client's connection and tells the handler it closed.
 func (t *UnixTransport) unregister(client string) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.turn.Lock()
+	defer t.turn.Unlock()
 	delete(t.conns, client)
-	if w, ok := t.h.(Watcher); ok && !t.stopped {
+	if w, ok := t.h.(Watcher); ok && !t.stopped.Load() {
 		w.Disconnected(client)
 	}
 }
@@ -315,10 +354,7 @@ func (t *UnixTransport) PeerPID(client string) (int, error) {
 
 // Close stops serving if Serve has not, and removes the socket file.
 func (t *UnixTransport) Close() error {
-	t.mu.Lock()
-	stopped := t.stopped
-	t.mu.Unlock()
-	if !stopped {
+	if !t.stopped.Load() {
 		t.stop()
 	}
 	if err := os.Remove(t.path); err != nil && !errors.Is(err, os.ErrNotExist) {
