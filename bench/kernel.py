@@ -385,7 +385,19 @@ def transport(pings: int, go_bench: str | None, cross_cpu: int | None = None, ap
         ping["layers"].update({k: v for k, v in floors["layers"].items() if k in FLOORS})
         for mine, theirs in zip(ping["after_idle"], floors["after_idle"]):
             mine["layers"].update({k: v for k, v in theirs["layers"].items() if k in FLOORS})
-    return {"ping": ping, "step_small": sonard_e2e(64, torch.float32, max(50, pings // 4), ping_baseline=True)}
+    out = {"ping": ping, "step_small": sonard_e2e(64, torch.float32, max(50, pings // 4), ping_baseline=True)}
+    # The same over sonard's own Unix socket (the private server SonarAdamW starts with
+    # SONAR_TRANSPORT=unix; the baseline ping's connection goes to that server, the same way).
+    saved = os.environ.get("SONAR_TRANSPORT")
+    os.environ["SONAR_TRANSPORT"] = "unix"
+    try:
+        out["step_small_unix"] = sonard_e2e(64, torch.float32, max(50, pings // 4), ping_baseline=True)
+    finally:
+        if saved is None:
+            os.environ.pop("SONAR_TRANSPORT", None)
+        else:
+            os.environ["SONAR_TRANSPORT"] = saved
+    return out
 
 
 def main() -> None:

@@ -628,6 +628,10 @@ def ipc_targets(res: dict) -> list[dict]:
         ping = got.get("ping")
         if ping:
             out += _transport_targets(ping, got.get("step_small"), where)
+            unix = ping.get("layers", {}).get("client_unix")
+            if unix:
+                out += _transport_targets({**unix, "layers": {}}, got.get("step_small_unix"),
+                                          f", over unix://{where}")
     return out
 
 
@@ -815,21 +819,23 @@ def ipc_section(res: dict) -> list[str]:
                      f"{1e3 * m['hook_s_median']:.1f} | {1e3 * m['drain_s_median']:.1f} | {pct(blocked)} | "
                      f"{pct(transport)} |")
     L += trace_table(res)
+    L += transport_training_section(res)
     L.append("\n![IPC latency](ipc-latency.png)\n")
     return L
 
 
-TRACE_COLUMNS = (("client_send", "client packs and sends"), ("to_server", "ZeroMQ to sonard's loop"),
+TRACE_COLUMNS = (("client_send", "client packs and sends"), ("to_server", "to sonard (ZeroMQ or its socket)"),
                  ("decode", "sonard decodes"), ("handle", "sonard handles"),
                  ("server_step", "of which the step (validation, page check, read, update)"),
-                 ("to_client", "reply encoded, sent, ZeroMQ back"), ("wake", "trainer's wait ends (parked threads woken)"),
+                 ("to_client", "reply encoded, sent, back"), ("wake", "trainer's wait ends (parked threads woken)"),
                  ("dispatch", "reply handled"), ("total", "round trip"))
 
 
 def trace_table(res: dict) -> list[str]:
     """Where a training step request's round trip went: each reply's server readings of
     CLOCK_MONOTONIC beside the client's (`opt.request_traces`)."""
-    rows = [(r, "d", r["methods"]["d"]) for r in res["train"] if "step_trace_p50_us" in r["methods"].get("d", {})]
+    rows = [(r, k, r["methods"][k]) for r in res["train"] for k in "dx"
+            if "step_trace_p50_us" in r["methods"].get(k, {})]
     if not rows:
         return []
     L = ["\nWhere a step request's round trip goes in training: every reply carries sonard's readings of "
@@ -849,6 +855,39 @@ def trace_table(res: dict) -> list[str]:
              "first three columns (2026-12-02). While a request is out the trainer's threads sleep, so each "
              "hand-over between threads is a wake-up, often on a virtual CPU that has halted (Placement, "
              "above).\n")
+    return L
+
+
+def transport_training_section(res: dict) -> list[str]:
+    """Training with the private sonard over ZeroMQ (d, e) and over its own Unix socket (x, y),
+    side by side in the same runs."""
+    rows = [r for r in res["train"] if "x" in r["methods"] and "b" in r["methods"]]
+    if not rows:
+        return []
+    L = ["\n### The transport in training: ZeroMQ or sonard's own Unix socket\n",
+         "The same runs also trained (d) and (e) with their private sonard spoken to over `unix://` "
+         "(`SONAR_TRANSPORT=unix`): (x) is (d), (y) is (e) over that socket. Step time and CPU time "
+         "(trainer and sonard) per step as a multiple of (b)'s:\n",
+         "| model | (b) ms | (d) ZeroMQ | (x) unix:// | (d) CPU | (x) CPU | (e) ZeroMQ, per expert | "
+         "(y) unix://, per expert | requests / step (e) |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ms = r["methods"]
+        b = ms["b"]
+        def ratio(k: str, key: str = "median_step_s") -> str:
+            return f"{ms[k][key] / b[key]:.3f}x" if k in ms else "-"
+        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {1e3 * b['median_step_s']:.1f} | {ratio('d')} | "
+                 f"{ratio('x')} | {ratio('d', 'cpu_s_per_step')} | {ratio('x', 'cpu_s_per_step')} | {ratio('e')} | "
+                 f"{ratio('y')} | {ms['e']['requests_per_step']:.0f} |" if "e" in ms else
+                 f"| {MODEL_NAME[r['model']]} {r['impl']} | {1e3 * b['median_step_s']:.1f} | {ratio('d')} | "
+                 f"{ratio('x')} | {ratio('d', 'cpu_s_per_step')} | {ratio('x', 'cpu_s_per_step')} | - | - | - |")
+    L.append("\nOver the socket, the trainer's thread writes each request and sonard's goroutine for the "
+             "connection reads it where the trainer ran (the kernel's synchronous wake-up), so that goroutine "
+             "often takes the trainer's CPU before the send call returns: in the trace table above, (x)'s "
+             "\"sends\" column holds most of sonard's handling and the next column is negative. What the socket "
+             "saves is the hand-overs to and from ZeroMQ's I/O threads, a few hundred microseconds a request: "
+             "it shows where requests are many (one per expert, (e) against (y)); with one request per layer "
+             "it is within the noise of a step.\n")
     return L
 
 
