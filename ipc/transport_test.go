@@ -61,10 +61,17 @@ func serve(t *testing.T, h Handler) (addr, path string) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(startServing(t, tr, h, path))
+	return addr, path
+}
+
+// startServing runs ep.Serve(h) and returns what stops it: cancel, wait for
+// Serve (5 s at most), Close, and check that the socket file at path is gone.
+func startServing(t *testing.T, ep Endpoint, h Handler, path string) func() {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- tr.Serve(ctx, h) }()
-	t.Cleanup(func() {
+	go func() { done <- ep.Serve(ctx, h) }()
+	return func() {
 		cancel()
 		select {
 		case err := <-done:
@@ -74,14 +81,13 @@ func serve(t *testing.T, h Handler) (addr, path string) {
 		case <-time.After(5 * time.Second):
 			t.Error("Serve did not stop")
 		}
-		if err := tr.Close(); err != nil {
+		if err := ep.Close(); err != nil {
 			t.Errorf("Close: %v", err)
 		}
 		if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
 			t.Errorf("socket file left after Close: %v", err)
 		}
-	})
-	return addr, path
+	}
 }
 
 func dealer(t *testing.T, addr string) *zmq.Socket {

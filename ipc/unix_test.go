@@ -21,7 +21,7 @@ import (
 
 // serveUnix starts a UnixTransport in a temporary directory and stops it when
 // the test ends (checking that Serve returns and the socket file is gone).
-func serveUnix(t *testing.T, h Handler) (addr, path string, stop func()) {
+func serveUnix(t *testing.T, h Handler) (addr, path string) {
 	t.Helper()
 	path = filepath.Join(t.TempDir(), "run", "s.sock")
 	addr = "unix://" + path
@@ -29,31 +29,8 @@ func serveUnix(t *testing.T, h Handler) (addr, path string, stop func()) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- ep.Serve(ctx, h) }()
-	var once sync.Once
-	stop = func() {
-		once.Do(func() {
-			cancel()
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Errorf("Serve: %v", err)
-				}
-			case <-time.After(5 * time.Second):
-				t.Error("Serve did not stop")
-			}
-			if err := ep.Close(); err != nil {
-				t.Errorf("Close: %v", err)
-			}
-			if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
-				t.Errorf("socket file left after Close: %v", err)
-			}
-		})
-	}
-	t.Cleanup(stop)
-	return addr, path, stop
+	t.Cleanup(startServing(t, ep, h, path))
+	return addr, path
 }
 
 // unixClient is a raw client of the framing, for tests.
@@ -112,7 +89,7 @@ func (u *unixClient) mustReply() stubReply {
 
 func TestUnixRoundTrip(t *testing.T) {
 	h := &stubHandler{}
-	_, path, _ := serveUnix(t, h)
+	_, path := serveUnix(t, h)
 	st, err := os.Stat(path)
 	if err != nil {
 		t.Fatal(err)
@@ -156,7 +133,7 @@ func TestUnixRoundTrip(t *testing.T) {
 // connection is closed; other clients are served throughout.
 func TestUnixBadInput(t *testing.T) {
 	h := &stubHandler{}
-	_, path, _ := serveUnix(t, h)
+	_, path := serveUnix(t, h)
 	good := dialUnix(t, path, []byte("good"))
 	ping := func(id uint64) {
 		t.Helper()
@@ -229,7 +206,7 @@ func TestUnixBadInput(t *testing.T) {
 // the handler never runs two requests at once.
 func TestUnixClients(t *testing.T) {
 	h := &watchHandler{}
-	_, path, _ := serveUnix(t, h)
+	_, path := serveUnix(t, h)
 	a := dialUnix(t, path, []byte("alpha"))
 	a.frame(envelope(t, Version, "ping", 1, nil))
 	a.mustReply()
@@ -277,7 +254,7 @@ func (h *exclusiveHandler) Handle(string, Request) (any, error) {
 
 func TestUnixOneRequestAtATime(t *testing.T) {
 	h := &exclusiveHandler{t: t}
-	_, path, _ := serveUnix(t, h)
+	_, path := serveUnix(t, h)
 	const clients, each = 6, 40
 	var wg sync.WaitGroup
 	for i := range clients {
@@ -417,7 +394,7 @@ func TestUnixShutdownReplyDelivered(t *testing.T) {
 // (turns are granted in order; docs/reliability.md's bound).
 func TestUnixFairness(t *testing.T) {
 	h := &stubHandler{delay: 2 * time.Millisecond}
-	_, path, _ := serveUnix(t, h)
+	_, path := serveUnix(t, h)
 	heavy := dialUnix(t, path, []byte("heavy"))
 	const n = 100
 	for i := range n {
