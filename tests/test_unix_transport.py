@@ -169,6 +169,17 @@ def test_no_unix_server_is_a_clear_error(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 2.0
 
 
+def test_a_path_that_cannot_be_a_socket_is_a_clear_error(tmp_path: Path) -> None:
+    plain = tmp_path / "a-file"
+    plain.write_text("x")
+    t0 = time.monotonic()
+    with pytest.raises(SonarError, match="connecting to sonard at unix://.*Not a directory"):
+        Connection(f"unix://{plain}/sonard.sock", timeout=10)
+    assert time.monotonic() - t0 < 1.0  # not retried until the timeout
+    with pytest.raises(SonarError, match="no sonard listening"):
+        Connection(f"unix://{plain}", timeout=0.2)  # a file, not a socket: refused, retried
+
+
 def test_private_unix_server_crash_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SONAR_TRANSPORT", "unix")
     conn = start_private_server(timeout=10)

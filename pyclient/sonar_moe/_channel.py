@@ -192,6 +192,9 @@ class UnixChannel:
                     raise ChannelError(f"no sonard listening on unix://{self._path} within {timeout:.1f} s: {e}") from e
                 time.sleep(pause)
                 pause = min(pause * 2, 0.05)
+            except OSError as e:  # not ours to reach (permissions), not a socket, ...
+                self._sock.close()
+                raise ChannelError(f"connecting to sonard at unix://{self._path}: {e}") from e
 
     def _write(self, data: bytes) -> None:
         """Write all of data; a server that reads nothing for the connection's timeout is an
