@@ -22,3 +22,23 @@ func BenchmarkApply512(b *testing.B) {
 		s.Apply(dst, src)
 	}
 }
+
+// BenchmarkApply4096 is one call of the block the engine's step passes to a
+// square root it calls (optimizer.callBlock): per element, the cost of MKL's
+// vmsSqrt itself, which bounds the step that calls it.
+func BenchmarkApply4096(b *testing.B) {
+	s, err := Load(os.Getenv("SONAR_TORCH_LIB"))
+	if err != nil {
+		b.Skip(err)
+	}
+	src := make([]float32, 4096)
+	dst := make([]float32, 4096)
+	for i := range src {
+		src[i] = 1e-8 * float32(i+1) * float32(i+3) // squared moments: small, positive
+	}
+	b.SetBytes(4096 * 4)
+	for i := 0; i < b.N; i++ {
+		s.Apply(dst, src)
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/4096, "ns/elem")
+}
