@@ -171,6 +171,10 @@ def test_training_parks_and_stays_exact(two_threads: None, monkeypatch: pytest.M
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setenv("SONAR_OPENMP_PARK", "1" if park else "0")
+    # Over sonard's own Unix socket the server often answers before the hook's wait begins (its
+    # goroutine runs where the trainer's thread ran and takes that CPU during the send), so a wait
+    # need not park at all: the park is tested over ZeroMQ, where each wait finds no reply yet.
+    monkeypatch.setenv("SONAR_TRANSPORT", "zmq")
     torch.manual_seed(7)
     model = TinyMoE(torch.float32, experts=6, hidden=33, inter=65)
     ref = copy.deepcopy(model)
