@@ -67,7 +67,7 @@ func serve(t *testing.T, h Handler) (addr, path string) {
 
 // startServing runs ep.Serve(h) and returns what stops it: cancel, wait for
 // Serve (5 s at most), Close, and check that the socket file at path is gone.
-func startServing(t *testing.T, ep Endpoint, h Handler, path string) func() {
+func startServing(t testing.TB, ep Endpoint, h Handler, path string) func() {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- ep.Serve(ctx, h) }()

@@ -178,6 +178,9 @@ func (t *UnixTransport) Serve(ctx context.Context, h Handler) error {
 			return nil
 		case err := <-accepted:
 			t.stop()
+			if err == nil { // the listener was closed (Close before the context ended)
+				return nil
+			}
 			return fmt.Errorf("accept: %w", err)
 		case now := <-tick.C:
 			if ticker != nil {

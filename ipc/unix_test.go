@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -21,7 +22,7 @@ import (
 
 // serveUnix starts a UnixTransport in a temporary directory and stops it when
 // the test ends (checking that Serve returns and the socket file is gone).
-func serveUnix(t *testing.T, h Handler) (addr, path string) {
+func serveUnix(t testing.TB, h Handler) (addr, path string) {
 	t.Helper()
 	path = filepath.Join(t.TempDir(), "run", "s.sock")
 	addr = "unix://" + path
@@ -35,13 +36,13 @@ func serveUnix(t *testing.T, h Handler) (addr, path string) {
 
 // unixClient is a raw client of the framing, for tests.
 type unixClient struct {
-	t  *testing.T
+	t  testing.TB
 	c  net.Conn
 	r  *bufio.Reader
 	id []byte
 }
 
-func dialUnix(t *testing.T, path string, id []byte) *unixClient {
+func dialUnix(t testing.TB, path string, id []byte) *unixClient {
 	t.Helper()
 	c, err := net.Dial("unix", path)
 	if err != nil {
@@ -478,6 +479,49 @@ func FuzzReadFrame(f *testing.F) {
 				t.Fatalf("frame of %d bytes, header says %d", len(b), want)
 			}
 			used += frameHeader + len(b)
+		}
+	})
+}
+
+// FuzzUnixStream: whatever bytes a connection sends (an id, frames, garbage,
+// cut short), the server answers or closes it, and then still serves a
+// well-behaved client.
+func FuzzUnixStream(f *testing.F) {
+	frame := func(b []byte) []byte {
+		return append(binary.LittleEndian.AppendUint32(nil, uint32(len(b))), b...)
+	}
+	ping, err := msgpack.Marshal(map[string]any{"v": Version, "op": "ping", "id": 1})
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(append(frame([]byte("id")), frame(ping)...))
+	f.Add(append(frame([]byte("id")), frame([]byte{0xc1})...))
+	f.Add(frame(nil))
+	f.Add([]byte{0xff, 0xff, 0xff, 0x7f, 1, 2, 3})
+	f.Add(append(frame([]byte("id")), 9, 0, 0, 0, 0x81))
+	_, path := serveUnix(f, &stubHandler{})
+	good := dialUnix(f, path, []byte("good"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		c, err := net.Dial("unix", path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		_, _ = c.Write(data)
+		_ = c.(*net.UnixConn).CloseWrite()
+		_, _ = io.Copy(io.Discard, c) // replies until the server closes or sees the end of the stream
+		_ = good.c.SetDeadline(time.Now().Add(5 * time.Second))
+		if err := writeFrame(good.c, envelope(t, Version, "ping", 42, nil)); err != nil {
+			t.Fatal(err)
+		}
+		b, err := readFrame(good.r, MaxMessageBytes)
+		var r stubReply
+		if err == nil {
+			err = msgpack.Unmarshal(b, &r)
+		}
+		if err != nil || !r.OK || r.ID != 42 {
+			t.Fatalf("the good client after %d fuzzed bytes: %+v, %v", len(data), r, err)
 		}
 	})
 }
