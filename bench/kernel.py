@@ -12,8 +12,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
-import common  # noqa: F401  (sys.path)
+import common
 import torch
 from torch import nn
 
@@ -183,6 +184,13 @@ def ipc_ping(n: int, go_bench: str | None = None, cross_cpu: int | None = None) 
         servers.append(proc)
         proc.stdout.readline()  # "ready"
 
+    def unix_echo(path: str, cpu: int | None = None) -> socket.socket:
+        """A plain Unix seqpacket echo at path (on one CPU if told), connected."""
+        serve("-unix-echo", path, cpu)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.connect(path)
+        return sock
+
     if go_bench:
         addr = f"ipc://{tmp}/echo.sock"
         serve("-echo", addr)
@@ -190,14 +198,9 @@ def ipc_ping(n: int, go_bench: str | None = None, cross_cpu: int | None = None) 
         echo.setsockopt(zmq.LINGER, 0)
         echo.connect(addr)
         # The machine's floor: the same Go process kind and client, a plain Unix socket, no ZeroMQ.
-        path = f"{tmp}/echo.unix"
-        serve("-unix-echo", path)
-        unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        unix.connect(path)
+        unix = unix_echo(f"{tmp}/echo.unix")
         if cross_cpu is not None:
-            serve("-unix-echo", f"{tmp}/cross.unix", cross_cpu)
-            cross = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            cross.connect(f"{tmp}/cross.unix")
+            cross = unix_echo(f"{tmp}/cross.unix", cross_cpu)
     req = msgpack.packb({"v": PROTOCOL_VERSION, "op": "ping", "id": 1, "body": {}}, use_bin_type=True)
 
     def via_client() -> None:
@@ -214,21 +217,19 @@ def ipc_ping(n: int, go_bench: str | None = None, cross_cpu: int | None = None) 
         echo.send(req)
         msgpack.unpackb(echo.recv(), raw=False)
 
-    def via_unix() -> None:
-        unix.send(req)
-        msgpack.unpackb(unix.recv(1 << 16), raw=False)
-
-    def via_cross() -> None:
-        cross.send(req)
-        msgpack.unpackb(cross.recv(1 << 16), raw=False)
+    def over_unix(sock: socket.socket) -> Callable[[], None]:
+        def via_unix() -> None:
+            sock.send(req)
+            msgpack.unpackb(sock.recv(1 << 16), raw=False)
+        return via_unix
 
     cases = {"client": via_client, "client_unix": via_client_unix, "pyzmq": via_pyzmq}
     if echo is not None:
         cases["echo"] = via_echo
     if unix is not None:
-        cases["unix"] = via_unix
+        cases["unix"] = over_unix(unix)
     if cross is not None:
-        cases["unix_cross"] = via_cross
+        cases["unix_cross"] = over_unix(cross)
     times: dict[str, list[float]] = {k: [] for k in cases}
     cpu: dict[str, float] = {k: 0.0 for k in cases}
     gapped: dict[float, dict[str, list[float]]] = {}
@@ -388,15 +389,8 @@ def transport(pings: int, go_bench: str | None, cross_cpu: int | None = None, ap
     out = {"ping": ping, "step_small": sonard_e2e(64, torch.float32, max(50, pings // 4), ping_baseline=True)}
     # The same over sonard's own Unix socket (the private server SonarAdamW starts with
     # SONAR_TRANSPORT=unix; the baseline ping's connection goes to that server, the same way).
-    saved = os.environ.get("SONAR_TRANSPORT")
-    os.environ["SONAR_TRANSPORT"] = "unix"
-    try:
+    with common.environ({"SONAR_TRANSPORT": "unix"}):
         out["step_small_unix"] = sonard_e2e(64, torch.float32, max(50, pings // 4), ping_baseline=True)
-    finally:
-        if saved is None:
-            os.environ.pop("SONAR_TRANSPORT", None)
-        else:
-            os.environ["SONAR_TRANSPORT"] = saved
     return out
 
 

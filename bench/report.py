@@ -659,6 +659,11 @@ def _transport_targets(ping: dict, small: dict | None, where: str) -> list[dict]
     return out
 
 
+def _us(x: float | None) -> str:
+    """Seconds as whole microseconds ("-" for none)."""
+    return f"{1e6 * x:.0f}" if x is not None else "-"
+
+
 def placement_section(res: dict) -> list[str]:
     """The transport measurements again with the client, sonard and the echo servers on one CPU
     (bench/kernel.py one_core), beside those as the scheduler placed them."""
@@ -670,7 +675,7 @@ def placement_section(res: dict) -> list[str]:
     gap_a = {g["gap_s"]: g["layers"] for g in ping.get("after_idle") or []}
     gap_b = {g["gap_s"]: g["layers"] for g in one["ping"].get("after_idle") or []}
     gap = min(set(gap_a) & set(gap_b), default=None)
-    us = lambda x: f"{1e6 * x:.0f}" if x is not None else "-"  # noqa: E731
+    us = _us
     p50 = lambda d, k: d[k]["p50_s"] if k in d else None  # noqa: E731
     L = ["\n### Placement: one CPU or two\n",
          f"The same measurements with the client, sonard and the echo servers all pinned to CPU {one['cpu']} "
@@ -727,7 +732,7 @@ def ipc_section(res: dict) -> list[str]:
         layers = ping.get("layers", {})
         if "echo" in layers and "pyzmq" in layers:
             e, z, c = layers["echo"], layers["pyzmq"], layers["client"]
-            us = lambda x: f"{1e6 * x:.0f}"  # noqa: E731
+            us = _us
             L.append("Where the microseconds go: the same request several ways, in interleaved rounds on an idle "
                      "server (p50 wall; the client process's CPU time per call beside it):\n")
             L.append("| path | p50 us | p90 us | p99 us | client CPU us / call | adds (p50) |")
@@ -876,11 +881,10 @@ def transport_training_section(res: dict) -> list[str]:
         b = ms["b"]
         def ratio(k: str, key: str = "median_step_s") -> str:
             return f"{ms[k][key] / b[key]:.3f}x" if k in ms else "-"
+        reqs = f"{ms['e']['requests_per_step']:.0f}" if "e" in ms else "-"
         L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {1e3 * b['median_step_s']:.1f} | {ratio('d')} | "
                  f"{ratio('x')} | {ratio('d', 'cpu_s_per_step')} | {ratio('x', 'cpu_s_per_step')} | {ratio('e')} | "
-                 f"{ratio('y')} | {ms['e']['requests_per_step']:.0f} |" if "e" in ms else
-                 f"| {MODEL_NAME[r['model']]} {r['impl']} | {1e3 * b['median_step_s']:.1f} | {ratio('d')} | "
-                 f"{ratio('x')} | {ratio('d', 'cpu_s_per_step')} | {ratio('x', 'cpu_s_per_step')} | - | - | - |")
+                 f"{ratio('y')} | {reqs} |")
     L.append("\nOver the socket, the trainer's thread writes each request and sonard's goroutine for the "
              "connection reads it where the trainer ran (the kernel's synchronous wake-up), so that goroutine "
              "often takes the trainer's CPU before the send call returns: in the trace table above, (x)'s "

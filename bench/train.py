@@ -42,7 +42,6 @@ import argparse
 import copy
 import gc
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -109,18 +108,10 @@ class Method:
             # SonarAdamW is built.
             env = {"g": {"SONAR_WORKERS": "1"}, "u": {"SONAR_OPENMP_PARK": "0"}, "x": {"SONAR_TRANSPORT": "unix"},
                    "y": {"SONAR_TRANSPORT": "unix"}, "z": {"SONAR_TRANSPORT": "zmq"}}.get(key, {})
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
+            with common.environ(env):
                 self.sonar = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
                                                   split_experts=key in "ey", zero_copy=False if key == "f" else None,
                                                   ring_layers={"s": 0, "o": 1, "h": 2}.get(key))
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
             self.opt = self.sonar
         self.times: list[float] = []
         self.losses: list[float] = []

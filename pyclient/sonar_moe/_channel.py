@@ -170,7 +170,7 @@ class UnixChannel:
         self._timeout = timeout
         self._rcvtimeo = -1.0
         self._connect(timeout, server_gone)
-        self._write(_HEADER.pack(16) + client_id())
+        self.send(client_id())  # the first frame: who we are
         pid, _, _ = struct.unpack("3i", self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         self._stat = f"/proc/{pid}/stat"
         self._checked = 0.0  # when /proc was last read
@@ -228,8 +228,7 @@ class UnixChannel:
         self._write(_HEADER.pack(len(msg)) + msg)
 
     def send_frames(self, frames: list[bytes]) -> None:
-        msg = b"".join(frames)
-        self._write(_HEADER.pack(len(msg)) + msg)
+        self.send(b"".join(frames))
 
     def _frame(self) -> bytes | None:
         """The next complete frame in the buffer, if any."""

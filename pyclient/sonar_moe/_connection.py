@@ -280,11 +280,10 @@ class Connection:
         """Handle every reply already in the socket."""
         n = 0
         while self._chan.ready():
-            raw = self._chan.recv(0.0)
+            raw = self._recv(0.0)
             if raw is None:
                 break
-            got = time.monotonic_ns()
-            self._dispatch(raw, got, got)
+            self._dispatch(raw, self._got_ns, self._got_ns)
             n += 1
         return n
 
