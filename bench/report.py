@@ -36,7 +36,8 @@ def signed_pct(x: float) -> str:
 
 def lanes_of(k: dict) -> str:
     """How wide the Go engine's kernels ran in a measurement (its instruction set)."""
-    return {"avx512": "16-wide (AVX-512)", "avx2": "8-wide (AVX2)", "go": "in plain Go"}.get(
+    return {"avx512bf16": "16-wide (AVX-512, BF16 narrowing)", "avx512": "16-wide (AVX-512)",
+            "avx2": "8-wide (AVX2)", "go": "in plain Go"}.get(
         k.get("isa", ""), "8-wide (AVX2)")
 
 
@@ -116,7 +117,7 @@ def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
     gk = res["torch"]["go_kernels"][0]
     if gk.get("isa"):
         L.append(f"The Go engine's kernels ran on **{gk['isa']}** (this CPU's widest: {gk['cpu_isa']}; sonard and "
-                 "`sonar-bench -isa` choose among avx512, avx2 and go, all bitwise alike).\n")
+                 "`sonar-bench -isa` choose among avx512bf16, avx512, avx2 and go, all bitwise alike).\n")
     L.append("Copy bandwidth of this machine, measured in the same run on 256 MiB buffers (read + write bytes "
              "per second):\n")
     L.append("| measurement | GB/s |\n|---|---|")
@@ -1128,7 +1129,7 @@ def analysis(res: dict) -> list[str]:
                  "keeps the divider too)."
                  + (f" The divider's floor measured above ({_floor(res):.2f} ns an element on one core) is under "
                     "every bf16 kernel but the AVX-512 fused one." if _floor(res) else "")
-                 + ("" if gb.get("cpu_isa") == "avx512" else
+                 + ("" if str(gb.get("cpu_isa", "")).startswith("avx512") else
                     " This machine has no AVX-512: the AVX-512 kernels (16 lanes) are verified lane for lane on an "
                     "emulated CPU (`make test-avx512`) but could not be timed here."))
     fused_parts = []

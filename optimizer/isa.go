@@ -15,9 +15,14 @@ const (
 	// ISAAVX512 is AVX-512 Foundation, 16 float32 lanes (amd64); what is left
 	// of a block below 16 elements runs on AVX2.
 	ISAAVX512
+	// ISAAVX512BF16 is ISAAVX512 with the AVX-512 BF16, BW and DQ extensions
+	// (amd64): the fused bfloat16 kernel narrows its stores with
+	// VCVTNE2PS2BF16, which rounds as torch does for every value but NaN and
+	// subnormals; a block holding one of those is narrowed as on ISAAVX512.
+	ISAAVX512BF16
 )
 
-var isaNames = [...]string{ISAGo: "go", ISAAVX2: "avx2", ISAAVX512: "avx512"}
+var isaNames = [...]string{ISAGo: "go", ISAAVX2: "avx2", ISAAVX512: "avx512", ISAAVX512BF16: "avx512bf16"}
 
 func (i ISA) String() string {
 	if i < 0 || int(i) >= len(isaNames) {
@@ -26,14 +31,14 @@ func (i ISA) String() string {
 	return isaNames[i]
 }
 
-// ParseISA returns the ISA named "go", "avx2" or "avx512".
+// ParseISA returns the ISA named "go", "avx2", "avx512" or "avx512bf16".
 func ParseISA(name string) (ISA, error) {
 	for i, n := range isaNames {
 		if n == name {
 			return ISA(i), nil
 		}
 	}
-	return 0, fmt.Errorf("optimizer: unknown instruction set %q (want go, avx2 or avx512)", name)
+	return 0, fmt.Errorf("optimizer: unknown instruction set %q (want go, avx2, avx512 or avx512bf16)", name)
 }
 
 // cpuISA is the widest level this CPU (and its operating system) supports,

@@ -7,12 +7,15 @@ import (
 	"golang.org/x/sys/cpu"
 )
 
-// detectISA: AVX-512 Foundation where the CPU and the operating system have
-// it (x/sys/cpu checks both), AVX2 with FMA, else the Go code.
+// detectISA: AVX-512 with BF16 (and BW, DQ), AVX-512 Foundation where the
+// CPU and the operating system have it (x/sys/cpu checks both), AVX2 with
+// FMA, else the Go code.
 func detectISA() ISA {
 	switch {
 	case !cpu.X86.HasAVX2 || !cpu.X86.HasFMA:
 		return ISAGo
+	case cpu.X86.HasAVX512F && cpu.X86.HasAVX512BF16 && cpu.X86.HasAVX512BW && cpu.X86.HasAVX512DQ:
+		return ISAAVX512BF16
 	case cpu.X86.HasAVX512F:
 		return ISAAVX512
 	}
@@ -282,6 +285,12 @@ func fusedF32AVX512(pp, gg, mm, vv *float32, n int, k *vecConsts)
 //go:noescape
 func fusedBF16AVX512(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 
+//go:noescape
+func fusedBF16AVX512BF16(pp, gg, mm, vv *uint16, n int, k *vecConsts)
+
+//go:noescape
+func narrowBF16AVX512BF16(dst *uint16, src *float32, n int, k *vecConsts)
+
 // newFusedConsts packs a fused step's constants for the assembly: decay,
 // lerp and exp_avg_sq constants as newPass1Consts packs them.
 func newFusedConsts(k fusedScalars) vecConsts {
@@ -358,7 +367,10 @@ func fusedBF16Vec(p, g, m, v []uint16, k fusedScalars) int {
 	}
 	g, m, v = g[:w+n], m[:w+n], v[:w+n]
 	c := newFusedConsts(k)
-	if w > 0 {
+	switch {
+	case w > 0 && vecISA >= ISAAVX512BF16:
+		fusedBF16AVX512BF16(&p[0], &g[0], &m[0], &v[0], w, &c)
+	case w > 0:
 		fusedBF16AVX512(&p[0], &g[0], &m[0], &v[0], w, &c)
 	}
 	if n > 0 {

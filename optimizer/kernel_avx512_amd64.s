@@ -581,3 +581,164 @@ loopdz:
 donedz:
 	VZEROUPPER
 	RET
+
+// The AVX-512 BF16 narrowing of the fused bfloat16 kernel (ISAAVX512BF16).
+//
+// VCVTNE2PS2BF16 rounds two blocks of 16 float32 lanes to bfloat16 in one
+// instruction, where ZRBFO takes five integer operations a block and
+// ZSTOREEOF two more a pair. It rounds to nearest even, as torch does,
+// every value but two kinds: a subnormal becomes a signed zero (torch rounds
+// it) and a NaN keeps its payload (torch's vector conversion writes 0xFFFF).
+// So ZCVTCHECK classifies both blocks first (VFPCLASSPS, AVX-512DQ: QNaN,
+// SNaN or subnormal) and jumps to the ZRBFO narrowing when one lane of the
+// 32 is one of them. TestBF16NarrowingAllFloat32 compares the two ways for
+// every float32 bit pattern. Measured on one core of an Intel Xeon with
+// AVX-512 BF16, 16K elements in L2: 0.515 -> 0.451 ns an element
+// (2026-12-02).
+//
+// Go's assembler does not know VCVTNE2PS2BF16: VCVT2_o_e are its bytes
+// (EVEX.512.F2.0F38.W0 72 /r) for the register pairs the loop uses, with
+// Z30 the destination: Z30's words 0-15 are e's lanes rounded, 16-31 o's.
+#define VCVT2_Z27_Z4 BYTE $0x62; BYTE $0x62; BYTE $0x27; BYTE $0x40; BYTE $0x72; BYTE $0xf4
+#define VCVT2_Z25_Z5 BYTE $0x62; BYTE $0x62; BYTE $0x37; BYTE $0x40; BYTE $0x72; BYTE $0xf5
+#define VCVT2_Z23_Z1 BYTE $0x62; BYTE $0x62; BYTE $0x47; BYTE $0x40; BYTE $0x72; BYTE $0xf1
+
+// ZCVTCHECK jumps to slow if a lane of e or o is a NaN or subnormal
+// (VFPCLASSPS categories QNaN 0x01, denormal 0x20, SNaN 0x80); K2 and K3
+// are clobbered.
+#define ZCVTCHECK(e, o, slow) \
+	VFPCLASSPSZ $0xA1, e, K2; \
+	VFPCLASSPSZ $0xA1, o, K3; \
+	KORTESTW K2, K3; \
+	JNE slow
+
+// ZSTORECVT stores Z30 (a VCVT2's result: the even elements, then the odd
+// ones) in memory order at addr; Z31 holds bf16Interleave.
+#define ZSTORECVT(addr) \
+	VPERMW Z30, Z31, Z30; \
+	VMOVDQU32 Z30, addr
+
+// bf16Interleave is the VPERMW index of ZSTORECVT: word j of memory takes
+// word j/2 + 16*(j&1) of a VCVT2's result.
+DATA bf16Interleave<>+0(SB)/8, $0x0011000100100000
+DATA bf16Interleave<>+8(SB)/8, $0x0013000300120002
+DATA bf16Interleave<>+16(SB)/8, $0x0015000500140004
+DATA bf16Interleave<>+24(SB)/8, $0x0017000700160006
+DATA bf16Interleave<>+32(SB)/8, $0x0019000900180008
+DATA bf16Interleave<>+40(SB)/8, $0x001b000b001a000a
+DATA bf16Interleave<>+48(SB)/8, $0x001d000d001c000c
+DATA bf16Interleave<>+56(SB)/8, $0x001f000f001e000e
+GLOBL bf16Interleave<>(SB), RODATA|NOPTR, $64
+
+// func fusedBF16AVX512BF16(pp, gg, mm, vv *uint16, n int, k *vecConsts)
+//
+// fusedBF16AVX512 with each pair of blocks narrowed by VCVT2 unless
+// ZCVTCHECK finds a NaN or subnormal lane (then by ZRBFO, as there).
+TEXT ·fusedBF16AVX512BF16(SB), NOSPLIT, $0-48
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ n+32(FP), CX
+	MOVQ k+40(FP), AX
+	ZRNDCONSTS
+	ZSTEPCONSTS
+	VPBROADCASTD 484(AX), Z21
+	VMOVDQU32 bf16Interleave<>(SB), Z31
+	VPTESTMD Z13, Z13, K4
+	MOVQ CX, DX
+	ANDQ $-32, DX
+	XORQ BX, BX
+loopcw:
+	CMPQ BX, DX
+	JGE loopcb
+	PREFETCH4(2)
+	ZLOADEO((SI)(BX*2), Z0, Z22)
+	ZLOADEO((DI)(BX*2), Z1, Z23)
+	ZLOADEO((R8)(BX*2), Z2, Z24)
+	ZLOADEO((R9)(BX*2), Z5, Z25)
+	ZFUSEDH(Z0, Z1, Z2, Z5, Z3, Z4, Z6, Z7)
+	ZFUSEDH(Z22, Z23, Z24, Z25, Z26, Z27, Z28, Z29)
+	ZCVTCHECK(Z4, Z27, slowm)
+	VCVT2_Z27_Z4
+	ZSTORECVT((R8)(BX*2))
+storev:
+	ZCVTCHECK(Z5, Z25, slowv)
+	VCVT2_Z25_Z5
+	ZSTORECVT((R9)(BX*2))
+storep:
+	ZCVTCHECK(Z1, Z23, slowp)
+	VCVT2_Z23_Z1
+	ZSTORECVT((DI)(BX*2))
+	ADDQ $32, BX
+	JMP loopcw
+slowm:
+	ZRBFO(Z4, K2, K3)
+	ZRBFO(Z27, K5, K6)
+	ZSTOREEOF(Z4, Z27, Z30, (R8)(BX*2))
+	JMP storev
+slowv:
+	ZRBFO(Z5, K2, K3)
+	ZRBFO(Z25, K5, K6)
+	ZSTOREEOF(Z5, Z25, Z30, (R9)(BX*2))
+	JMP storep
+slowp:
+	ZRBFO(Z1, K2, K3)
+	ZRBFO(Z23, K5, K6)
+	ZSTOREEOF(Z1, Z23, Z30, (DI)(BX*2))
+	ADDQ $32, BX
+	JMP loopcw
+loopcb:
+	CMPQ BX, CX
+	JGE donecb
+	ZLOADBF((SI)(BX*2), Z0)
+	ZLOADBF((DI)(BX*2), Z1)
+	ZLOADBF((R8)(BX*2), Z2)
+	ZLOADBF((R9)(BX*2), Z5)
+	ZFUSED16
+	ZRBFO(Z4, K2, K3)
+	ZSTOREBF(Z4, Z2, (R8)(BX*2))
+	ZRBFO(Z5, K2, K3)
+	ZSTOREBF(Z5, Z2, (R9)(BX*2))
+	ZRBFO(Z1, K2, K3)
+	ZSTOREBF(Z1, Z2, (DI)(BX*2))
+	ADDQ $16, BX
+	JMP loopcb
+donecb:
+	VZEROUPPER
+	RET
+
+// func narrowBF16AVX512BF16(dst *uint16, src *float32, n int, k *vecConsts)
+//
+// The fused kernel's narrowing alone, for TestBF16NarrowingAllFloat32: each
+// 32 float32 values at src, taken as an even block (the first 16) and an odd
+// one (the next 16), are narrowed and stored as fusedBF16AVX512BF16 stores
+// them: dst[2i] from src[i], dst[2i+1] from src[16+i]. n is a multiple of 32.
+TEXT ·narrowBF16AVX512BF16(SB), NOSPLIT, $0-32
+	MOVQ dst+0(FP), DI
+	MOVQ src+8(FP), SI
+	MOVQ n+16(FP), CX
+	MOVQ k+24(FP), AX
+	ZRNDCONSTS
+	VPBROADCASTD 484(AX), Z21
+	VMOVDQU32 bf16Interleave<>(SB), Z31
+	XORQ BX, BX
+loopn:
+	CMPQ BX, CX
+	JGE donen
+	VMOVUPS (SI)(BX*4), Z4
+	VMOVUPS 64(SI)(BX*4), Z27
+	ZCVTCHECK(Z4, Z27, slown)
+	VCVT2_Z27_Z4
+	ZSTORECVT((DI)(BX*2))
+	ADDQ $32, BX
+	JMP loopn
+slown:
+	ZRBFO(Z4, K2, K3)
+	ZRBFO(Z27, K5, K6)
+	ZSTOREEOF(Z4, Z27, Z30, (DI)(BX*2))
+	ADDQ $32, BX
+	JMP loopn
+donen:
+	VZEROUPPER
+	RET

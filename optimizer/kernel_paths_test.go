@@ -32,7 +32,7 @@ func withISA(l ISA, f func() [][]byte) [][]byte {
 }
 
 var requireISA = flag.String("require-isa", os.Getenv("SONAR_REQUIRE_ISA"),
-	"fail unless the kernels run at this level (avx512, avx2, go); env SONAR_REQUIRE_ISA")
+	"fail unless the kernels run at this level (avx512bf16, avx512, avx2, go); env SONAR_REQUIRE_ISA")
 
 // TestRequiredISA fails where -require-isa (or SONAR_REQUIRE_ISA) names a
 // level this CPU lacks, so a run meant to check AVX-512 (make test-avx512,
@@ -53,7 +53,7 @@ func TestRequiredISA(t *testing.T) {
 }
 
 func TestISANames(t *testing.T) {
-	for _, l := range []ISA{ISAGo, ISAAVX2, ISAAVX512} {
+	for _, l := range []ISA{ISAGo, ISAAVX2, ISAAVX512, ISAAVX512BF16} {
 		got, err := ParseISA(l.String())
 		if err != nil || got != l {
 			t.Errorf("ParseISA(%q) = %v, %v", l.String(), got, err)
@@ -64,7 +64,7 @@ func TestISANames(t *testing.T) {
 	}
 	old := vecISA
 	defer func() { vecISA = old }()
-	if got := LimitISA(ISAAVX512 + 1); got != cpuISA {
+	if got := LimitISA(ISAAVX512BF16 + 1); got != cpuISA {
 		t.Errorf("LimitISA above the CPU = %v, want the CPU's %v", got, cpuISA)
 	}
 	if got := LimitISA(ISAGo); got != ISAGo || KernelISA() != ISAGo {

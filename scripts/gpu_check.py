@@ -1165,7 +1165,9 @@ def cpu_isa() -> str:
                 break
     if not {"avx2", "fma"} <= flags:
         return "go"
-    return "avx512" if "avx512f" in flags else "avx2"
+    if "avx512f" not in flags:
+        return "avx2"
+    return "avx512bf16" if {"avx512_bf16", "avx512bw", "avx512dq"} <= flags else "avx512"
 
 
 def check_cpu_kernels(ctx: argparse.Namespace) -> None:
