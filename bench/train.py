@@ -26,6 +26,9 @@ Methods:
   x  (d) with its private sonard spoken to over sonard's own Unix socket (SONAR_TRANSPORT=unix)
   z  (d) with its private sonard spoken to over ZeroMQ (SONAR_TRANSPORT=zmq)
   y  (e) over sonard's own Unix socket: one request per expert slice, each without ZeroMQ
+  w  (d) with sonard's workers never polling (SONAR_SPIN=0): each tensor's helper goroutine
+     started when its arithmetic starts and the request's wait for it blocking, as before
+     2026-12-02 (optimizer/helpers.go)
 
 Memory (per method, one extra profiled step after the timed ones): the trainer's tensor
 bytes are the bytes alive before the step (parameters outside shared memory, gradients,
@@ -69,6 +72,7 @@ METHODS = {
     "x": "SonarAdamW batched, unix:// transport",
     "z": "SonarAdamW batched, ZeroMQ transport",
     "y": "SonarAdamW split_experts, unix:// transport",
+    "w": "SonarAdamW batched, workers never poll (SONAR_SPIN=0)",
     "n": "no optimizer (forward + backward only)",
 }
 LR, WD, CLIP = 1e-3, 0.01, 1.0
@@ -104,10 +108,11 @@ class Method:
                 self.per_param[p] = torch.optim.AdamW([p], lr=LR, weight_decay=WD)
                 p.register_post_accumulate_grad_hook(self._in_backward)
         else:
-            # SONAR_WORKERS is read by the private sonard at its start, SONAR_OPENMP_PARK when
+            # SONAR_WORKERS and SONAR_SPIN are read by the private sonard at its start, SONAR_OPENMP_PARK when
             # SonarAdamW is built.
             env = {"g": {"SONAR_WORKERS": "1"}, "u": {"SONAR_OPENMP_PARK": "0"}, "x": {"SONAR_TRANSPORT": "unix"},
-                   "y": {"SONAR_TRANSPORT": "unix"}, "z": {"SONAR_TRANSPORT": "zmq"}}.get(key, {})
+                   "y": {"SONAR_TRANSPORT": "unix"}, "z": {"SONAR_TRANSPORT": "zmq"},
+                   "w": {"SONAR_SPIN": "0"}}.get(key, {})
             with common.environ(env):
                 self.sonar = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
                                                   split_experts=key in "ey", zero_copy=False if key == "f" else None,

@@ -270,6 +270,12 @@ type Engine struct {
 	// goroutines take the chunks (the engine before 2026-12-02, kept for
 	// benchmarks); by default the caller is one of the workers.
 	CallerWaits bool
+	// Spin is how long idle helpers poll for the next job and the caller for
+	// the helpers' last chunks before blocking (0: helperSpin; negative:
+	// never; helpers.go).
+	Spin time.Duration
+
+	helpers helperPool // the goroutines beside the caller (helpers.go)
 }
 
 // NewEngine returns an engine using all cores.
@@ -530,17 +536,21 @@ func (e *Engine) parallel(n int, fn func(lo, hi int)) error {
 	// thread and had to be woken again at the end: a float32 step on two
 	// workers took 2.1x as long for 131K elements, 1.14x for 614K, the same
 	// for 2M (BenchmarkParallelCaller, medians of 5, 2026-12-02).
+	// The helpers are the engine's (helpers.go): ones still polling after the
+	// previous job take this one at once; the missing ones are started.
 	helpers := min(w, chunks) - 1
 	if e.CallerWaits {
-		helpers++
-	}
-	for range helpers {
-		go work()
-	}
-	if !e.CallerWaits {
+		for range helpers + 1 {
+			go work()
+		}
+		<-finished
+	} else {
+		j := &job{work: work}
+		e.helpers.publish(j, helpers, e.spin())
 		work()
+		await(&done, int64(chunks), finished, e.spin())
+		e.helpers.retire(j)
 	}
-	<-finished
 	if len(errs) > 0 {
 		return errs[0]
 	}

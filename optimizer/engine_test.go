@@ -518,14 +518,14 @@ func TestParallelStalledWorker(t *testing.T) {
 func TestSplit(t *testing.T) {
 	for _, tc := range []struct {
 		name              string
-		e                 Engine
+		e                 *Engine
 		n, workers, chunk int
 	}{
-		{"default: eight chunks per worker", Engine{Workers: 2, MinChunk: 1 << 16}, 1 << 20, 2, 1 << 16},
-		{"one fixed chunk per worker", Engine{Workers: 2, MinChunk: 1 << 16, ChunksPerWorker: 1}, 1 << 20, 2, 1 << 19},
-		{"chunks no shorter than minDynamicChunk", Engine{Workers: 2, MinChunk: 1}, 100000, 2, minDynamicChunk},
-		{"aligned to 64", Engine{Workers: 3, MinChunk: 1, ChunksPerWorker: 1}, 100003, 3, 33344},
-		{"below MinChunk: one worker", Engine{Workers: 2, MinChunk: 1 << 16}, 1000, 1, 1000},
+		{"default: eight chunks per worker", &Engine{Workers: 2, MinChunk: 1 << 16}, 1 << 20, 2, 1 << 16},
+		{"one fixed chunk per worker", &Engine{Workers: 2, MinChunk: 1 << 16, ChunksPerWorker: 1}, 1 << 20, 2, 1 << 19},
+		{"chunks no shorter than minDynamicChunk", &Engine{Workers: 2, MinChunk: 1}, 100000, 2, minDynamicChunk},
+		{"aligned to 64", &Engine{Workers: 3, MinChunk: 1, ChunksPerWorker: 1}, 100003, 3, 33344},
+		{"below MinChunk: one worker", &Engine{Workers: 2, MinChunk: 1 << 16}, 1000, 1, 1000},
 	} {
 		w, c := tc.e.split(tc.n)
 		if w != tc.workers || c != tc.chunk {

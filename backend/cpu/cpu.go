@@ -24,6 +24,9 @@ type Backend struct {
 	// MinChunk is the smallest number of elements worth a goroutine (0:
 	// the engine's default).
 	MinChunk int
+	// Spin is how long idle workers poll for the next tensor (the engine's
+	// Spin: 0 its default, negative never).
+	Spin time.Duration
 
 	phases optimizer.Phases // of every session's engine, and of the page checks
 }
@@ -58,6 +61,7 @@ func (b *Backend) Close() error { return nil }
 func (b *Backend) Open(c backend.Client) (backend.Session, error) {
 	e := optimizer.NewEngine()
 	e.Workers = b.Workers
+	e.Spin = b.Spin
 	e.Phases = &b.phases
 	if b.MinChunk > 0 {
 		e.MinChunk = b.MinChunk
@@ -238,6 +242,9 @@ func (s *session) Step(items []backend.Item, waitEvent bool) error {
 	if waitEvent {
 		return errors.New("wait_event is for CUDA tensors only")
 	}
+	// Start the engine's other workers now: they are running by the time the
+	// gradients are checked and the arithmetic starts (optimizer/helpers.go).
+	s.engine.Prewake()
 	type work struct {
 		t    *optimizer.Tensor
 		grad []byte

@@ -1,0 +1,167 @@
+package optimizer
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// waitIdle waits until e has no live helper, failing after a second.
+func waitIdle(t *testing.T, e *Engine) {
+	t.Helper()
+	deadline := time.Now().Add(time.Second)
+	for e.helpers.alive.Load() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d helpers still alive a second after the last job", e.helpers.alive.Load())
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestHelpersExitWhenIdle: helpers started by jobs or by Prewake end once
+// they have polled the spin time without a job; with the spin turned off
+// Prewake starts none.
+func TestHelpersExitWhenIdle(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		e    *Engine
+	}{
+		{"default spin", &Engine{Workers: 4, MinChunk: 1}},
+		{"long spin", &Engine{Workers: 2, MinChunk: 1, Spin: 20 * time.Millisecond}},
+		{"spin off", &Engine{Workers: 3, MinChunk: 1, Spin: -1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for range 20 {
+				if err := tc.e.parallel(100003, func(lo, hi int) {}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			waitIdle(t, tc.e)
+			tc.e.Prewake()
+			if got := tc.e.helpers.alive.Load(); tc.e.Spin < 0 && got != 0 {
+				t.Fatalf("Prewake with the spin off started %d helpers", got)
+			} else if tc.e.Spin >= 0 && got != int32(tc.e.Workers-1) {
+				t.Fatalf("Prewake started %d helpers, want %d", got, tc.e.Workers-1)
+			}
+			waitIdle(t, tc.e)
+		})
+	}
+}
+
+// TestHelpersTakeChunks: a helper polling after one job takes chunks of the
+// next, back to back and after Prewake (the point of the pool: without it
+// the helper of a short job started too late to take any here).
+func TestHelpersTakeChunks(t *testing.T) {
+	if runtime.GOMAXPROCS(0) < 2 {
+		t.Skip("one processor: helpers cannot run beside the caller")
+	}
+	runtime.LockOSThread() // as sonard's loop is
+	defer runtime.UnlockOSThread()
+	me := syscall.Gettid()
+	e := &Engine{Workers: 2, MinChunk: 1}
+	const n = 1 << 17
+	x := make([]float32, n)
+	var helped, total atomic.Int64
+	for r := range 200 {
+		if r%2 == 1 {
+			time.Sleep(time.Millisecond) // helpers gone: Prewake first
+			e.Prewake()
+		}
+		if err := e.parallel(n, func(lo, hi int) {
+			total.Add(1)
+			if syscall.Gettid() != me {
+				helped.Add(1)
+			}
+			for i := lo; i < hi; i++ { // a few microseconds a chunk
+				x[i] = x[i]*0.999 + 1
+			}
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Logf("helpers took %d of %d chunks", helped.Load(), total.Load())
+	if helped.Load() < total.Load()/10 {
+		t.Fatalf("helpers took %d of %d chunks", helped.Load(), total.Load())
+	}
+}
+
+// TestParallelConcurrentCallers: callers on one engine publish over each
+// other's jobs; every call still covers its range exactly once and returns
+// (run with -race).
+func TestParallelConcurrentCallers(t *testing.T) {
+	e := &Engine{Workers: 3, MinChunk: 1}
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for c := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := rand.New(rand.NewPCG(uint64(c), 1))
+			for range 50 {
+				n := 1 + r.IntN(200000)
+				hits := make([]int32, n)
+				if err := e.parallel(n, func(lo, hi int) {
+					for i := lo; i < hi; i++ {
+						hits[i]++ // chunks are disjoint
+					}
+				}); err != nil {
+					errs <- err
+					return
+				}
+				for i, h := range hits {
+					if h != 1 {
+						errs <- fmt.Errorf("caller %d, n=%d: element %d visited %d times", c, n, i, h)
+						return
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	waitIdle(t, e)
+}
+
+// TestParallelAcrossSpinGaps: jobs that come just before, at and after the
+// end of the helpers' spin (the race between a helper leaving and a job
+// counted on it) are all done, none hangs.
+func TestParallelAcrossSpinGaps(t *testing.T) {
+	for _, spin := range []time.Duration{20 * time.Microsecond, helperSpin} {
+		e := &Engine{Workers: 2, MinChunk: 1, Spin: spin}
+		r := rand.New(rand.NewPCG(3, 4))
+		for k := range 400 {
+			gap := time.Duration(r.IntN(int(3 * spin)))
+			deadline := time.Now().Add(gap)
+			for time.Now().Before(deadline) { // sleep is too coarse
+			}
+			if k%3 == 0 {
+				e.Prewake()
+			}
+			var elems atomic.Int64
+			done := make(chan error, 1)
+			go func() {
+				done <- e.parallel(150000, func(lo, hi int) { elems.Add(int64(hi - lo)) })
+			}()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Fatal(err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatalf("spin %v, gap %v: parallel did not return", spin, gap)
+			}
+			if elems.Load() != 150000 {
+				t.Fatalf("spin %v, gap %v: %d of 150000 elements done", spin, gap, elems.Load())
+			}
+		}
+		waitIdle(t, e)
+	}
+}
