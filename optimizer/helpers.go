@@ -38,8 +38,10 @@ import (
 // Correctness never depends on helpers: the caller takes chunks itself until
 // none is left (parallel), so a job no helper saw is merely slower.
 type helperPool struct {
-	job   atomic.Pointer[job] // the job helpers take chunks of; nil when none
-	alive atomic.Int32        // helpers running or polling
+	job     atomic.Pointer[job] // the job helpers take chunks of; nil when none
+	alive   atomic.Int32        // helpers running or polling
+	started atomic.Int64        // helpers started so far
+	spin    atomic.Int64        // how long an idle helper polls, in ns (the last publisher's)
 }
 
 // job is one parallel call's work: take chunks until none is left.
@@ -64,12 +66,14 @@ func (e *Engine) spin() time.Duration {
 // publish offers j (nil: none yet) to the helpers and makes sure that n of
 // them run.
 func (p *helperPool) publish(j *job, n int, spin time.Duration) {
+	p.spin.Store(int64(spin))
 	if j != nil {
 		p.job.Store(j)
 	}
 	for range n - int(p.alive.Load()) {
 		p.alive.Add(1)
-		go p.help(spin)
+		p.started.Add(1)
+		go p.help()
 	}
 }
 
@@ -77,9 +81,9 @@ func (p *helperPool) publish(j *job, n int, spin time.Duration) {
 // buffers it references) is not kept alive until the next job.
 func (p *helperPool) retire(j *job) { p.job.CompareAndSwap(j, nil) }
 
-// help runs the jobs it finds in the slot until it has polled for spin
-// without finding a new one.
-func (p *helperPool) help(spin time.Duration) {
+// help runs the jobs it finds in the slot until it has polled for the spin
+// time without finding a new one.
+func (p *helperPool) help() {
 	var last *job
 	idle := time.Now()
 	for i := 0; ; i++ {
@@ -89,7 +93,7 @@ func (p *helperPool) help(spin time.Duration) {
 			idle = time.Now()
 			continue
 		}
-		if i&15 != 0 || time.Since(idle) < spin {
+		if i&15 != 0 || time.Since(idle) < time.Duration(p.spin.Load()) {
 			continue
 		}
 		p.alive.Add(-1)

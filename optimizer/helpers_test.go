@@ -1,12 +1,12 @@
 package optimizer
 
 import (
+	"bytes"
 	"fmt"
 	"math/rand/v2"
 	"runtime"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 )
@@ -53,41 +53,61 @@ func TestHelpersExitWhenIdle(t *testing.T) {
 	}
 }
 
-// TestHelpersTakeChunks: a helper polling after one job takes chunks of the
-// next, back to back and after Prewake (the point of the pool: without it
-// the helper of a short job started too late to take any here).
+// TestHelpersTakeChunks: the helper started for one job is still polling
+// when the next comes (a spin of seconds, so that no load of the machine
+// can outlast it) and takes a chunk of it: no second helper is started. The
+// caller's first chunk of each job waits for a chunk run elsewhere, so the
+// test does not depend on timing. A helper Prewake starts takes the chunks
+// of the job that follows it the same way.
 func TestHelpersTakeChunks(t *testing.T) {
-	if runtime.GOMAXPROCS(0) < 2 {
-		t.Skip("one processor: helpers cannot run beside the caller")
-	}
-	runtime.LockOSThread() // as sonard's loop is
-	defer runtime.UnlockOSThread()
-	me := syscall.Gettid()
-	e := &Engine{Workers: 2, MinChunk: 1}
-	const n = 1 << 17
-	x := make([]float32, n)
-	var helped, total atomic.Int64
-	for r := range 200 {
-		if r%2 == 1 {
-			time.Sleep(time.Millisecond) // helpers gone: Prewake first
-			e.Prewake()
-		}
-		if err := e.parallel(n, func(lo, hi int) {
-			total.Add(1)
-			if syscall.Gettid() != me {
-				helped.Add(1)
+	run := func(e *Engine) {
+		var helped atomic.Bool
+		took := make(chan struct{})
+		var once sync.Once
+		id := goid()
+		if err := e.parallel(1<<17, func(lo, hi int) {
+			if goid() != id {
+				helped.Store(true)
+				once.Do(func() { close(took) })
+				return
 			}
-			for i := lo; i < hi; i++ { // a few microseconds a chunk
-				x[i] = x[i]*0.999 + 1
+			if lo == 0 {
+				select {
+				case <-took:
+				case <-time.After(10 * time.Second):
+				}
 			}
 		}); err != nil {
 			t.Fatal(err)
 		}
+		if !helped.Load() {
+			t.Fatal("no helper took a chunk")
+		}
 	}
-	t.Logf("helpers took %d of %d chunks", helped.Load(), total.Load())
-	if helped.Load() < total.Load()/10 {
-		t.Fatalf("helpers took %d of %d chunks", helped.Load(), total.Load())
+	e := &Engine{Workers: 2, MinChunk: 1, Spin: 3 * time.Second}
+	run(e)
+	run(e)
+	if got := e.helpers.started.Load(); got != 1 {
+		t.Fatalf("%d helpers started for two jobs in a row, want 1 (the first one's, still polling)", got)
 	}
+	w := &Engine{Workers: 2, MinChunk: 1, Spin: 3 * time.Second}
+	w.Prewake()
+	run(w)
+	if got := w.helpers.started.Load(); got != 1 {
+		t.Fatalf("%d helpers started by Prewake and a job, want 1", got)
+	}
+	for _, x := range []*Engine{e, w} { // end the polling now
+		x.helpers.spin.Store(0)
+		waitIdle(t, x)
+	}
+}
+
+// goid identifies the calling goroutine (the number in its stack trace).
+func goid() string {
+	var buf [64]byte
+	b := buf[:runtime.Stack(buf[:], false)]
+	b = b[len("goroutine "):]
+	return string(b[:bytes.IndexByte(b, ' ')])
 }
 
 // TestParallelConcurrentCallers: callers on one engine publish over each
