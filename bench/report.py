@@ -826,6 +826,7 @@ def ipc_section(res: dict) -> list[str]:
                      f"{pct(transport)} |")
     L += trace_table(res)
     L += transport_training_section(res)
+    L += spin_training_section(res)
     L.append("\n![IPC latency](ipc-latency.png)\n")
     return L
 
@@ -893,6 +894,36 @@ def transport_training_section(res: dict) -> list[str]:
              "saves is the hand-overs to and from ZeroMQ's I/O threads, a few hundred microseconds a request: "
              "it shows where requests are many (one per expert, (e) against (y)); with one request per layer "
              "it is within the noise of a step.\n")
+    return L
+
+
+def spin_training_section(res: dict) -> list[str]:
+    """(d) against (w): sonard's update workers polling between tensors (optimizer/helpers.go) or
+    not (SONAR_SPIN=0), side by side in the same runs."""
+    rows = [r for r in res["train"] if "w" in r["methods"] and "d" in r["methods"] and "b" in r["methods"]]
+    if not rows:
+        return []
+    L = ["\n### sonard's update workers: polling or sleeping between tensors\n",
+         "On these virtual CPUs a goroutine started on the other core runs 75-90 us later, and a caller "
+         "blocked on a channel is woken as late, so a tensor's second worker used to join late or not at "
+         "all. Since 2026-12-02 the engine's idle workers poll for the next tensor for 50 us "
+         "(`sonard --spin`), the request's own goroutine polls for their last chunks before it blocks, and "
+         "the CPU backend starts them when a step request comes in (`optimizer/helpers.go`). (w) is (d) "
+         "with `SONAR_SPIN=0`: the engine before. Same runs as the tables above; request latency and "
+         "sonard's step time are medians over every request of the timed steps:\n",
+         "| model | (d) polling: step vs (b) | (w) sleeping: step vs (b) | (d) / (w) step | CPU (d) / (w) | "
+         "request p50 ms (d) / (w) | sonard step p50 ms (d) / (w) |",
+         "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ms = r["methods"]
+        b, d, w = ms["b"], ms["d"], ms["w"]
+        def srv(m: dict) -> str:
+            v = (m.get("step_trace_p50_us") or {}).get("server_step")
+            return f"{v / 1e3:.2f}" if v else "-"
+        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {d['median_step_s'] / b['median_step_s']:.3f}x | "
+                 f"{w['median_step_s'] / b['median_step_s']:.3f}x | {d['median_step_s'] / w['median_step_s']:.3f}x | "
+                 f"{d['cpu_s_per_step'] / w['cpu_s_per_step']:.3f}x | "
+                 f"{d['latency_ms_p50']:.2f} / {w['latency_ms_p50']:.2f} | {srv(d)} / {srv(w)} |")
     return L
 
 
@@ -1123,7 +1154,13 @@ def analysis(res: dict) -> list[str]:
                  "the prefetch the rest. The fused bf16 kernels widen and narrow the same way and round a stored "
                  "value in five integer operations (AVX-512, one core in L2: 0.77 -> 0.63 ns an element), and on "
                  "AVX-512 divide by bias_correction2_sqrt with fused multiply-adds instead of the divider "
-                 "(`optimizer/divide_amd64.h`; 0.56 -> 0.54 ns). The bf16 single-tensor kernel keeps both "
+                 "(`optimizer/divide_amd64.h`; 0.56 -> 0.54 ns). Since 2026-12-02, on a CPU with AVX-512 BF16 "
+                 "(instruction level `avx512bf16`, which this machine has) the fused bf16 kernel narrows each pair "
+                 "of blocks with one VCVTNE2PS2BF16 where no lane is a NaN or subnormal (the two kinds it rounds "
+                 "differently from torch; `TestBF16NarrowingAllFloat32` compares the two narrowings for every "
+                 "float32), 0.515 -> 0.451 ns an element on one core in L2. The single-tensor bf16 kernel rounds "
+                 "inside the arithmetic too, where the instruction saves nothing (it needs the value back in "
+                 "float32 lanes). The bf16 single-tensor kernel keeps both "
                  "divisions on the divider: its loop is bound by the roundings on the same vector ports, where the "
                  "multiply-adds would add work (as they did to the AVX2 fused bf16 loop, 0.67 -> 0.81 ns, which "
                  "keeps the divider too)."
