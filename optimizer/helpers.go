@@ -28,8 +28,8 @@ import (
 //
 // Polling is bounded by the spin time (Engine.Spin, default helperSpin) per
 // job; a negative spin turns it off (helpers exit when they find no chunk,
-// the caller blocks at once), which is the engine before 2026-12-02 but for
-// Prewake.
+// the caller blocks at once, Prewake starts nothing): the engine before
+// 2026-12-02.
 //
 // A job is published by storing it in the slot, then counting the live
 // helpers and starting the missing ones; a helper about to exit leaves the
@@ -119,13 +119,29 @@ func await(done *atomic.Int64, chunks int64, finished <-chan struct{}, spin time
 	}
 }
 
-// Prewake starts the helpers a step on this engine will use, so that they
-// are running when its arithmetic starts instead of being woken then (tens
-// of microseconds on a virtual CPU that halts when idle). It costs at most
-// the spin time of polling per helper when no step follows.
-func (e *Engine) Prewake() {
-	if e.CallerWaits || e.Workers <= 1 || e.spin() == 0 {
+// Prewake starts the helpers a step of a tensor of n elements on this
+// engine will use, so that they are running when its arithmetic starts
+// instead of being woken then (tens of microseconds on a virtual CPU that
+// halts when idle). It starts none for a tensor that one worker updates
+// alone (a helper's polling would only take a core from other threads: per
+// expert requests, 640-1024 a step, were 10% slower with it), and costs at
+// most the spin time of polling per helper when no step follows.
+func (e *Engine) Prewake(n int) {
+	if e.CallerWaits || e.spin() == 0 {
 		return
 	}
-	e.helpers.publish(nil, e.Workers-1, e.spin())
+	if h := e.helpersFor(n); h > 0 {
+		e.helpers.publish(nil, h, e.spin())
+	}
+}
+
+// helpersFor is how many helpers parallel uses beside its caller for n
+// elements: one fewer than the workers, or than the chunks where those are
+// fewer.
+func (e *Engine) helpersFor(n int) int {
+	w, chunk := e.split(n)
+	if w <= 1 {
+		return 0
+	}
+	return min(w, (n+chunk-1)/chunk) - 1
 }

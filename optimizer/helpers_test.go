@@ -42,7 +42,11 @@ func TestHelpersExitWhenIdle(t *testing.T) {
 				}
 			}
 			waitIdle(t, tc.e)
-			tc.e.Prewake()
+			tc.e.Prewake(1 << 10) // one worker's tensor: no helper
+			if got := tc.e.helpers.alive.Load(); got != 0 {
+				t.Fatalf("Prewake for a one-worker tensor started %d helpers", got)
+			}
+			tc.e.Prewake(1 << 20)
 			if got := tc.e.helpers.alive.Load(); tc.e.Spin < 0 && got != 0 {
 				t.Fatalf("Prewake with the spin off started %d helpers", got)
 			} else if tc.e.Spin >= 0 && got != int32(tc.e.Workers-1) {
@@ -91,7 +95,7 @@ func TestHelpersTakeChunks(t *testing.T) {
 		t.Fatalf("%d helpers started for two jobs in a row, want 1 (the first one's, still polling)", got)
 	}
 	w := &Engine{Workers: 2, MinChunk: 1, Spin: 3 * time.Second}
-	w.Prewake()
+	w.Prewake(1 << 17)
 	run(w)
 	if got := w.helpers.started.Load(); got != 1 {
 		t.Fatalf("%d helpers started by Prewake and a job, want 1", got)
@@ -163,7 +167,7 @@ func TestParallelAcrossSpinGaps(t *testing.T) {
 			for time.Now().Before(deadline) { // sleep is too coarse
 			}
 			if k%3 == 0 {
-				e.Prewake()
+				e.Prewake(150000)
 			}
 			var elems atomic.Int64
 			done := make(chan error, 1)

@@ -242,9 +242,16 @@ func (s *session) Step(items []backend.Item, waitEvent bool) error {
 	if waitEvent {
 		return errors.New("wait_event is for CUDA tensors only")
 	}
-	// Start the engine's other workers now: they are running by the time the
-	// gradients are checked and the arithmetic starts (optimizer/helpers.go).
-	s.engine.Prewake()
+	// Start the engine's other workers now, where the largest tensor needs
+	// them: they are running by the time the gradients are checked and the
+	// arithmetic starts (optimizer/helpers.go).
+	largest := 0
+	for _, it := range items {
+		if t, err := own(it.Tensor); err == nil {
+			largest = max(largest, t.Numel)
+		}
+	}
+	s.engine.Prewake(largest)
 	type work struct {
 		t    *optimizer.Tensor
 		grad []byte
