@@ -348,65 +348,84 @@ donef:
 	VZEROUPPER
 	RET
 
+// The parts of the fused bfloat16 kernels (fusedBF16AVX512 and, below,
+// fusedBF16AVX512BF16), which differ only in how a pair of blocks is
+// narrowed for its store.
+//
+// ZFUSEDBF16SETUP loads the arguments and constants; DX is n rounded down to
+// a multiple of 32, BX the element index.
+#define ZFUSEDBF16SETUP \
+	MOVQ pp+0(FP), DI; \
+	MOVQ gg+8(FP), SI; \
+	MOVQ mm+16(FP), R8; \
+	MOVQ vv+24(FP), R9; \
+	MOVQ n+32(FP), CX; \
+	MOVQ k+40(FP), AX; \
+	ZRNDCONSTS; \
+	ZSTEPCONSTS; \
+	VPBROADCASTD 484(AX), Z21; \
+	VPTESTMD Z13, Z13, K4; \
+	MOVQ CX, DX; \
+	ANDQ $-32, DX; \
+	XORQ BX, BX
+
+// ZFUSEDBF16PAIR computes the 32 elements at BX as two blocks of 16 lanes,
+// the even and the odd elements (ZLOADEO): new m in Z4 / Z27, new v in
+// Z5 / Z25, new p in Z1 / Z23, all unrounded.
+#define ZFUSEDBF16PAIR \
+	PREFETCH4(2); \
+	ZLOADEO((SI)(BX*2), Z0, Z22); \
+	ZLOADEO((DI)(BX*2), Z1, Z23); \
+	ZLOADEO((R8)(BX*2), Z2, Z24); \
+	ZLOADEO((R9)(BX*2), Z5, Z25); \
+	ZFUSEDH(Z0, Z1, Z2, Z5, Z3, Z4, Z6, Z7); \
+	ZFUSEDH(Z22, Z23, Z24, Z25, Z26, Z27, Z28, Z29)
+
+// ZSTOREPAIR rounds a pair of blocks with ZRBFO and stores them at addr.
+#define ZSTOREPAIR(e, o, addr) \
+	ZRBFO(e, K2, K3); \
+	ZRBFO(o, K5, K6); \
+	ZSTOREEOF(e, o, Z30, addr)
+
+// ZFUSEDBF16TAIL is the last block of 16 (n - DX elements), alone
+// (ZLOADBF, ZSTOREBF), then the return.
+#define ZFUSEDBF16TAIL(loop, done) \
+loop: \
+	CMPQ BX, CX; \
+	JGE done; \
+	ZLOADBF((SI)(BX*2), Z0); \
+	ZLOADBF((DI)(BX*2), Z1); \
+	ZLOADBF((R8)(BX*2), Z2); \
+	ZLOADBF((R9)(BX*2), Z5); \
+	ZFUSED16; \
+	ZRBFO(Z4, K2, K3); \
+	ZSTOREBF(Z4, Z2, (R8)(BX*2)); \
+	ZRBFO(Z5, K2, K3); \
+	ZSTOREBF(Z5, Z2, (R9)(BX*2)); \
+	ZRBFO(Z1, K2, K3); \
+	ZSTOREBF(Z1, Z2, (DI)(BX*2)); \
+	ADDQ $16, BX; \
+	JMP loop; \
+done: \
+	VZEROUPPER; \
+	RET
+
 // func fusedBF16AVX512(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 //
-// 32 elements an iteration as two blocks of 16 lanes, the even and the odd
-// elements (ZLOADEO, ZSTOREEOF), rounded with ZRBFO; a last block of 16
-// runs alone (ZLOADBF, ZSTOREBF).
+// 32 elements an iteration (ZFUSEDBF16PAIR), rounded with ZRBFO; a last
+// block of 16 runs alone.
 TEXT ·fusedBF16AVX512(SB), NOSPLIT, $0-48
-	MOVQ pp+0(FP), DI
-	MOVQ gg+8(FP), SI
-	MOVQ mm+16(FP), R8
-	MOVQ vv+24(FP), R9
-	MOVQ n+32(FP), CX
-	MOVQ k+40(FP), AX
-	ZRNDCONSTS
-	ZSTEPCONSTS
-	VPBROADCASTD 484(AX), Z21
-	VPTESTMD Z13, Z13, K4
-	MOVQ CX, DX
-	ANDQ $-32, DX
-	XORQ BX, BX
+	ZFUSEDBF16SETUP
 loopfw:
 	CMPQ BX, DX
 	JGE loopfb
-	PREFETCH4(2)
-	ZLOADEO((SI)(BX*2), Z0, Z22)
-	ZLOADEO((DI)(BX*2), Z1, Z23)
-	ZLOADEO((R8)(BX*2), Z2, Z24)
-	ZLOADEO((R9)(BX*2), Z5, Z25)
-	ZFUSEDH(Z0, Z1, Z2, Z5, Z3, Z4, Z6, Z7)
-	ZFUSEDH(Z22, Z23, Z24, Z25, Z26, Z27, Z28, Z29)
-	ZRBFO(Z4, K2, K3)
-	ZRBFO(Z27, K5, K6)
-	ZSTOREEOF(Z4, Z27, Z30, (R8)(BX*2))
-	ZRBFO(Z5, K2, K3)
-	ZRBFO(Z25, K5, K6)
-	ZSTOREEOF(Z5, Z25, Z30, (R9)(BX*2))
-	ZRBFO(Z1, K2, K3)
-	ZRBFO(Z23, K5, K6)
-	ZSTOREEOF(Z1, Z23, Z30, (DI)(BX*2))
+	ZFUSEDBF16PAIR
+	ZSTOREPAIR(Z4, Z27, (R8)(BX*2))
+	ZSTOREPAIR(Z5, Z25, (R9)(BX*2))
+	ZSTOREPAIR(Z1, Z23, (DI)(BX*2))
 	ADDQ $32, BX
 	JMP loopfw
-loopfb:
-	CMPQ BX, CX
-	JGE donefb
-	ZLOADBF((SI)(BX*2), Z0)
-	ZLOADBF((DI)(BX*2), Z1)
-	ZLOADBF((R8)(BX*2), Z2)
-	ZLOADBF((R9)(BX*2), Z5)
-	ZFUSED16
-	ZRBFO(Z4, K2, K3)
-	ZSTOREBF(Z4, Z2, (R8)(BX*2))
-	ZRBFO(Z5, K2, K3)
-	ZSTOREBF(Z5, Z2, (R9)(BX*2))
-	ZRBFO(Z1, K2, K3)
-	ZSTOREBF(Z1, Z2, (DI)(BX*2))
-	ADDQ $16, BX
-	JMP loopfb
-donefb:
-	VZEROUPPER
-	RET
+	ZFUSEDBF16TAIL(loopfb, donefb)
 
 // The emulation of MKL's AVX-512 vmsSqrt kernel (mkl_vml_kernel_sSqrt_Z0HAynn,
 // what MKL runs on Intel CPUs with AVX-512; see sqrt.go): r = rsqrt14(x)
@@ -619,6 +638,13 @@ donedz:
 	VPERMW Z30, Z31, Z30; \
 	VMOVDQU32 Z30, addr
 
+// ZSTOREPAIRCVT narrows the pair of blocks e and o with cvt (their VCVT2)
+// and stores it at addr, or jumps to slow if a lane is a NaN or subnormal.
+#define ZSTOREPAIRCVT(e, o, cvt, addr, slow) \
+	ZCVTCHECK(e, o, slow); \
+	cvt; \
+	ZSTORECVT(addr)
+
 // bf16Interleave is the VPERMW index of ZSTORECVT: word j of memory takes
 // word j/2 + 16*(j&1) of a VCVT2's result.
 DATA bf16Interleave<>+0(SB)/8, $0x0011000100100000
@@ -636,78 +662,30 @@ GLOBL bf16Interleave<>(SB), RODATA|NOPTR, $64
 // fusedBF16AVX512 with each pair of blocks narrowed by VCVT2 unless
 // ZCVTCHECK finds a NaN or subnormal lane (then by ZRBFO, as there).
 TEXT ·fusedBF16AVX512BF16(SB), NOSPLIT, $0-48
-	MOVQ pp+0(FP), DI
-	MOVQ gg+8(FP), SI
-	MOVQ mm+16(FP), R8
-	MOVQ vv+24(FP), R9
-	MOVQ n+32(FP), CX
-	MOVQ k+40(FP), AX
-	ZRNDCONSTS
-	ZSTEPCONSTS
-	VPBROADCASTD 484(AX), Z21
+	ZFUSEDBF16SETUP
 	VMOVDQU32 bf16Interleave<>(SB), Z31
-	VPTESTMD Z13, Z13, K4
-	MOVQ CX, DX
-	ANDQ $-32, DX
-	XORQ BX, BX
 loopcw:
 	CMPQ BX, DX
 	JGE loopcb
-	PREFETCH4(2)
-	ZLOADEO((SI)(BX*2), Z0, Z22)
-	ZLOADEO((DI)(BX*2), Z1, Z23)
-	ZLOADEO((R8)(BX*2), Z2, Z24)
-	ZLOADEO((R9)(BX*2), Z5, Z25)
-	ZFUSEDH(Z0, Z1, Z2, Z5, Z3, Z4, Z6, Z7)
-	ZFUSEDH(Z22, Z23, Z24, Z25, Z26, Z27, Z28, Z29)
-	ZCVTCHECK(Z4, Z27, slowm)
-	VCVT2_Z27_Z4
-	ZSTORECVT((R8)(BX*2))
+	ZFUSEDBF16PAIR
+	ZSTOREPAIRCVT(Z4, Z27, VCVT2_Z27_Z4, (R8)(BX*2), slowm)
 storev:
-	ZCVTCHECK(Z5, Z25, slowv)
-	VCVT2_Z25_Z5
-	ZSTORECVT((R9)(BX*2))
+	ZSTOREPAIRCVT(Z5, Z25, VCVT2_Z25_Z5, (R9)(BX*2), slowv)
 storep:
-	ZCVTCHECK(Z1, Z23, slowp)
-	VCVT2_Z23_Z1
-	ZSTORECVT((DI)(BX*2))
+	ZSTOREPAIRCVT(Z1, Z23, VCVT2_Z23_Z1, (DI)(BX*2), slowp)
 	ADDQ $32, BX
 	JMP loopcw
 slowm:
-	ZRBFO(Z4, K2, K3)
-	ZRBFO(Z27, K5, K6)
-	ZSTOREEOF(Z4, Z27, Z30, (R8)(BX*2))
+	ZSTOREPAIR(Z4, Z27, (R8)(BX*2))
 	JMP storev
 slowv:
-	ZRBFO(Z5, K2, K3)
-	ZRBFO(Z25, K5, K6)
-	ZSTOREEOF(Z5, Z25, Z30, (R9)(BX*2))
+	ZSTOREPAIR(Z5, Z25, (R9)(BX*2))
 	JMP storep
 slowp:
-	ZRBFO(Z1, K2, K3)
-	ZRBFO(Z23, K5, K6)
-	ZSTOREEOF(Z1, Z23, Z30, (DI)(BX*2))
+	ZSTOREPAIR(Z1, Z23, (DI)(BX*2))
 	ADDQ $32, BX
 	JMP loopcw
-loopcb:
-	CMPQ BX, CX
-	JGE donecb
-	ZLOADBF((SI)(BX*2), Z0)
-	ZLOADBF((DI)(BX*2), Z1)
-	ZLOADBF((R8)(BX*2), Z2)
-	ZLOADBF((R9)(BX*2), Z5)
-	ZFUSED16
-	ZRBFO(Z4, K2, K3)
-	ZSTOREBF(Z4, Z2, (R8)(BX*2))
-	ZRBFO(Z5, K2, K3)
-	ZSTOREBF(Z5, Z2, (R9)(BX*2))
-	ZRBFO(Z1, K2, K3)
-	ZSTOREBF(Z1, Z2, (DI)(BX*2))
-	ADDQ $16, BX
-	JMP loopcb
-donecb:
-	VZEROUPPER
-	RET
+	ZFUSEDBF16TAIL(loopcb, donecb)
 
 // func narrowBF16AVX512BF16(dst *uint16, src *float32, n int, k *vecConsts)
 //
@@ -729,15 +707,11 @@ loopn:
 	JGE donen
 	VMOVUPS (SI)(BX*4), Z4
 	VMOVUPS 64(SI)(BX*4), Z27
-	ZCVTCHECK(Z4, Z27, slown)
-	VCVT2_Z27_Z4
-	ZSTORECVT((DI)(BX*2))
+	ZSTOREPAIRCVT(Z4, Z27, VCVT2_Z27_Z4, (DI)(BX*2), slown)
 	ADDQ $32, BX
 	JMP loopn
 slown:
-	ZRBFO(Z4, K2, K3)
-	ZRBFO(Z27, K5, K6)
-	ZSTOREEOF(Z4, Z27, Z30, (DI)(BX*2))
+	ZSTOREPAIR(Z4, Z27, (DI)(BX*2))
 	ADDQ $32, BX
 	JMP loopn
 donen:
