@@ -123,9 +123,9 @@ func await(done *atomic.Int64, chunks int64, finished <-chan struct{}, spin time
 // engine will use, so that they are running when its arithmetic starts
 // instead of being woken then (tens of microseconds on a virtual CPU that
 // halts when idle). It starts none for a tensor that one worker updates
-// alone (a helper's polling would only take a core from other threads: per
-// expert requests, 640-1024 a step, were 10% slower with it), and costs at
-// most the spin time of polling per helper when no step follows.
+// alone (per-expert requests, tiny steps), where a helper's polling would
+// only take a core from other threads, and costs at most the spin time of
+// polling per helper when no step follows.
 func (e *Engine) Prewake(n int) {
 	if e.CallerWaits || e.spin() == 0 {
 		return
