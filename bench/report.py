@@ -827,6 +827,7 @@ def ipc_section(res: dict) -> list[str]:
     L += trace_table(res)
     L += transport_training_section(res)
     L += spin_training_section(res)
+    L += waits_training_section(res)
     L.append("\n![IPC latency](ipc-latency.png)\n")
     return L
 
@@ -924,6 +925,42 @@ def spin_training_section(res: dict) -> list[str]:
                  f"{w['median_step_s'] / b['median_step_s']:.3f}x | {d['median_step_s'] / w['median_step_s']:.3f}x | "
                  f"{d['cpu_s_per_step'] / w['cpu_s_per_step']:.3f}x | "
                  f"{d['latency_ms_p50']:.2f} / {w['latency_ms_p50']:.2f} | {srv(d)} / {srv(w)} |")
+    return L
+
+
+def waits_training_section(res: dict) -> list[str]:
+    """(d) against (v), sonard as built at the BEFORE commit, in the same runs: since 2026-12-02
+    sonard's ZeroMQ loop waits in short polls while clients are active (ipc/activity.go)."""
+    rows = [r for r in res["train"] if all(k in r["methods"] for k in "bdv")]
+    if not rows:
+        return []
+    before = res["machine"].get("before", "the BEFORE commit")
+    L = ["\n### sonard's waits between requests\n",
+         "sonard's ZeroMQ loop waits for the next request in `zmq_poll`, a cgo call. A wait of 10 ms or more, "
+         "and the syscall that follows once every processor of the Go runtime was idle, each set the runtime's "
+         "monitor thread (sysmon) back to waking every 20 us for a millisecond or more; with a request per layer, "
+         "that was most of a training step. On these virtual CPUs, which halt when idle, each such wake-up cost "
+         "that thread about 20 us of CPU: in a GraniteMoe run it woke about 2,000 times a second and took a "
+         "quarter of sonard's CPU time (per-thread counts from /proc, 2026-12-02). Since 2026-12-02, while a "
+         "client has sent something in the last second, the loop waits at most 5 ms per poll and yields to the "
+         "scheduler every 2 ms, so the runtime never sees a stale syscall or all processors idle, and sysmon backs "
+         f"off to its 10 ms period (`ipc/activity.go`). (v) is (d) with sonard as built at {before}, in the same "
+         "runs (`make bench BEFORE=...`); context switches are those of all of sonard's threads, medians per "
+         "timed step:\n",
+         "| model | (d): step vs (b) | (v) before: step vs (b) | (d) / (v) step | CPU (d) / (v) | "
+         "sonard CPU ms / step (d) / (v) | sonard context switches / step (d) / (v) |",
+         "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ms = r["methods"]
+        b, d, v = ms["b"], ms["d"], ms["v"]
+        def sw(m: dict) -> str:
+            x = m.get("server_switches_per_step")
+            return f"{x:.0f}" if x is not None and x == x else "-"
+        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {d['median_step_s'] / b['median_step_s']:.3f}x | "
+                 f"{v['median_step_s'] / b['median_step_s']:.3f}x | {d['median_step_s'] / v['median_step_s']:.3f}x | "
+                 f"{d['cpu_s_per_step'] / v['cpu_s_per_step']:.3f}x | "
+                 f"{1e3 * d['server_cpu_s_per_step']:.1f} / {1e3 * v['server_cpu_s_per_step']:.1f} | "
+                 f"{sw(d)} / {sw(v)} |")
     return L
 
 

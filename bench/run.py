@@ -59,10 +59,12 @@ def build(env: dict[str, str]) -> None:
 
 
 BEFORE_BENCH = "bench/before/sonar-bench"  # cmd/sonar-bench built from --before's commit
+BEFORE_SONARD = "bench/before/sonard"  # and cmd/sonard: training method (v)
 
 
 def build_before(rev: str, env: dict[str, str]) -> str:
-    """Build cmd/sonar-bench at commit rev (a temporary git worktree) into BEFORE_BENCH; rev's short hash."""
+    """Build cmd/sonar-bench and cmd/sonard at commit rev (a temporary git worktree) into BEFORE_BENCH
+    and BEFORE_SONARD; rev's short hash."""
     import tempfile
     short = subprocess.run(["git", "rev-parse", "--short", rev], check=True, capture_output=True, text=True,
                            cwd=ROOT).stdout.strip()
@@ -70,10 +72,10 @@ def build_before(rev: str, env: dict[str, str]) -> str:
     subprocess.run(["git", "worktree", "add", "--detach", str(wt), rev], check=True, cwd=ROOT,
                    stdout=subprocess.DEVNULL)
     try:
-        subprocess.run([str(wt / BUILD[0]), "sonar-bench"], check=True, cwd=wt, env=env)
-        dest = ROOT / BEFORE_BENCH
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(wt / "bin" / "sonar-bench", dest)
+        subprocess.run([str(wt / BUILD[0]), "sonar-bench", "sonard"], check=True, cwd=wt, env=env)
+        for name, dest in (("sonar-bench", ROOT / BEFORE_BENCH), ("sonard", ROOT / BEFORE_SONARD)):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(wt / "bin" / name, dest)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(wt)], check=True, cwd=ROOT)
         shutil.rmtree(wt.parent, ignore_errors=True)
@@ -124,9 +126,13 @@ def run_all(cfg: dict, quick: bool, env: dict[str, str], before: str | None = No
         return common.run_json(cmd, run_env or env)
 
     res["train"] = []
+    methods, train_env, prefix = METHODS, env, ()
+    if before:  # (v): (d) with sonard as built at the BEFORE commit, in the same runs
+        methods, train_env = METHODS + "v", {**env, "SONAR_BENCH_BEFORE_SONARD": str(ROOT / BEFORE_SONARD)}
+        prefix = (f"SONAR_BENCH_BEFORE_SONARD={BEFORE_SONARD}",)
     for model, impl in cfg["models"]:
         print(f"training: {model} / {impl}", file=sys.stderr, flush=True)
-        res["train"].append(train(model, impl, METHODS))
+        res["train"].append(train(model, impl, methods, run_env=train_env, prefix=prefix))
     res["spare"] = []
     for model, impl, threads in cfg["spare"]:
         print(f"training with a spare core: {model} / {impl}, torch at {threads} thread(s)", file=sys.stderr, flush=True)

@@ -29,6 +29,8 @@ Methods:
   w  (d) with sonard's workers never polling (SONAR_SPIN=0): each tensor's helper goroutine
      started when its arithmetic starts and the request's wait for it blocking, as before
      2026-12-02 (optimizer/helpers.go)
+  v  (d) with sonard as built at another commit (the binary in $SONAR_BENCH_BEFORE_SONARD;
+     make bench BEFORE=REV builds it): the server before this change, in the same run
 
 Memory (per method, one extra profiled step after the timed ones): the trainer's tensor
 bytes are the bytes alive before the step (parameters outside shared memory, gradients,
@@ -45,6 +47,7 @@ import argparse
 import copy
 import gc
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -73,6 +76,7 @@ METHODS = {
     "z": "SonarAdamW batched, ZeroMQ transport",
     "y": "SonarAdamW split_experts, unix:// transport",
     "w": "SonarAdamW batched, workers never poll (SONAR_SPIN=0)",
+    "v": "SonarAdamW batched, sonard of the BEFORE commit",
     "n": "no optimizer (forward + backward only)",
 }
 LR, WD, CLIP = 1e-3, 0.01, 1.0
@@ -110,7 +114,12 @@ class Method:
         else:
             # SONAR_WORKERS and SONAR_SPIN are read by the private sonard at its start, SONAR_OPENMP_PARK when
             # SonarAdamW is built.
-            env = {"g": {"SONAR_WORKERS": "1"}, "u": {"SONAR_OPENMP_PARK": "0"}, "x": {"SONAR_TRANSPORT": "unix"},
+            # (v): sonard as built at make bench's BEFORE commit (bench/run.py sets the variable).
+            before = os.environ.get("SONAR_BENCH_BEFORE_SONARD", "")
+            if key == "v" and not before:
+                raise SystemExit("method v needs $SONAR_BENCH_BEFORE_SONARD (make bench BEFORE=REV sets it)")
+            env = {"v": {"SONARD": before},
+                   "g": {"SONAR_WORKERS": "1"}, "u": {"SONAR_OPENMP_PARK": "0"}, "x": {"SONAR_TRANSPORT": "unix"},
                    "y": {"SONAR_TRANSPORT": "unix"}, "z": {"SONAR_TRANSPORT": "zmq"},
                    "w": {"SONAR_SPIN": "0"}}.get(key, {})
             with common.environ(env):
@@ -125,6 +134,7 @@ class Method:
         self.room_wait_s: list[float] = []
         self.cpu_s: list[float] = []  # trainer process (all threads) + its sonard, per timed step
         self.server_cpu_s: list[float] = []
+        self.server_switches: list[int] = []  # the private sonard's context switches per timed step
 
     def _in_backward(self, p: torch.Tensor) -> None:
         o = self.per_param[p]
@@ -145,18 +155,19 @@ class Method:
 
     def timed_step(self, batch: dict[str, torch.Tensor], record: bool) -> None:
         h0, d0, r0 = sonar_seconds(self.sonar)
-        s0 = self.server_cpu()
+        s0, w0 = self.server_cpu(), self.server_switches_now()
         c0 = time.process_time()
         t = time.perf_counter()
         loss = self.step(batch)
         dt = time.perf_counter() - t
         c1 = time.process_time()
-        s1 = self.server_cpu()
+        s1, w1 = self.server_cpu(), self.server_switches_now()
         self.losses.append(loss)
         if record:
             self.times.append(dt)
             self.cpu_s.append(c1 - c0 + s1 - s0)
             self.server_cpu_s.append(s1 - s0)
+            self.server_switches.append(w1 - w0)
             if self.sonar is not None:
                 h1, d1, r1 = sonar_seconds(self.sonar)
                 self.hook_s.append(h1 - h0)
@@ -167,6 +178,11 @@ class Method:
         """CPU seconds the private sonard has used (0 for torch methods)."""
         proc = self.sonar.server_process if self.sonar is not None else None
         return common.proc_cpu_s(proc.pid) if proc is not None else 0.0
+
+    def server_switches_now(self) -> int:
+        """Context switches of the private sonard's threads so far (0 for torch methods)."""
+        proc = self.sonar.server_process if self.sonar is not None else None
+        return common.proc_switches(proc.pid) if proc is not None else 0
 
     # ---------------------------------------------------------------- memory
     def live_bytes(self) -> dict[str, int]:
@@ -327,7 +343,8 @@ def main() -> None:
                              "step_times_s": m.times, "losses": m.losses,
                              # means, not medians: sonard's CPU time has clock-tick (10 ms) resolution
                              "cpu_s_per_step": sum(m.cpu_s) / max(len(m.cpu_s), 1),
-                             "server_cpu_s_per_step": sum(m.server_cpu_s) / max(len(m.server_cpu_s), 1)}
+                             "server_cpu_s_per_step": sum(m.server_cpu_s) / max(len(m.server_cpu_s), 1),
+                             "server_switches_per_step": common.median([float(x) for x in m.server_switches])}
         if m.sonar is not None:
             n_lat = len(m.sonar.request_latencies)  # before stats() adds its own round trip
             st = m.sonar.stats()

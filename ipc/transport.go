@@ -206,6 +206,7 @@ func (t *Transport) Serve(ctx context.Context, h Handler) error {
 	poller.Add(t.mon, zmq.POLLIN)
 	ticker, _ := h.(Ticker)
 	lastTick := time.Now()
+	var act activity
 	for ctx.Err() == nil {
 		if now := time.Now(); ticker != nil && now.Sub(lastTick) >= time.Second {
 			ticker.Tick(now)
@@ -215,7 +216,7 @@ func (t *Transport) Serve(ctx context.Context, h Handler) error {
 		if t.flush(h) {
 			wait = 2 * time.Millisecond // replies wait for room, or parked requests for their turn
 		}
-		ready, err := poller.Poll(wait)
+		ready, err := poller.Poll(act.before(wait)) // activity.go: short waits while clients are active
 		if err != nil {
 			if errors.Is(err, zmq.Errno(4)) { // EINTR
 				continue
@@ -233,6 +234,7 @@ func (t *Transport) Serve(ctx context.Context, h Handler) error {
 		if !message {
 			continue
 		}
+		act.saw(time.Now())
 		frames, fd, err := t.recv()
 		if err != nil {
 			if zmq.AsErrno(err) == zmq.Errno(11) { // EAGAIN
