@@ -247,7 +247,14 @@ func run() int {
 		zap.Stringer("isa", optimizer.KernelISA()), zap.Stringer("cpu_isa", optimizer.CPUISA()),
 		zap.String("max_state_bytes", budgetString(budget)), zap.String("max_session_state_bytes", budgetString(sessionBudget)))
 	announceCUDA() // after "sonard listening", which stays the first line
-	serveErr := tr.Serve(ctx, srv)
+	// The main goroutine stays locked to the main thread (parent.go); the
+	// loop runs on a goroutine of its own. A locked goroutine that blocks (the
+	// engine's caller waiting for its workers) or yields (ipc/activity.go)
+	// hands its processor to another thread and must be handed back, two
+	// thread wake-ups each time.
+	served := make(chan error, 1)
+	go func() { served <- tr.Serve(ctx, srv) }()
+	serveErr := <-served
 	if err := tr.Close(); err != nil {
 		log.Warn("closing socket", zap.Error(err))
 	}
