@@ -944,7 +944,10 @@ def waits_training_section(res: dict) -> list[str]:
          "quarter of sonard's CPU time (per-thread counts from /proc, 2026-12-02). Since 2026-12-02, while a "
          "client has sent something in the last second, the loop waits at most 5 ms per poll and yields to the "
          "scheduler every 2 ms, so the runtime never sees a stale syscall or all processors idle, and sysmon backs "
-         f"off to its 10 ms period (`ipc/activity.go`). (v) is (d) with sonard as built at {before}, in the same "
+         "off to its 10 ms period (`ipc/activity.go`). The loop also moved off the main goroutine, which is "
+         "locked to the main thread (for the parent-death signal): each time the loop blocked (the engine's "
+         "caller waiting for its workers) or yielded, the runtime handed its processor to another thread and "
+         f"back, two wake-ups. (v) is (d) with sonard as built at {before}, before both changes, in the same "
          "runs (`make bench BEFORE=...`); context switches are those of all of sonard's threads, medians per "
          "timed step:\n",
          "| model | (d): step vs (b) | (v) before: step vs (b) | (d) / (v) step | CPU (d) / (v) | "
