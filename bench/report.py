@@ -898,6 +898,13 @@ def transport_training_section(res: dict) -> list[str]:
     return L
 
 
+def side_by_side(b: dict, d: dict, x: dict) -> str:
+    """Table cells of (d) against a variant x trained in the same run: each one's step time as a
+    multiple of (b)'s, then (d)'s step time and CPU time as multiples of x's."""
+    return (f"{d['median_step_s'] / b['median_step_s']:.3f}x | {x['median_step_s'] / b['median_step_s']:.3f}x | "
+            f"{d['median_step_s'] / x['median_step_s']:.3f}x | {d['cpu_s_per_step'] / x['cpu_s_per_step']:.3f}x")
+
+
 def spin_training_section(res: dict) -> list[str]:
     """(d) against (w): sonard's update workers polling between tensors (optimizer/helpers.go) or
     not (SONAR_SPIN=0), side by side in the same runs."""
@@ -921,9 +928,7 @@ def spin_training_section(res: dict) -> list[str]:
         def srv(m: dict) -> str:
             v = (m.get("step_trace_p50_us") or {}).get("server_step")
             return f"{v / 1e3:.2f}" if v else "-"
-        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {d['median_step_s'] / b['median_step_s']:.3f}x | "
-                 f"{w['median_step_s'] / b['median_step_s']:.3f}x | {d['median_step_s'] / w['median_step_s']:.3f}x | "
-                 f"{d['cpu_s_per_step'] / w['cpu_s_per_step']:.3f}x | "
+        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {side_by_side(b, d, w)} | "
                  f"{d['latency_ms_p50']:.2f} / {w['latency_ms_p50']:.2f} | {srv(d)} / {srv(w)} |")
     return L
 
@@ -959,9 +964,7 @@ def waits_training_section(res: dict) -> list[str]:
         def sw(m: dict) -> str:
             x = m.get("server_switches_per_step")
             return f"{x:.0f}" if x is not None and x == x else "-"
-        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {d['median_step_s'] / b['median_step_s']:.3f}x | "
-                 f"{v['median_step_s'] / b['median_step_s']:.3f}x | {d['median_step_s'] / v['median_step_s']:.3f}x | "
-                 f"{d['cpu_s_per_step'] / v['cpu_s_per_step']:.3f}x | "
+        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {side_by_side(b, d, v)} | "
                  f"{1e3 * d['server_cpu_s_per_step']:.1f} / {1e3 * v['server_cpu_s_per_step']:.1f} | "
                  f"{sw(d)} / {sw(v)} |")
     return L
