@@ -908,7 +908,7 @@ def side_by_side(b: dict, d: dict, x: dict) -> str:
 def spin_training_section(res: dict) -> list[str]:
     """(d) against (w): sonard's update workers polling between tensors (optimizer/helpers.go) or
     not (SONAR_SPIN=0), side by side in the same runs."""
-    rows = [r for r in res["train"] if "w" in r["methods"] and "d" in r["methods"] and "b" in r["methods"]]
+    rows = [r for r in res["train"] if all(k in r["methods"] for k in "bdw")]
     if not rows:
         return []
     L = ["\n### sonard's update workers: polling or sleeping between tensors\n",

@@ -174,15 +174,20 @@ class Method:
                 self.room_wait_s.append(r1 - r0)
                 self.drain_s.append(d1 - d0)
 
+    def server_pid(self) -> int | None:
+        """The private sonard's process id (None for torch methods)."""
+        proc = self.sonar.server_process if self.sonar is not None else None
+        return proc.pid if proc is not None else None
+
     def server_cpu(self) -> float:
         """CPU seconds the private sonard has used (0 for torch methods)."""
-        proc = self.sonar.server_process if self.sonar is not None else None
-        return common.proc_cpu_s(proc.pid) if proc is not None else 0.0
+        pid = self.server_pid()
+        return common.proc_cpu_s(pid) if pid is not None else 0.0
 
     def server_switches_now(self) -> int:
         """Context switches of the private sonard's threads so far (0 for torch methods)."""
-        proc = self.sonar.server_process if self.sonar is not None else None
-        return common.proc_switches(proc.pid) if proc is not None else 0
+        pid = self.server_pid()
+        return common.proc_switches(pid) if pid is not None else 0
 
     # ---------------------------------------------------------------- memory
     def live_bytes(self) -> dict[str, int]:
@@ -367,9 +372,8 @@ def main() -> None:
             r["hook_s_median"] = common.median(m.hook_s)
             r["drain_s_median"] = common.median(m.drain_s)
             r["room_wait_s_median"] = common.median(m.room_wait_s)
-            proc = m.sonar.server_process
-            if proc is not None:
-                r["server_proc"] = common.proc_status(proc.pid)
+            if (pid := m.server_pid()) is not None:
+                r["server_proc"] = common.proc_status(pid)
         r["heldout_loss"] = heldout_loss(m.model, held)
         res_methods[m.key] = r
     # Memory: one profiled step per method (after the timed ones; its timing is not used).
