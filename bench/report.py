@@ -719,6 +719,42 @@ def placement_section(res: dict) -> list[str]:
                  "four threads of a ZeroMQ round trip stay spread over both CPUs and several hand-overs cross. "
                  "The transport target is therefore met or missed by placement on this machine, not by Sonar's "
                  "code.\n")
+    L += haltpoll_lines(res.get("haltpoll"))
+    return L
+
+
+def haltpoll_lines(h: dict | None) -> list[str]:
+    """bench/haltpoll.py's measurements (stored in the run with --into): the transport paths with
+    the guest's halt polling as the machine has it and with it on."""
+    if not h:
+        return []
+    med = h["median_s"]
+    mach, poll = med.get("machine", {}), med.get("polling", {})
+    ns = h["poll_ns"]
+    names = (("unix", "plain Unix socket echo"), ("echo", "bare ZeroMQ echo"), ("pyzmq", "sonard, pyzmq client"),
+             ("client", "sonard, `Connection.call`"), ("client_unix", "sonard over unix://, `Connection.call`"),
+             ("step_small", "64-element step, `SonarAdamW`"),
+             ("step_small_unix", "64-element step, `SonarAdamW` over unix://"))
+    L = [f"\nThe same paths as scheduled, with the virtual CPUs' halt polling as the machine has it "
+         f"(`guest_halt_poll_ns` {ns['machine']}) and on ({ns['polling']} ns: an idle vCPU polls that long "
+         f"before it halts), {h['rounds']} alternating rounds of fresh processes, medians of the rounds' p50 us "
+         f"(`bench/haltpoll.py`, as root; it restores the setting; not part of `make bench`, which does not "
+         f"change the machine it runs on):\n",
+         "| path | halting at once | polling | polling / halting |", "|---|---|---|---|"]
+    for k, name in names:
+        if k in mach and k in poll:
+            L.append(f"| {name} | {_us(mach[k])} | {_us(poll[k])} | {poll[k] / mach[k]:.2f} |")
+    if "client" in mach and "client" in poll:
+        saved = mach["client"] - poll["client"]
+        L.append(f"\nWith nothing else changed, Sonar's ZeroMQ round trip goes from {_us(mach['client'])} to "
+                 f"{_us(poll['client'])} us (the bare ZeroMQ echo {_us(mach.get('echo'))} to {_us(poll.get('echo'))}): "
+                 f"{_us(saved)} us of it on this machine are virtual CPUs woken from halt through the host, which "
+                 "the polling avoids by spending the host's CPU on idle guests. The plain Unix echo does not change: "
+                 "its reader is woken on its writer's CPU (above), so no halted CPU is woken. The 64-element "
+                 "step's latency (from the hook's send during backward to the reply handled in `step()`) holds "
+                 "torch's work in between, which the polling does not shorten. How long an idle CPU polls is the "
+                 "virtual machine's setting (on bare metal, its idle states'), not one a client library should "
+                 "change.\n")
     return L
 
 
