@@ -749,7 +749,7 @@ def haltpoll_lines(h: dict | None) -> list[str]:
         L.append(f"\nWith nothing else changed, Sonar's ZeroMQ round trip goes from {_us(mach['client'])} to "
                  f"{_us(poll['client'])} us (the bare ZeroMQ echo {_us(mach.get('echo'))} to {_us(poll.get('echo'))}): "
                  f"{_us(saved)} us of it on this machine are virtual CPUs woken from halt through the host, which "
-                 "the polling avoids by spending the host's CPU on idle guests. The plain Unix echo does not change: "
+                 "the polling avoids by spending the host's CPU on idle guests. The plain Unix echo does not get faster: "
                  "its reader is woken on its writer's CPU (above), so no halted CPU is woken. The 64-element "
                  "step's latency (from the hook's send during backward to the reply handled in `step()`) holds "
                  "torch's work in between, which the polling does not shorten. How long an idle CPU polls is the "
