@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -50,10 +49,8 @@ def dig(doc: dict, path: tuple[str, ...]) -> float | None:
 
 
 def transport_once(pings: int, go_bench: str) -> dict:
-    cmd = [sys.executable, str(ROOT / "bench" / "kernel.py"), "--transport-only", "--pings", str(pings),
-           "--go-bench", go_bench]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
-    return json.loads(proc.stdout)
+    return common.run_json([sys.executable, str(ROOT / "bench" / "kernel.py"), "--transport-only",
+                            "--pings", str(pings), "--go-bench", go_bench])
 
 
 def measure(poll_ns: int, rounds: int, pings: int, go_bench: str) -> dict:

@@ -665,6 +665,13 @@ def _us(x: float | None) -> str:
     return f"{1e6 * x:.0f}" if x is not None else "-"
 
 
+# The round-trip paths of bench/kernel.py's transport measurements, as the placement and halt
+# polling tables name them (a table leaves out those its run lacks).
+PING_PATHS = (("unix", "plain Unix socket echo"), ("unix_cross", "plain Unix socket echo, server on the other CPU"),
+              ("echo", "bare ZeroMQ echo"), ("pyzmq", "sonard, pyzmq client"), ("client", "sonard, `Connection.call`"),
+              ("client_unix", "sonard over unix://, `Connection.call`"))
+
+
 def placement_section(res: dict) -> list[str]:
     """The transport measurements again with the client, sonard and the echo servers on one CPU
     (bench/kernel.py one_core), beside those as the scheduler placed them."""
@@ -686,10 +693,7 @@ def placement_section(res: dict) -> list[str]:
     head = "| path | as scheduled | on one CPU |" + (f" after {1e3 * gap:g} ms idle, as scheduled | after "
                                                      f"{1e3 * gap:g} ms idle, on one CPU |" if gap else "")
     L += [head, "|---|---|---|" + ("---|---|" if gap else "")]
-    names = (("unix", "plain Unix socket echo"), ("unix_cross", "plain Unix socket echo, server on the other CPU"),
-             ("echo", "bare ZeroMQ echo"), ("pyzmq", "sonard, pyzmq client"), ("client", "sonard, `Connection.call`"),
-             ("client_unix", "sonard over unix://, `Connection.call`"))
-    for k, name in names:
+    for k, name in PING_PATHS:
         if k not in a and k not in b:
             continue
         row = f"| {name} | {us(p50(a, k))} | {us(p50(b, k))} |"
@@ -731,10 +735,8 @@ def haltpoll_lines(h: dict | None) -> list[str]:
     med = h["median_s"]
     mach, poll = med.get("machine", {}), med.get("polling", {})
     ns = h["poll_ns"]
-    names = (("unix", "plain Unix socket echo"), ("echo", "bare ZeroMQ echo"), ("pyzmq", "sonard, pyzmq client"),
-             ("client", "sonard, `Connection.call`"), ("client_unix", "sonard over unix://, `Connection.call`"),
-             ("step_small", "64-element step, `SonarAdamW`"),
-             ("step_small_unix", "64-element step, `SonarAdamW` over unix://"))
+    names = PING_PATHS + (("step_small", "64-element step, `SonarAdamW`"),
+                          ("step_small_unix", "64-element step, `SonarAdamW` over unix://"))
     L = [f"\nThe same paths as scheduled, with the virtual CPUs' halt polling as the machine has it "
          f"(`guest_halt_poll_ns` {ns['machine']}) and on ({ns['polling']} ns: an idle vCPU polls that long "
          f"before it halts), {h['rounds']} alternating rounds of fresh processes, medians of the rounds' p50 us "
