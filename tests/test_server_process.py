@@ -25,6 +25,8 @@ def test_version_flag(sonard_binary: str) -> None:
 def test_bad_flag_exits_2(sonard_binary: str) -> None:
     assert subprocess.run([sonard_binary, "--no-such-flag"], capture_output=True).returncode == 64
     assert subprocess.run([sonard_binary, "--log-format", "xml"], capture_output=True).returncode == 64
+    r = subprocess.run([sonard_binary, "--cuda-loads", "wide"], capture_output=True, text=True)
+    assert r.returncode == 64 and "--cuda-loads" in r.stderr and "want vector or scalar" in r.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -85,7 +87,7 @@ def test_help_documents_every_flag_and_exit_codes(sonard_binary: str) -> None:
     r = subprocess.run([sonard_binary, "--help"], capture_output=True, text=True)
     assert r.returncode == 0
     for flag in ("listen", "log-level", "log-format", "workers", "shm-dir", "idle-timeout",
-                 "metrics-addr", "curve-secret-file", "curve-clients-file", "gen-curve-keys", "version"):
+                 "metrics-addr", "curve-secret-file", "curve-clients-file", "gen-curve-keys", "cuda-loads", "version"):
         assert f"-{flag}" in r.stdout, flag
     assert "Exit codes" in r.stdout and "(env SONAR_LISTEN)" in r.stdout
 

@@ -30,10 +30,10 @@ type Backend struct {
 }
 
 // Open opens device ordinal of the driver, compiles and loads the kernels
-// (NVRTC) and makes an IPC cache keeping at most maxIdle unused client
-// allocations open. Errors match ErrNoCUDA (and cuda.ErrNoDriver) where
-// there is no driver or device.
-func Open(ordinal, maxIdle int) (*Backend, error) {
+// (NVRTC, with the given loads) and makes an IPC cache keeping at most
+// maxIdle unused client allocations open. Errors match ErrNoCUDA (and
+// cuda.ErrNoDriver) where there is no driver or device.
+func Open(ordinal, maxIdle int, loads device.Loads) (*Backend, error) {
 	if maxIdle < 0 {
 		return nil, fmt.Errorf("max idle allocations %d: want >= 0", maxIdle)
 	}
@@ -49,7 +49,7 @@ func Open(ordinal, maxIdle int) (*Backend, error) {
 		_ = dev.Close()
 		return nil, err
 	}
-	eng, err := device.NewEngine(dev, nv)
+	eng, err := device.NewEngine(dev, nv, loads)
 	if err != nil {
 		_ = dev.Close()
 		return nil, err
@@ -69,7 +69,7 @@ var _ backend.Backend = (*Backend)(nil)
 // Name implements backend.Backend.
 func (b *Backend) Name() string { return "cuda" }
 
-// Describe implements backend.Backend, e.g. "NVIDIA H200, cc 9.0, compute_90".
+// Describe implements backend.Backend, e.g. "NVIDIA H200, cc 9.0, compute_90, vector loads".
 func (b *Backend) Describe() string { return b.engine.Describe() }
 
 // Stats implements backend.Backend: the IPC cache's counters.

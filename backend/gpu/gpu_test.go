@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/sonar-moe/sonar/cuda"
+	"github.com/sonar-moe/sonar/optimizer/device"
 )
 
 // On a machine without CUDA, Open says so in words that match ErrNoCUDA
@@ -22,7 +23,7 @@ func TestOpenWithoutDriver(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			b, err := Open(tc.ordinal, tc.maxIdle)
+			b, err := Open(tc.ordinal, tc.maxIdle, device.VectorLoads)
 			if err == nil {
 				_ = b.Close()
 				t.Skip("this machine has a CUDA device")

@@ -3,12 +3,15 @@
 // run time, nothing at build time.
 //
 //	sonar-kernelcheck info            device, driver, NVRTC and kernel build, as JSON
-//	sonar-kernelcheck files DIR       run the steps DIR/spec.json describes on the
+//	sonar-kernelcheck files [-loads L] DIR
+//	                            run the steps DIR/spec.json describes on the
 //	                            tensors in DIR's files; write the kernel's and
 //	                            the Go reference's results next to them
 //	sonar-kernelcheck bench ...       kernel throughput on device buffers
 //
-// Every mode prints JSON on stdout; errors go to stderr with exit status 1.
+// -loads is the kernels' memory access (vector, the default, or scalar:
+// optimizer/device.Loads). Every mode prints JSON on stdout; errors go to
+// stderr with exit status 1.
 package main
 
 import (
@@ -18,6 +21,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sort"
 	"time"
 
 	"github.com/sonar-moe/sonar/cuda"
@@ -27,7 +31,7 @@ import (
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: sonar-kernelcheck info | files DIR | bench [-dtype D -numel N -iters K -fused]")
+		fmt.Fprintln(os.Stderr, "usage: sonar-kernelcheck info | files [-loads L] DIR | bench [-dtype D -numel N -iters K -fused -loads L|both]")
 		os.Exit(2)
 	}
 	var err error
@@ -35,11 +39,7 @@ func main() {
 	case "info":
 		err = info()
 	case "files":
-		if len(os.Args) != 3 {
-			err = errors.New("usage: sonar-kernelcheck files DIR")
-		} else {
-			err = files(os.Args[2])
-		}
+		err = files(os.Args[2:])
 	case "bench":
 		err = bench(os.Args[2:])
 	default:
@@ -58,7 +58,7 @@ type gpu struct {
 	eng *device.Engine // its kernels and stream; no tensor state is used
 }
 
-func openGPU() (*gpu, error) {
+func openGPU(loads device.Loads) (*gpu, error) {
 	dev, err := cuda.OpenDevice(0)
 	if err != nil {
 		return nil, err
@@ -68,7 +68,7 @@ func openGPU() (*gpu, error) {
 		_ = dev.Close()
 		return nil, err
 	}
-	eng, err := device.NewEngine(dev, nv)
+	eng, err := device.NewEngine(dev, nv, loads)
 	if err != nil {
 		_ = dev.Close()
 		return nil, err
@@ -108,7 +108,7 @@ func printJSON(v any) error {
 }
 
 func info() error {
-	g, err := openGPU()
+	g, err := openGPU(device.VectorLoads)
 	if err != nil {
 		return err
 	}
@@ -123,7 +123,7 @@ func info() error {
 		"device": g.dev.Name, "cc": fmt.Sprintf("%d.%d", g.dev.Major, g.dev.Minor), "sms": g.dev.SMs,
 		"mem_total": total, "mem_free": free,
 		"nvrtc": g.nv.Path(), "nvrtc_version": fmt.Sprintf("%d.%d", maj, mnr), "arch": fmt.Sprintf("compute_%d", g.eng.Kernels.Arch),
-		"ptx_bytes": len(g.eng.Kernels.PTX), "options": device.CompileOptions(g.eng.Kernels.Arch),
+		"ptx_bytes": len(g.eng.Kernels.PTX), "options": device.CompileOptions(g.eng.Kernels.Arch, g.eng.Kernels.Loads),
 	})
 }
 
@@ -260,16 +260,35 @@ type hostTensor struct {
 	nb      int64
 	host    map[string][]byte // p, m, v, vmax: the reference's state
 	dev     map[string]cuda.DevicePtr
-	grad    cuda.DevicePtr
+	grad    cuda.DevicePtr // the allocation
+	gradAt  cuda.DevicePtr // where the gradient starts in it
 	amsgrad bool
 }
 
-func files(dir string) error {
+// misaligned says whether tensor i's gradient is placed one element past a
+// 16-byte boundary, so that the kernels' one-element path runs on a whole
+// tensor too (every third tensor).
+func misaligned(i int) bool { return i%3 == 2 }
+
+func files(args []string) error {
+	fs := flag.NewFlagSet("files", flag.ContinueOnError)
+	loadsName := fs.String("loads", "vector", "the kernels' memory access: vector or scalar")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() != 1 {
+		return errors.New("usage: sonar-kernelcheck files [-loads L] DIR")
+	}
+	dir := fs.Arg(0)
+	loads, err := device.ParseLoads(*loadsName)
+	if err != nil {
+		return err
+	}
 	sp, dt, err := readSpec(dir)
 	if err != nil {
 		return err
 	}
-	g, err := openGPU()
+	g, err := openGPU(loads)
 	if err != nil {
 		return err
 	}
@@ -307,8 +326,12 @@ func files(dir string) error {
 				return err
 			}
 		}
-		if t.grad, err = g.dev.Alloc(t.nb); err != nil {
+		if t.grad, err = g.dev.Alloc(t.nb + 16); err != nil {
 			return err
+		}
+		t.gradAt = t.grad
+		if misaligned(i) {
+			t.gradAt += cuda.DevicePtr(dt.Size())
 		}
 	}
 	start, err := g.dev.NewEvent(cuda.EventTiming)
@@ -327,7 +350,7 @@ func files(dir string) error {
 			if err != nil {
 				return err
 			}
-			if err := g.dev.CopyHtoD(t.grad, gb); err != nil {
+			if err := g.dev.CopyHtoD(t.gradAt, gb); err != nil {
 				return err
 			}
 			sj := sp.Scalars[step][i]
@@ -335,7 +358,7 @@ func files(dir string) error {
 			if count == 0 {
 				count = int64(step + 1)
 			}
-			items[i] = device.Launch{Param: t.dev["p"], Grad: t.grad, ExpAvg: t.dev["m"], ExpAvgSq: t.dev["v"],
+			items[i] = device.Launch{Param: t.dev["p"], Grad: t.gradAt, ExpAvg: t.dev["m"], ExpAvgSq: t.dev["v"],
 				MaxExpAvgSq: t.dev["vmax"], Numel: sp.Tensors[i].Numel, Scalars: sj.scalars(), Step: count}
 			if err := sj.reference(dt, count, t.host["p"], gb, t.host["m"], t.host["v"], t.host["vmax"]); err != nil {
 				return err
@@ -383,11 +406,14 @@ func files(dir string) error {
 		}
 	}
 	return printJSON(map[string]any{"ok": true, "dtype": dt.String(), "tensors": len(ts), "steps": sp.Steps,
-		"kernel_ms": kernelMs, "arch": g.eng.Kernels.Arch})
+		"kernel_ms": kernelMs, "arch": g.eng.Kernels.Arch, "loads": loads.String()})
 }
 
 // bench times the AdamW kernel on device buffers of numel elements, split in
 // tensors tensors (launches of one batch), and reports bytes moved per second.
+// With -loads both, the vector and the scalar kernels are timed in
+// alternating rounds on the same buffers (medians of the rounds); the top
+// level of the report is the vector kernels'.
 func bench(args []string) error {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	dtName := fs.String("dtype", "bfloat16", "float32 or bfloat16")
@@ -395,7 +421,9 @@ func bench(args []string) error {
 	fusedDouble := fs.Bool("fused-double", false, "with -fused: torch 2.8-2.10's fused kernel")
 	numel := fs.Int64("numel", 1<<28, "elements in all")
 	tensors := fs.Int("tensors", 2, "tensors the elements are split into")
-	iters := fs.Int("iters", 20, "timed launches")
+	iters := fs.Int("iters", 20, "timed launches per round")
+	rounds := fs.Int("rounds", 3, "rounds (each times every kernel build once)")
+	loadsName := fs.String("loads", "both", "the kernels' memory access: vector, scalar or both")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -403,11 +431,30 @@ func bench(args []string) error {
 	if err != nil {
 		return err
 	}
-	g, err := openGPU()
+	var builds []device.Loads
+	if *loadsName == "both" {
+		builds = []device.Loads{device.VectorLoads, device.ScalarLoads}
+	} else {
+		l, err := device.ParseLoads(*loadsName)
+		if err != nil {
+			return err
+		}
+		builds = []device.Loads{l}
+	}
+	g, err := openGPU(builds[0])
 	if err != nil {
 		return err
 	}
 	defer g.close()
+	kernels := []*device.Kernels{g.eng.Kernels}
+	for _, l := range builds[1:] {
+		k, err := device.LoadKernels(g.dev, g.nv, l)
+		if err != nil {
+			return err
+		}
+		defer k.Close() //nolint:errcheck
+		kernels = append(kernels, k)
+	}
 	s := g.eng.Stream
 	per := *numel / int64(*tensors)
 	nb := per * int64(dt.Size())
@@ -438,16 +485,40 @@ func bench(args []string) error {
 	}
 	start, _ := g.dev.NewEvent(cuda.EventTiming)
 	end, _ := g.dev.NewEvent(cuda.EventTiming)
-	if err := g.eng.Kernels.AdamW(s, dt, items); err != nil { // warm-up
-		return err
-	}
-	t0 := time.Now()
-	ms, err := g.timed(start, end, *iters, func() error { return g.eng.Kernels.AdamW(g.eng.Stream, dt, items) })
-	if err != nil {
-		return err
-	}
-	perLaunch := float64(ms) / float64(*iters)
 	moved := float64(per*int64(*tensors)) * float64(7*dt.Size()) // read p g m v, write p m v
+	times := make([][]float64, len(kernels))
+	t0 := time.Now()
+	for r := 0; r < max(*rounds, 1); r++ {
+		for i, k := range kernels {
+			if err := k.AdamW(s, dt, items); err != nil { // warm-up
+				return err
+			}
+			ms, err := g.timed(start, end, *iters, func() error { return k.AdamW(s, dt, items) })
+			if err != nil {
+				return err
+			}
+			times[i] = append(times[i], float64(ms)/float64(*iters))
+		}
+	}
+	host := time.Since(t0).Seconds() * 1e3 / float64(len(kernels)*max(*rounds, 1)*(*iters+1))
+	byLoads := map[string]any{}
+	for i, l := range builds {
+		ms := median(times[i])
+		byLoads[l.String()] = map[string]any{"ms_per_step": ms, "gbytes_per_s": moved / ms / 1e6, "rounds_ms": times[i]}
+	}
+	top := byLoads[builds[0].String()].(map[string]any)
 	return printJSON(map[string]any{"dtype": dt.String(), "fused": *fused, "numel": per * int64(*tensors), "tensors": *tensors,
-		"ms_per_step": perLaunch, "gbytes_per_s": moved / perLaunch / 1e6, "host_ms": time.Since(t0).Seconds() * 1e3 / float64(*iters)})
+		"ms_per_step": top["ms_per_step"], "gbytes_per_s": top["gbytes_per_s"], "loads": builds[0].String(),
+		"by_loads": byLoads, "host_ms": host})
+}
+
+// median of xs (not empty).
+func median(xs []float64) float64 {
+	s := append([]float64(nil), xs...)
+	sort.Float64s(s)
+	n := len(s)
+	if n%2 == 1 {
+		return s[n/2]
+	}
+	return (s[n/2-1] + s[n/2]) / 2
 }

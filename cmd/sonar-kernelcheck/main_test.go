@@ -89,9 +89,13 @@ func TestWithoutGPU(t *testing.T) {
 	for name, run := range map[string]func() error{
 		"info": info,
 		"files": func() error {
-			return files(writeSpec(t, Spec{DType: "float32", Steps: 1, Tensors: []SpecTensor{{Numel: 1}}, Scalars: [][]ScalarsJSON{{{}}}}))
+			return files([]string{writeSpec(t, Spec{DType: "float32", Steps: 1, Tensors: []SpecTensor{{Numel: 1}}, Scalars: [][]ScalarsJSON{{{}}}})})
 		},
-		"bench": func() error { return bench([]string{"-numel", "8"}) },
+		"files -loads scalar": func() error {
+			return files([]string{"-loads", "scalar", writeSpec(t, Spec{DType: "float32", Steps: 1, Tensors: []SpecTensor{{Numel: 1}}, Scalars: [][]ScalarsJSON{{{}}}})})
+		},
+		"bench":               func() error { return bench([]string{"-numel", "8"}) },
+		"bench -loads scalar": func() error { return bench([]string{"-numel", "8", "-loads", "scalar"}) },
 	} {
 		if err := run(); !errors.Is(err, cuda.ErrNoDriver) {
 			t.Errorf("%s: err = %v, want ErrNoDriver", name, err)
@@ -153,5 +157,40 @@ func TestReferenceFollowsFused(t *testing.T) {
 	}
 	if !bytes.Equal(p1, p2) || !bytes.Equal(m1, m2) || !bytes.Equal(v1, v2) {
 		t.Error("fused double scalars: reference is not optimizer.FusedCUDA64Step with the given bias corrections")
+	}
+}
+
+// TestBadLoads: a -loads that is neither vector nor scalar (nor both, for
+// bench) is refused before any device is opened.
+func TestBadLoads(t *testing.T) {
+	if err := files([]string{"-loads", "wide", t.TempDir()}); err == nil || !strings.Contains(err.Error(), "want vector or scalar") {
+		t.Errorf("files: err = %v", err)
+	}
+	if err := bench([]string{"-loads", "wide"}); err == nil || !strings.Contains(err.Error(), "want vector or scalar") {
+		t.Errorf("bench: err = %v", err)
+	}
+	if err := files([]string{}); err == nil || !strings.Contains(err.Error(), "usage") {
+		t.Errorf("files without DIR: err = %v", err)
+	}
+}
+
+func TestMedian(t *testing.T) {
+	for _, tc := range []struct {
+		in   []float64
+		want float64
+	}{
+		{[]float64{3}, 3},
+		{[]float64{5, 1, 3}, 3},
+		{[]float64{4, 1, 3, 2}, 2.5},
+	} {
+		in := append([]float64(nil), tc.in...)
+		if got := median(in); got != tc.want {
+			t.Errorf("median(%v) = %v, want %v", tc.in, got, tc.want)
+		}
+		for i := range in {
+			if in[i] != tc.in[i] {
+				t.Errorf("median reordered its input: %v", in)
+			}
+		}
 	}
 }

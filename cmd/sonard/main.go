@@ -28,6 +28,7 @@ import (
 	"github.com/sonar-moe/sonar/ipc"
 	"github.com/sonar-moe/sonar/ipcbridge"
 	"github.com/sonar-moe/sonar/optimizer"
+	"github.com/sonar-moe/sonar/optimizer/device"
 	"github.com/sonar-moe/sonar/server"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -85,6 +86,7 @@ func run() int {
 	genKeys := fs.String("gen-curve-keys", "", "write a new CURVE key pair to PREFIX.secret (mode 0600) and PREFIX.public, then exit")
 	metricsAddr := fs.String("metrics-addr", os.Getenv("SONAR_METRICS_ADDR"), "serve Prometheus metrics over HTTP at this host:port (e.g. 127.0.0.1:9464); empty: off (env SONAR_METRICS_ADDR)")
 	cudaDevice := fs.Int("cuda-device", envInt("SONAR_CUDA_DEVICE", 0), "CUDA device for clients' GPU expert tensors, used when a CUDA driver and device exist (without one sonard logs \"CUDA off\" and serves CPU tensors); -1: off (env SONAR_CUDA_DEVICE)")
+	cudaLoads := fs.String("cuda-loads", envOr("SONAR_CUDA_LOADS", "vector"), "how the CUDA kernels access a tensor's memory: vector (16 bytes a thread and array where the arrays are 16-byte aligned) or scalar (one element at a time; the kernels as first checked on a GPU); both compute alike (env SONAR_CUDA_LOADS)")
 	cudaMaxIdle := fs.Int("cuda-max-idle", envInt("SONAR_CUDA_MAX_IDLE", 8), "client CUDA allocations kept open while unused, for reuse (env SONAR_CUDA_MAX_IDLE)")
 	trustedLibs := fs.String("trusted-sqrt-lib", os.Getenv("SONAR_TRUSTED_SQRT_LIBS"), "comma-separated libraries (absolute paths, e.g. a torch's libtorch_cpu.so) whose float32 sqrt any client may ask for, also over tcp://; clients of an ipc:// sonard may name any (env SONAR_TRUSTED_SQRT_LIBS)")
 	maxState := fs.String("max-state-bytes", envOr("SONAR_MAX_STATE_BYTES", ""), "host memory for optimizer state of all clients together, e.g. 64GiB; 0: no bound (default: 75% of the memory available at start, see below) (env SONAR_MAX_STATE_BYTES)")
@@ -141,6 +143,11 @@ func run() int {
 		}
 		optimizer.LimitISA(l)
 	}
+	loads, err := device.ParseLoads(*cudaLoads)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "sonard: --cuda-loads:", err)
+		return exitUsage
+	}
 	if *mklSqrt != "auto" && *mklSqrt != "call" {
 		fmt.Fprintf(os.Stderr, "sonard: --mkl-sqrt %q: want auto or call\n", *mklSqrt)
 		return exitUsage
@@ -164,7 +171,7 @@ func run() int {
 	}
 	cudaExplicit := os.Getenv("SONAR_CUDA_DEVICE") != ""
 	fs.Visit(func(f *flag.Flag) { cudaExplicit = cudaExplicit || f.Name == "cuda-device" })
-	gpuBackend, announceCUDA, err := openCUDA(log, *cudaDevice, *cudaMaxIdle, cudaExplicit)
+	gpuBackend, announceCUDA, err := openCUDA(log, *cudaDevice, *cudaMaxIdle, loads, cudaExplicit)
 	if err != nil {
 		log.Error("CUDA", zap.Error(err))
 		return exitError
@@ -307,7 +314,7 @@ func budgetString(n int64) string {
 // no backend and no error; other failures (NVRTC missing, kernels not
 // loading) are errors when the device was asked for explicitly, and "CUDA
 // off" otherwise. announce logs the outcome.
-func openCUDA(log *zap.Logger, ordinal, maxIdle int, explicit bool) (*gpu.Backend, func(), error) {
+func openCUDA(log *zap.Logger, ordinal, maxIdle int, loads device.Loads, explicit bool) (*gpu.Backend, func(), error) {
 	off := func(level zapcore.Level, reason string) func() {
 		return func() { log.Log(level, "CUDA off: "+reason) }
 	}
@@ -317,7 +324,7 @@ func openCUDA(log *zap.Logger, ordinal, maxIdle int, explicit bool) (*gpu.Backen
 	if maxIdle < 0 {
 		return nil, nil, fmt.Errorf("--cuda-max-idle %d: want >= 0", maxIdle)
 	}
-	b, err := gpu.Open(ordinal, maxIdle)
+	b, err := gpu.Open(ordinal, maxIdle, loads)
 	if err != nil {
 		if errors.Is(err, gpu.ErrNoCUDA) && (!explicit || errors.Is(err, cuda.ErrNoDriver)) {
 			return nil, off(zapcore.InfoLevel, err.Error()), nil

@@ -335,6 +335,223 @@ SONAR_HD void sonar_fused64_element(float& p, float g, float& m, float& v, float
 }
 // END MATH
 
+// BEGIN LOOPS (also compiled for the host by a test, which runs every thread
+// of every block of a launch in turn: TestHostLaunches)
+//
+// How a launch walks its batch. Tensors are cut into chunks of SONAR_CHUNK
+// elements; blocks take the chunks of all tensors with a grid-stride loop.
+// Within a chunk, where every array of the tensor starts on a 16-byte
+// boundary (as the caching allocator's blocks and sonard's state do), the
+// threads of a block take consecutive 16-byte pieces of each array, loaded
+// and stored with one 128-bit access each (4 float32 or 8 bfloat16 values
+// a thread and array), and the chunk's last elements past the last whole
+// piece go one per thread; otherwise every element goes one per thread. An
+// element's arithmetic is the same function either way. Compiled with
+// -DSONAR_VEC=0 (sonard --cuda-loads scalar), every element goes one per
+// thread: the kernels as first checked on a GPU.
+#ifndef SONAR_VEC
+#define SONAR_VEC 1
+#endif
+#define SONAR_THREADS 256
+#define SONAR_PIECE 16
+
+#if !defined(__CUDACC__)
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
+#define SONAR_UNROLL
+#else
+#define SONAR_UNROLL _Pragma("unroll")
+#endif
+
+// Where a thread of a launch is: its block, the grid's blocks, its thread
+// in the block.
+typedef struct {
+  unsigned long long block, blocks;
+  unsigned int thread;
+} SonarGrid;
+
+// One 16-byte piece of an array, as one access and as its elements.
+template <class T>
+union SonarPiece {
+  uint4 u;
+  T x[SONAR_PIECE / sizeof(T)];
+};
+
+SONAR_HD bool sonar_piece_aligned(unsigned long long p) { return (p & (SONAR_PIECE - 1)) == 0; }
+
+// The tensor that chunk c belongs to: the last with first_chunk <= c.
+template <class B>
+SONAR_HD unsigned int sonar_find(const B& b, unsigned long long c) {
+  unsigned int i = 0;
+  while (i + 1 < b.n && b.t[i + 1].first_chunk <= c) i++;
+  return i;
+}
+
+// sonar_walk calls piece(j) for each 16-byte piece (N elements from j) of
+// [lo, hi) that this thread owns, where pieces is true, and one(j) for each
+// single element it owns; lo is a multiple of N.
+template <int N, class Piece, class One>
+SONAR_HD void sonar_walk(const SonarGrid& g, long long lo, long long hi, bool pieces, const Piece& piece,
+                         const One& one) {
+  long long rest = lo;
+  if (SONAR_VEC && pieces) {
+    rest = lo + (hi - lo) / N * N;
+    for (long long j = lo + (long long)g.thread * N; j < rest; j += (long long)SONAR_THREADS * N) piece(j);
+  }
+  for (long long j = rest + g.thread; j < hi; j += SONAR_THREADS) one(j);
+}
+
+// sonar_update runs op(p, g, m, v, vmax) (float values in; p, m, v, vmax
+// out, each stored once) on every element of [lo, hi) this thread owns. VM
+// is null without amsgrad.
+template <class S, class Op>
+SONAR_HD void sonar_update(const SonarGrid& g, long long lo, long long hi, unsigned long long pp,
+                           unsigned long long gp, unsigned long long mp, unsigned long long vp,
+                           unsigned long long vmp, const Op& op) {
+  typedef typename S::T T;
+  const int N = SONAR_PIECE / sizeof(T);
+  T* P = (T*)pp;
+  const T* G = (const T*)gp;
+  T* M = (T*)mp;
+  T* V = (T*)vp;
+  T* VM = (T*)vmp;
+  const bool pieces = sonar_piece_aligned(pp | gp | mp | vp | vmp);
+  sonar_walk<N>(
+      g, lo, hi, pieces,
+      [&](long long j) {
+        SonarPiece<T> p, gr, m, v, vm;
+        p.u = *(const uint4*)(P + j);
+        gr.u = *(const uint4*)(G + j);
+        m.u = *(const uint4*)(M + j);
+        v.u = *(const uint4*)(V + j);
+        if (VM) vm.u = *(const uint4*)(VM + j);
+        SONAR_UNROLL
+        for (int i = 0; i < N; i++) {
+          float pf = S::get(p.x[i]), mf = S::get(m.x[i]), vf = S::get(v.x[i]);
+          float vmf = VM ? S::get(vm.x[i]) : 0.0f;
+          op(pf, S::get(gr.x[i]), mf, vf, vmf);
+          p.x[i] = S::put(pf);
+          m.x[i] = S::put(mf);
+          v.x[i] = S::put(vf);
+          if (VM) vm.x[i] = S::put(vmf);
+        }
+        *(uint4*)(P + j) = p.u;
+        *(uint4*)(M + j) = m.u;
+        *(uint4*)(V + j) = v.u;
+        if (VM) *(uint4*)(VM + j) = vm.u;
+      },
+      [&](long long j) {
+        float p = S::get(P[j]), m = S::get(M[j]), v = S::get(V[j]);
+        float vmax = VM ? S::get(VM[j]) : 0.0f;
+        op(p, S::get(G[j]), m, v, vmax);
+        P[j] = S::put(p);
+        M[j] = S::put(m);
+        V[j] = S::put(v);
+        if (VM) VM[j] = S::put(vmax);
+      });
+}
+
+// The bounds of chunk c of tensor t.
+template <class D>
+SONAR_HD void sonar_chunk(const D& t, unsigned long long c, long long& lo, long long& hi) {
+  lo = (long long)(c - t.first_chunk) * SONAR_CHUNK;
+  hi = lo + (long long)SONAR_CHUNK < t.numel ? lo + (long long)SONAR_CHUNK : t.numel;
+}
+
+template <class D>
+SONAR_HD unsigned long long sonar_vmax(const D& t) {
+  return (t.flags & SONAR_FLAG_AMSGRAD) ? t.max_exp_avg_sq : 0ull;
+}
+
+template <class S>
+SONAR_HD void sonar_adamw_batch(const SonarBatch& b, const SonarGrid& g) {
+  for (unsigned long long c = g.block; c < b.total_chunks; c += g.blocks) {
+    const SonarTensor& t = b.t[sonar_find(b, c)];
+    long long lo, hi;
+    sonar_chunk(t, c, lo, hi);
+    sonar_update<S>(g, lo, hi, t.param, t.grad, t.exp_avg, t.exp_avg_sq, sonar_vmax(t),
+                    [&](float& p, float gr, float& m, float& v, float& vmax) {
+                      sonar_adamw_element<S>(p, gr, m, v, vmax, t);
+                    });
+  }
+}
+
+// CUDA's powf (libdevice), as torch's at::native::pow_(float, float) calls
+// it. Kept out of line so that the PTX test can tell its instructions (an
+// approximate reciprocal seeds its logarithm) from the kernels' own. The
+// host build of this section uses the C library's (only the GPU check
+// compares the device's with torch's).
+#if defined(__CUDACC__)
+extern "C" __device__ __noinline__ float sonar_powf(float base, float exp) { return powf(base, exp); }
+// CUDA's double pow (libdevice), as pow_(double, float) in torch 2.8 to 2.10.
+extern "C" __device__ __noinline__ double sonar_pow64(double base, double exp) { return pow(base, exp); }
+#else
+inline float sonar_powf(float base, float exp) { return powf(base, exp); }
+inline double sonar_pow64(double base, double exp) { return pow(base, exp); }
+#endif
+
+template <class S>
+SONAR_HD void sonar_fused_batch(const SonarFusedBatch& b, const SonarGrid& g) {
+  for (unsigned long long c = g.block; c < b.total_chunks; c += g.blocks) {
+    const SonarFusedTensor& t = b.t[sonar_find(b, c)];
+    // Per tensor, as FusedAdamMathFunctor computes them per block:
+    // bias_correction = 1 - pow_(beta, step), all in float.
+    const float bc1 = S_SUB(1.0f, sonar_powf(t.beta1, t.step));
+    const float bc2 = S_SUB(1.0f, sonar_powf(t.beta2, t.step));
+    const SonarFusedConsts k = sonar_fused_consts(t, bc1, bc2);
+    long long lo, hi;
+    sonar_chunk(t, c, lo, hi);
+    sonar_update<S>(g, lo, hi, t.param, t.grad, t.exp_avg, t.exp_avg_sq, sonar_vmax(t),
+                    [&](float& p, float gr, float& m, float& v, float& vmax) {
+                      sonar_fused_element(p, gr, m, v, vmax, k, t.flags);
+                    });
+  }
+}
+
+template <class S>
+SONAR_HD void sonar_fused64_batch(const SonarFused64Batch& b, const SonarGrid& g) {
+  for (unsigned long long c = g.block; c < b.total_chunks; c += g.blocks) {
+    const SonarFused64Tensor& t = b.t[sonar_find(b, c)];
+    const double step = (double)t.step;
+    const double bc1 = D_SUB(1.0, sonar_pow64(t.beta1, step));
+    const double bc2 = D_SUB(1.0, sonar_pow64(t.beta2, step));
+    const SonarFused64Consts k = sonar_fused64_consts(t, bc1, bc2);
+    long long lo, hi;
+    sonar_chunk(t, c, lo, hi);
+    sonar_update<S>(g, lo, hi, t.param, t.grad, t.exp_avg, t.exp_avg_sq, sonar_vmax(t),
+                    [&](float& p, float gr, float& m, float& v, float& vmax) {
+                      sonar_fused64_element(p, gr, m, v, vmax, k, t.flags);
+                    });
+  }
+}
+
+// Accumulation: param is the buffer added to, grad the gradient added.
+template <class S>
+SONAR_HD void sonar_add_batch(const SonarBatch& b, const SonarGrid& g) {
+  typedef typename S::T T;
+  const int N = SONAR_PIECE / sizeof(T);
+  for (unsigned long long c = g.block; c < b.total_chunks; c += g.blocks) {
+    const SonarTensor& t = b.t[sonar_find(b, c)];
+    T* A = (T*)t.param;
+    const T* G = (const T*)t.grad;
+    long long lo, hi;
+    sonar_chunk(t, c, lo, hi);
+    sonar_walk<N>(
+        g, lo, hi, sonar_piece_aligned(t.param | t.grad),
+        [&](long long j) {
+          SonarPiece<T> a, gr;
+          a.u = *(const uint4*)(A + j);
+          gr.u = *(const uint4*)(G + j);
+          SONAR_UNROLL
+          for (int i = 0; i < N; i++) a.x[i] = S::put(sonar_add_element<S>(S::get(a.x[i]), S::get(gr.x[i])));
+          *(uint4*)(A + j) = a.u;
+        },
+        [&](long long j) { A[j] = S::put(sonar_add_element<S>(S::get(A[j]), S::get(G[j]))); });
+  }
+}
+// END LOOPS
+
 #if defined(__CUDACC__)
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
@@ -349,150 +566,37 @@ SONAR_HD void sonar_fused64_element(float& p, float g, float& m, float& v, float
 #define SONAR_FUSED64_BATCH const SonarFused64Batch
 #endif
 
-#define SONAR_THREADS 256
-
-// The tensor that chunk c belongs to: the last with first_chunk <= c.
-template <class B>
-__device__ __forceinline__ unsigned int sonar_find(const B& b, unsigned long long c) {
-  unsigned int i = 0;
-  while (i + 1 < b.n && b.t[i + 1].first_chunk <= c) i++;
-  return i;
-}
-
-template <class S>
-__device__ __forceinline__ void sonar_adamw_at(const SonarTensor& t, typename S::T* P, const typename S::T* G,
-                                               typename S::T* M, typename S::T* V, typename S::T* VM,
-                                               long long j) {
-  float p = S::get(P[j]), m = S::get(M[j]), v = S::get(V[j]);
-  float vmax = VM ? S::get(VM[j]) : 0.0f;
-  sonar_adamw_element<S>(p, S::get(G[j]), m, v, vmax, t);
-  P[j] = S::put(p);
-  M[j] = S::put(m);
-  V[j] = S::put(v);
-  if (VM) VM[j] = S::put(vmax);
-}
-
-template <class S>
-__device__ __forceinline__ void sonar_adamw_batch(const SonarBatch& b) {
-  typedef typename S::T T;
-  for (unsigned long long c = blockIdx.x; c < b.total_chunks; c += gridDim.x) {
-    const SonarTensor& t = b.t[sonar_find(b, c)];
-    T* P = (T*)t.param;
-    const T* G = (const T*)t.grad;
-    T* M = (T*)t.exp_avg;
-    T* V = (T*)t.exp_avg_sq;
-    T* VM = (t.flags & SONAR_FLAG_AMSGRAD) ? (T*)t.max_exp_avg_sq : (T*)0;
-    const long long lo = (long long)(c - t.first_chunk) * SONAR_CHUNK;
-    const long long hi = min(lo + (long long)SONAR_CHUNK, t.numel);
-    for (long long j = lo + threadIdx.x; j < hi; j += SONAR_THREADS) {
-      sonar_adamw_at<S>(t, P, G, M, V, VM, j);
-    }
-  }
-}
-
-// CUDA's powf (libdevice), as torch's at::native::pow_(float, float) calls
-// it. Kept out of line so that the PTX test can tell its instructions (an
-// approximate reciprocal seeds its logarithm) from the kernels' own.
-extern "C" __device__ __noinline__ float sonar_powf(float base, float exp) { return powf(base, exp); }
-
-template <class S>
-__device__ __forceinline__ void sonar_fused_batch(const SonarFusedBatch& b) {
-  typedef typename S::T T;
-  for (unsigned long long c = blockIdx.x; c < b.total_chunks; c += gridDim.x) {
-    const SonarFusedTensor& t = b.t[sonar_find(b, c)];
-    // Per tensor, as FusedAdamMathFunctor computes them per block:
-    // bias_correction = 1 - pow_(beta, step), all in float.
-    const float bc1 = __fsub_rn(1.0f, sonar_powf(t.beta1, t.step));
-    const float bc2 = __fsub_rn(1.0f, sonar_powf(t.beta2, t.step));
-    const SonarFusedConsts k = sonar_fused_consts(t, bc1, bc2);
-    T* P = (T*)t.param;
-    const T* G = (const T*)t.grad;
-    T* M = (T*)t.exp_avg;
-    T* V = (T*)t.exp_avg_sq;
-    T* VM = (t.flags & SONAR_FLAG_AMSGRAD) ? (T*)t.max_exp_avg_sq : (T*)0;
-    const long long lo = (long long)(c - t.first_chunk) * SONAR_CHUNK;
-    const long long hi = min(lo + (long long)SONAR_CHUNK, t.numel);
-    for (long long j = lo + threadIdx.x; j < hi; j += SONAR_THREADS) {
-      float p = S::get(P[j]), m = S::get(M[j]), v = S::get(V[j]);
-      float vmax = VM ? S::get(VM[j]) : 0.0f;
-      sonar_fused_element(p, S::get(G[j]), m, v, vmax, k, t.flags);
-      P[j] = S::put(p);
-      M[j] = S::put(m);
-      V[j] = S::put(v);
-      if (VM) VM[j] = S::put(vmax);
-    }
-  }
-}
-
-// CUDA's double pow (libdevice), as pow_(double, float) in torch 2.8 to 2.10.
-extern "C" __device__ __noinline__ double sonar_pow64(double base, double exp) { return pow(base, exp); }
-
-template <class S>
-__device__ __forceinline__ void sonar_fused64_batch(const SonarFused64Batch& b) {
-  typedef typename S::T T;
-  for (unsigned long long c = blockIdx.x; c < b.total_chunks; c += gridDim.x) {
-    const SonarFused64Tensor& t = b.t[sonar_find(b, c)];
-    const double step = (double)t.step;
-    const double bc1 = __dsub_rn(1.0, sonar_pow64(t.beta1, step));
-    const double bc2 = __dsub_rn(1.0, sonar_pow64(t.beta2, step));
-    const SonarFused64Consts k = sonar_fused64_consts(t, bc1, bc2);
-    T* P = (T*)t.param;
-    const T* G = (const T*)t.grad;
-    T* M = (T*)t.exp_avg;
-    T* V = (T*)t.exp_avg_sq;
-    T* VM = (t.flags & SONAR_FLAG_AMSGRAD) ? (T*)t.max_exp_avg_sq : (T*)0;
-    const long long lo = (long long)(c - t.first_chunk) * SONAR_CHUNK;
-    const long long hi = min(lo + (long long)SONAR_CHUNK, t.numel);
-    for (long long j = lo + threadIdx.x; j < hi; j += SONAR_THREADS) {
-      float p = S::get(P[j]), m = S::get(M[j]), v = S::get(V[j]);
-      float vmax = VM ? S::get(VM[j]) : 0.0f;
-      sonar_fused64_element(p, S::get(G[j]), m, v, vmax, k, t.flags);
-      P[j] = S::put(p);
-      M[j] = S::put(m);
-      V[j] = S::put(v);
-      if (VM) VM[j] = S::put(vmax);
-    }
-  }
-}
-
-template <class S>
-__device__ __forceinline__ void sonar_add_batch(const SonarBatch& b) {
-  typedef typename S::T T;
-  for (unsigned long long c = blockIdx.x; c < b.total_chunks; c += gridDim.x) {
-    const SonarTensor& t = b.t[sonar_find(b, c)];
-    T* A = (T*)t.param;
-    const T* G = (const T*)t.grad;
-    const long long lo = (long long)(c - t.first_chunk) * SONAR_CHUNK;
-    const long long hi = min(lo + (long long)SONAR_CHUNK, t.numel);
-    for (long long j = lo + threadIdx.x; j < hi; j += SONAR_THREADS) {
-      A[j] = S::put(sonar_add_element<S>(S::get(A[j]), S::get(G[j])));
-    }
-  }
+__device__ __forceinline__ SonarGrid sonar_grid() {
+  SonarGrid g;
+  g.block = blockIdx.x;
+  g.blocks = gridDim.x;
+  g.thread = threadIdx.x;
+  return g;
 }
 
 extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_adamw_f32(SONAR_BATCH b) {
-  sonar_adamw_batch<SonarF32>(b);
+  sonar_adamw_batch<SonarF32>(b, sonar_grid());
 }
 extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_adamw_bf16(SONAR_BATCH b) {
-  sonar_adamw_batch<SonarBF16>(b);
+  sonar_adamw_batch<SonarBF16>(b, sonar_grid());
 }
 extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_fused_adamw_f32(SONAR_FUSED_BATCH b) {
-  sonar_fused_batch<SonarF32>(b);
+  sonar_fused_batch<SonarF32>(b, sonar_grid());
 }
 extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_fused_adamw_bf16(SONAR_FUSED_BATCH b) {
-  sonar_fused_batch<SonarBF16>(b);
+  sonar_fused_batch<SonarBF16>(b, sonar_grid());
 }
 extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_fused64_adamw_f32(SONAR_FUSED64_BATCH b) {
-  sonar_fused64_batch<SonarF32>(b);
+  sonar_fused64_batch<SonarF32>(b, sonar_grid());
 }
 extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_fused64_adamw_bf16(SONAR_FUSED64_BATCH b) {
-  sonar_fused64_batch<SonarBF16>(b);
+  sonar_fused64_batch<SonarBF16>(b, sonar_grid());
 }
 extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_add_f32(SONAR_BATCH b) {
-  sonar_add_batch<SonarF32>(b);
+  sonar_add_batch<SonarF32>(b, sonar_grid());
 }
 extern "C" __global__ void __launch_bounds__(SONAR_THREADS) sonar_add_bf16(SONAR_BATCH b) {
-  sonar_add_batch<SonarBF16>(b);
+  sonar_add_batch<SonarBF16>(b, sonar_grid());
 }
 
 #endif  // __CUDACC__

@@ -17,10 +17,10 @@ type Engine struct {
 	done    *cuda.Event // the engine's completion event
 }
 
-// NewEngine loads the kernels on dv (compiled by nv) and creates the
-// engine's stream.
-func NewEngine(dv *cuda.Device, nv *cuda.NVRTC) (*Engine, error) {
-	k, err := LoadKernels(dv, nv)
+// NewEngine loads the kernels on dv (compiled by nv, with the given loads)
+// and creates the engine's stream.
+func NewEngine(dv *cuda.Device, nv *cuda.NVRTC, loads Loads) (*Engine, error) {
+	k, err := LoadKernels(dv, nv, loads)
 	if err != nil {
 		return nil, err
 	}
@@ -47,9 +47,9 @@ func NewEngineWith(dv *cuda.Device, k *Kernels) (*Engine, error) {
 }
 
 // Describe names the device and the kernels' build, e.g.
-// "NVIDIA H200, cc 9.0, compute_90".
+// "NVIDIA H200, cc 9.0, compute_90, vector loads".
 func (e *Engine) Describe() string {
-	return fmt.Sprintf("%s, cc %d.%d, compute_%d", e.Dev.Name, e.Dev.Major, e.Dev.Minor, e.Kernels.Arch)
+	return fmt.Sprintf("%s, cc %d.%d, compute_%d, %s loads", e.Dev.Name, e.Dev.Major, e.Dev.Minor, e.Kernels.Arch, e.Kernels.Loads)
 }
 
 // Close destroys the engine's event and stream and unloads the kernels

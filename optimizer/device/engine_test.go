@@ -46,12 +46,12 @@ func fakeDevice(t *testing.T) (*cuda.Device, *cudatest.Fake) {
 func TestFakeDriverKernels(t *testing.T) {
 	dv, f := fakeDevice(t)
 	nv := testNVRTC(t)
-	k, err := LoadKernels(dv, nv)
+	k, err := LoadKernels(dv, nv, VectorLoads)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if k.Arch != 90 || !strings.HasPrefix(f.Image(), "//") {
-		t.Errorf("arch %d, module image starts %q", k.Arch, f.Image())
+	if k.Arch != 90 || k.Loads != VectorLoads || !strings.HasPrefix(f.Image(), "//") {
+		t.Errorf("arch %d, loads %v, module image starts %q", k.Arch, k.Loads, f.Image())
 	}
 	s, _ := dv.NewStream()
 	sc := optimizer.ScalarsFor(optimizer.Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}, 1)
@@ -85,7 +85,7 @@ func TestFakeDriverKernels(t *testing.T) {
 		t.Error("null pointers accepted")
 	}
 	f.Fail("cuModuleLoadData", int32(cuda.ErrorUnsupportedPTX))
-	if _, err := LoadKernels(dv, nv); err == nil || !strings.Contains(err.Error(), "newer than the driver, CUDA 13.0") {
+	if _, err := LoadKernels(dv, nv, ScalarLoads); err == nil || !strings.Contains(err.Error(), "newer than the driver, CUDA 13.0") {
 		t.Errorf("PTX too new: %v", err)
 	}
 	if err := k.Close(); err != nil {

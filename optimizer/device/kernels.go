@@ -73,6 +73,39 @@ const (
 	maxKernelParams   = 4096 // the kernel parameter limit of every CUDA version
 )
 
+// Loads is how the kernels move a tensor's elements (adamw.cu, LOOPS).
+type Loads int
+
+const (
+	// VectorLoads: where every array of a tensor starts on a 16-byte
+	// boundary, each thread loads and stores 16 bytes of each array at once
+	// (4 float32 or 8 bfloat16 values), the chunk's tail one element at a
+	// time. The default.
+	VectorLoads Loads = iota
+	// ScalarLoads: one element per thread and access, the kernels as first
+	// checked on a GPU (2026-12-04).
+	ScalarLoads
+)
+
+// String is the name ParseLoads reads.
+func (l Loads) String() string {
+	if l == ScalarLoads {
+		return "scalar"
+	}
+	return "vector"
+}
+
+// ParseLoads reads "vector" or "scalar".
+func ParseLoads(s string) (Loads, error) {
+	switch s {
+	case "vector":
+		return VectorLoads, nil
+	case "scalar":
+		return ScalarLoads, nil
+	}
+	return 0, fmt.Errorf("kernel loads %q: want vector or scalar", s)
+}
+
 // CompileOptions are the NVRTC options for the kernels: PTX for the virtual
 // architecture compute_<arch>, and the arithmetic options torch's kernels
 // are built with (nvcc's defaults: no flush of subnormals, correctly rounded
@@ -80,19 +113,24 @@ const (
 // matters only inside CUDA's pow (the fused kernels' bias corrections, which
 // must round as torch's do): every operation of adamw.cu itself is an `_rn`
 // intrinsic, which is never contracted (a test compiles the kernels with
-// --fmad=false too and finds them identical).
-func CompileOptions(arch int) []string {
-	return []string{
+// --fmad=false too and finds them identical). ScalarLoads defines
+// SONAR_VEC=0.
+func CompileOptions(arch int, loads Loads) []string {
+	o := []string{
 		fmt.Sprintf("--gpu-architecture=compute_%d", arch),
 		"--fmad=true", "--ftz=false", "--prec-div=true", "--prec-sqrt=true",
 	}
+	if loads == ScalarLoads {
+		o = append(o, "-DSONAR_VEC=0")
+	}
+	return o
 }
 
 // CompileKernels compiles the embedded source to PTX for compute_<arch>.
-func CompileKernels(nv *cuda.NVRTC, arch int) ([]byte, error) {
-	ptx, err := nv.Compile(adamwSource, "adamw.cu", CompileOptions(arch))
+func CompileKernels(nv *cuda.NVRTC, arch int, loads Loads) ([]byte, error) {
+	ptx, err := nv.Compile(adamwSource, "adamw.cu", CompileOptions(arch, loads))
 	if err != nil {
-		return nil, fmt.Errorf("compiling the AdamW kernels for compute_%d: %w", arch, err)
+		return nil, fmt.Errorf("compiling the AdamW kernels (%s loads) for compute_%d: %w", loads, arch, err)
 	}
 	return ptx, nil
 }
@@ -298,25 +336,31 @@ func gridFor(chunks uint64, sms int) uint32 {
 
 // Kernels are the AdamW kernels loaded on one device.
 type Kernels struct {
-	dv   *cuda.Device
-	mod  *cuda.Module
-	fn   map[string]*cuda.Function
-	Arch int    // the compute_<Arch> the PTX was built for
-	PTX  []byte // as compiled (NUL-terminated)
+	dv    *cuda.Device
+	mod   *cuda.Module
+	fn    map[string]*cuda.Function
+	Arch  int    // the compute_<Arch> the PTX was built for
+	PTX   []byte // as compiled (NUL-terminated)
+	Loads Loads  // how the kernels access memory (LoadPTX: VectorLoads, the source's default)
 }
 
 // LoadKernels compiles the kernels with NVRTC for dv's compute capability
 // (or the newest architecture below it that NVRTC knows) and loads them.
-func LoadKernels(dv *cuda.Device, nv *cuda.NVRTC) (*Kernels, error) {
+func LoadKernels(dv *cuda.Device, nv *cuda.NVRTC, loads Loads) (*Kernels, error) {
 	arch, err := nv.PickArch(dv.Major, dv.Minor)
 	if err != nil {
 		return nil, fmt.Errorf("loading kernels on %s: %w", dv.Name, err)
 	}
-	ptx, err := CompileKernels(nv, arch)
+	ptx, err := CompileKernels(nv, arch, loads)
 	if err != nil {
 		return nil, err
 	}
-	return LoadPTX(dv, ptx, arch)
+	k, err := LoadPTX(dv, ptx, arch)
+	if err != nil {
+		return nil, err
+	}
+	k.Loads = loads
+	return k, nil
 }
 
 // LoadPTX loads kernels already compiled for compute_<arch> (CompileKernels).

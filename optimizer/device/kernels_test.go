@@ -444,9 +444,10 @@ func TestGridFor(t *testing.T) {
 }
 
 // TestCompileKernels compiles the embedded kernels with a real NVRTC (no GPU
-// needed) and checks the PTX: every entry point is there, the float
-// arithmetic is the IEEE kind the source asks for, and the 4 KB batch
-// parameter is not copied to local memory.
+// needed), with vector and with scalar loads, and checks the PTX: every
+// entry point is there, the float arithmetic is the IEEE kind the source
+// asks for, the 4 KB batch parameter is not copied to local memory, and
+// the vector build moves 16 bytes per access where the scalar one does not.
 func TestCompileKernels(t *testing.T) {
 	nv := testNVRTC(t)
 	maj, mnr := nv.Version()
@@ -456,74 +457,99 @@ func TestCompileKernels(t *testing.T) {
 			t.Logf("sm_%d not supported by this NVRTC (%d, %v)", arch, a, err)
 			continue
 		}
-		ptx, err := CompileKernels(nv, arch)
-		if err != nil {
-			t.Fatalf("compute_%d: %v", arch, err)
+		for _, loads := range []Loads{VectorLoads, ScalarLoads} {
+			checkPTX(t, nv, arch, loads)
 		}
-		s := string(ptx)
-		for _, k := range kernelNames {
-			if !strings.Contains(s, ".entry "+k+"(") {
-				t.Errorf("compute_%d: no entry %s", arch, k)
+	}
+}
+
+// checkPTX compiles the kernels for compute_<arch> with the given loads and
+// checks the PTX.
+func checkPTX(t *testing.T, nv *cuda.NVRTC, arch int, loads Loads) {
+	t.Helper()
+	ptx, err := CompileKernels(nv, arch, loads)
+	if err != nil {
+		t.Fatalf("compute_%d: %v", arch, err)
+	}
+	s := string(ptx)
+	for _, k := range kernelNames {
+		if !strings.Contains(s, ".entry "+k+"(") {
+			t.Errorf("compute_%d: no entry %s", arch, k)
+		}
+	}
+	// CUDA's powf and pow (sonar_powf, sonar_pow64 and libdevice's
+	// __internal_accurate_pow: the fused kernels' bias corrections, as
+	// torch's) seed their logarithm with an approximate reciprocal; nothing
+	// else may approximate, flush or contract.
+	funcs := ptxFunctions(s)
+	for _, f := range []string{"sonar_powf", "sonar_pow64"} {
+		if _, ok := funcs[f]; !ok {
+			t.Errorf("compute_%d: no out-of-line %s", arch, f)
+		}
+	}
+	for name, body := range funcs {
+		if name == "sonar_powf" || name == "sonar_pow64" || name == "__internal_accurate_pow" { // CUDA's pow
+			continue
+		}
+		for _, bad := range []string{"div.approx", "sqrt.approx", ".ftz.", "rcp.approx", "mad.f32"} {
+			if strings.Contains(body, bad) {
+				t.Errorf("compute_%d: %s has %q: not IEEE float arithmetic", arch, name, bad)
 			}
 		}
-		// CUDA's powf and pow (sonar_powf, sonar_pow64 and libdevice's
-		// __internal_accurate_pow: the fused kernels' bias corrections, as
-		// torch's) seed their logarithm with an approximate reciprocal; nothing
-		// else may approximate, flush or contract.
-		funcs := ptxFunctions(s)
-		for _, f := range []string{"sonar_powf", "sonar_pow64"} {
-			if _, ok := funcs[f]; !ok {
-				t.Errorf("compute_%d: no out-of-line %s", arch, f)
-			}
+	}
+	for k, f := range map[string]string{"sonar_fused_adamw_f32": "sonar_powf", "sonar_fused_adamw_bf16": "sonar_powf",
+		"sonar_fused64_adamw_f32": "sonar_pow64", "sonar_fused64_adamw_bf16": "sonar_pow64"} {
+		if !strings.Contains(funcs[k], f) {
+			t.Errorf("compute_%d: %s does not call %s", arch, k, f)
 		}
-		for name, body := range funcs {
-			if name == "sonar_powf" || name == "sonar_pow64" || name == "__internal_accurate_pow" { // CUDA's pow
-				continue
-			}
-			for _, bad := range []string{"div.approx", "sqrt.approx", ".ftz.", "rcp.approx", "mad.f32"} {
-				if strings.Contains(body, bad) {
-					t.Errorf("compute_%d: %s has %q: not IEEE float arithmetic", arch, name, bad)
-				}
-			}
+	}
+	if !strings.Contains(funcs["sonar_fused64_adamw_f32"], "fma.rn.f64") {
+		t.Errorf("compute_%d: the double fused kernel has no fma.rn.f64", arch)
+	}
+	if arch >= 80 && !strings.Contains(s, "cvt.rn.bf16.f32") {
+		t.Errorf("compute_%d: bfloat16 rounding should be cvt.rn.bf16.f32", arch)
+	}
+	// No per-thread copy of the batch (a local depot of >= 1 KB).
+	for _, m := range regexp.MustCompile(`__local_depot\d*\[(\d+)\]`).FindAllStringSubmatch(s, -1) {
+		if len(m[1]) >= 4 {
+			t.Errorf("compute_%d: local memory %s bytes: the batch parameter is copied per thread", arch, m[1])
 		}
-		for k, f := range map[string]string{"sonar_fused_adamw_f32": "sonar_powf", "sonar_fused_adamw_bf16": "sonar_powf",
-			"sonar_fused64_adamw_f32": "sonar_pow64", "sonar_fused64_adamw_bf16": "sonar_pow64"} {
-			if !strings.Contains(funcs[k], f) {
-				t.Errorf("compute_%d: %s does not call %s", arch, k, f)
-			}
+	}
+	if !strings.Contains(s, "fma.rn.f32") || !strings.Contains(s, "div.rn.f32") || !strings.Contains(s, "sqrt.rn.f32") {
+		t.Errorf("compute_%d: expected fma.rn, div.rn and sqrt.rn in the PTX", arch)
+	}
+	// --fmad changes nothing in the kernels themselves (every operation is
+	// an _rn intrinsic), only inside libdevice's pow functions.
+	// 128-bit accesses with vector loads (param, grad, m, v at least;
+	// the accumulation: buffer and gradient), none with scalar ones.
+	for _, k := range kernelNames {
+		lds := strings.Count(funcs[k], "ld.global.v4.")
+		sts := strings.Count(funcs[k], "st.global.v4.")
+		wantLd, wantSt := 4, 3
+		if strings.HasPrefix(k, "sonar_add") {
+			wantLd, wantSt = 2, 1
 		}
-		if !strings.Contains(funcs["sonar_fused64_adamw_f32"], "fma.rn.f64") {
-			t.Errorf("compute_%d: the double fused kernel has no fma.rn.f64", arch)
+		if loads == VectorLoads && (lds < wantLd || sts < wantSt) {
+			t.Errorf("compute_%d %s loads: %s has %d 128-bit loads and %d stores, want >= %d and %d", arch, loads, k, lds, sts, wantLd, wantSt)
 		}
-		if arch >= 80 && !strings.Contains(s, "cvt.rn.bf16.f32") {
-			t.Errorf("compute_%d: bfloat16 rounding should be cvt.rn.bf16.f32", arch)
+		if loads == ScalarLoads && (lds != 0 || sts != 0) {
+			t.Errorf("compute_%d %s loads: %s has %d 128-bit loads and %d stores", arch, loads, k, lds, sts)
 		}
-		// No per-thread copy of the batch (a local depot of >= 1 KB).
-		for _, m := range regexp.MustCompile(`__local_depot\d*\[(\d+)\]`).FindAllStringSubmatch(s, -1) {
-			if len(m[1]) >= 4 {
-				t.Errorf("compute_%d: local memory %s bytes: the batch parameter is copied per thread", arch, m[1])
-			}
+	}
+	opts := CompileOptions(arch, loads)
+	for i, o := range opts {
+		if o == "--fmad=true" {
+			opts[i] = "--fmad=false"
 		}
-		if !strings.Contains(s, "fma.rn.f32") || !strings.Contains(s, "div.rn.f32") || !strings.Contains(s, "sqrt.rn.f32") {
-			t.Errorf("compute_%d: expected fma.rn, div.rn and sqrt.rn in the PTX", arch)
-		}
-		// --fmad changes nothing in the kernels themselves (every operation is
-		// an _rn intrinsic), only inside libdevice's pow functions.
-		opts := CompileOptions(arch)
-		for i, o := range opts {
-			if o == "--fmad=true" {
-				opts[i] = "--fmad=false"
-			}
-		}
-		ptxNoFMA, err := nv.Compile(KernelSource(), "adamw.cu", opts)
-		if err != nil {
-			t.Fatalf("compute_%d with --fmad=false: %v", arch, err)
-		}
-		noFMA := ptxFunctions(string(ptxNoFMA))
-		for _, k := range kernelNames {
-			if funcs[k] != noFMA[k] {
-				t.Errorf("compute_%d: %s differs between --fmad=true and --fmad=false: an operation is not pinned", arch, k)
-			}
+	}
+	ptxNoFMA, err := nv.Compile(KernelSource(), "adamw.cu", opts)
+	if err != nil {
+		t.Fatalf("compute_%d with --fmad=false: %v", arch, err)
+	}
+	noFMA := ptxFunctions(string(ptxNoFMA))
+	for _, k := range kernelNames {
+		if funcs[k] != noFMA[k] {
+			t.Errorf("compute_%d: %s differs between --fmad=true and --fmad=false: an operation is not pinned", arch, k)
 		}
 	}
 }
