@@ -113,7 +113,7 @@ type HelloReply struct {
 	// "avx512bf16", "avx512", "avx2" or "go" (bitwise alike; a matter of
 	// speed only).
 	ISA string `msgpack:"isa,omitempty"`
-	// CUDA describes the server's GPU ("NVIDIA H200, cc 9.0, compute_90, vector loads"),
+	// CUDA describes the server's GPU ("NVIDIA H200, cc 9.0, compute_90, scalar loads"),
 	// empty when the server has no CUDA path.
 	CUDA string `msgpack:"cuda,omitempty"`
 	// ReconnectGraceMillis is how long the server keeps a session after its

@@ -15,10 +15,10 @@ docs/gpu-results.md and docs/gpu-results.json (and copies both to $OUT when that
    option sets (parameter groups of one optimizer), odd sizes (1 ... 1,048,581 elements), 3
    steps, bit for bit, counted per option set; the Go reference of each arithmetic is compared
    too, so a mismatch says whether the assumed rounding or the kernel is wrong. Each case runs
-   the kernels as sonard builds them by default (vector loads: 16 bytes a thread and array where
-   the arrays are 16-byte aligned) and as first checked (scalar loads, `sonard --cuda-loads
-   scalar`); every third tensor's gradient sits one element off a 16-byte boundary, so the
-   one-element path runs on whole tensors too.
+   the kernels as sonard builds them by default (scalar loads, one element at a time) and with
+   vector loads (`sonard --cuda-loads vector`: 16 bytes a thread and array where the arrays are
+   16-byte aligned); every third tensor's gradient sits one element off a 16-byte boundary, so
+   the one-element path runs on whole tensors too.
 2. sonard: a small OLMoE (transformers, on CUDA) trained by sonar_moe.SonarAdamW with a
    private sonard (started by the client, as a user gets it), float32 and bfloat16, with and
    without max_grad_norm, and with fused=True (float32, and bfloat16 with clipping), bit for
@@ -394,7 +394,7 @@ KERNEL_VARIANTS = {
 # _multi_tensor_adam) and fused=True (_fused_adamw_: float from torch 2.11 on, partly double in
 # 2.8-2.10). The fused kind this torch does not have is compared with the Go reference only.
 # The kernels' memory access (sonar-kernelcheck -loads): sonard's default first.
-KERNEL_LOADS = ("vector", "scalar")
+KERNEL_LOADS = ("scalar", "vector")
 KERNEL_IMPLS = {"foreach": dict(foreach=True), "fused": dict(fused=True), "fused-double": dict(fused=True)}
 
 
@@ -453,7 +453,7 @@ def check_kernel(ctx: argparse.Namespace, steps: int = 3) -> None:
     for loads in KERNEL_LOADS:
         for impl in KERNEL_IMPLS:
             for dtype in (torch.float32, torch.bfloat16):
-                name = f"kernel {impl} {dtname(dtype)}" + ("" if loads == "vector" else f" {loads} loads")
+                name = f"kernel {impl} {dtname(dtype)}" + ("" if loads == KERNEL_LOADS[0] else f" {loads} loads")
                 if left() < 8:
                     record(name, "SKIPPED", "out of this check's time")
                     continue

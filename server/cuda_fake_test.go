@@ -101,7 +101,7 @@ func TestCUDAPathOnStandInDriver(t *testing.T) {
 	opened, closed := w.f.State(cudatest.IPCOpened), w.f.State(cudatest.IPCClosed)
 	const c = "client"
 	hello := w.must(c, ipc.OpHello, ipc.Hello{Client: "test", PID: 0}).(ipc.HelloReply)
-	if hello.CUDA != "Fake H200, cc 9.0, compute_90, vector loads" || hello.Sqrt != "ieee" {
+	if hello.CUDA != "Fake H200, cc 9.0, compute_90, scalar loads" || hello.Sqrt != "ieee" {
 		t.Errorf("hello %+v", hello)
 	}
 	pSeg, gSeg, xSeg := w.attachCUDA(c, w.params), w.attachCUDA(c, w.grads), w.attachCUDA(c, w.xfer)

@@ -69,7 +69,7 @@ var _ backend.Backend = (*Backend)(nil)
 // Name implements backend.Backend.
 func (b *Backend) Name() string { return "cuda" }
 
-// Describe implements backend.Backend, e.g. "NVIDIA H200, cc 9.0, compute_90, vector loads".
+// Describe implements backend.Backend, e.g. "NVIDIA H200, cc 9.0, compute_90, scalar loads".
 func (b *Backend) Describe() string { return b.engine.Describe() }
 
 // Stats implements backend.Backend: the IPC cache's counters.

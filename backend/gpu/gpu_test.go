@@ -23,7 +23,7 @@ func TestOpenWithoutDriver(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			b, err := Open(tc.ordinal, tc.maxIdle, device.VectorLoads)
+			b, err := Open(tc.ordinal, tc.maxIdle, device.ScalarLoads)
 			if err == nil {
 				_ = b.Close()
 				t.Skip("this machine has a CUDA device")

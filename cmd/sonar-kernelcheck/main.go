@@ -9,8 +9,8 @@
 //	                            the Go reference's results next to them
 //	sonar-kernelcheck bench ...       kernel throughput on device buffers
 //
-// -loads is the kernels' memory access (vector, the default, or scalar:
-// optimizer/device.Loads). Every mode prints JSON on stdout; errors go to
+// -loads is the kernels' memory access (scalar, sonard's default, or
+// vector: optimizer/device.Loads). Every mode prints JSON on stdout; errors go to
 // stderr with exit status 1.
 package main
 
@@ -108,7 +108,7 @@ func printJSON(v any) error {
 }
 
 func info() error {
-	g, err := openGPU(device.VectorLoads)
+	g, err := openGPU(device.ScalarLoads)
 	if err != nil {
 		return err
 	}
@@ -272,7 +272,7 @@ func misaligned(i int) bool { return i%3 == 2 }
 
 func files(args []string) error {
 	fs := flag.NewFlagSet("files", flag.ContinueOnError)
-	loadsName := fs.String("loads", "vector", "the kernels' memory access: vector or scalar")
+	loadsName := fs.String("loads", "scalar", "the kernels' memory access: scalar or vector")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -413,7 +413,7 @@ func files(args []string) error {
 // tensors tensors (launches of one batch), and reports bytes moved per second.
 // With -loads both, the vector and the scalar kernels are timed in
 // alternating rounds on the same buffers (medians of the rounds); the top
-// level of the report is the vector kernels'.
+// level of the report is the first build's (vector).
 func bench(args []string) error {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	dtName := fs.String("dtype", "bfloat16", "float32 or bfloat16")

@@ -364,19 +364,55 @@ struct alignas(16) uint4 {
 #define SONAR_UNROLL _Pragma("unroll")
 #endif
 
+// One 16-byte piece of an array as four 32-bit words, loaded or stored with
+// one 128-bit access; its elements are read and written with shifts
+// (SonarLane), little-endian as host and device are: no type punning.
+typedef struct {
+  unsigned int w[4];
+} SonarPiece;
+
+SONAR_HD void sonar_load(SonarPiece& p, const void* a) {
+  const uint4 u = *(const uint4*)a;
+  p.w[0] = u.x;
+  p.w[1] = u.y;
+  p.w[2] = u.z;
+  p.w[3] = u.w;
+}
+
+SONAR_HD void sonar_store(void* a, const SonarPiece& p) {
+  uint4 u;
+  u.x = p.w[0];
+  u.y = p.w[1];
+  u.z = p.w[2];
+  u.w = p.w[3];
+  *(uint4*)a = u;
+}
+
+// Element i of a piece of storage type T.
+template <class T>
+struct SonarLane;
+template <>
+struct SonarLane<float> {
+  static SONAR_HD float get(const SonarPiece& p, int i) { return sonar_u2f(p.w[i]); }
+  static SONAR_HD void set(SonarPiece& p, int i, float x) { p.w[i] = sonar_f2u(x); }
+};
+template <>
+struct SonarLane<unsigned short> {
+  static SONAR_HD unsigned short get(const SonarPiece& p, int i) {
+    return (unsigned short)(p.w[i >> 1] >> ((i & 1) * 16));
+  }
+  static SONAR_HD void set(SonarPiece& p, int i, unsigned short x) {
+    const int s = (i & 1) * 16;
+    p.w[i >> 1] = (p.w[i >> 1] & ~(0xffffu << s)) | ((unsigned int)x << s);
+  }
+};
+
 // Where a thread of a launch is: its block, the grid's blocks, its thread
 // in the block.
 typedef struct {
   unsigned long long block, blocks;
   unsigned int thread;
 } SonarGrid;
-
-// One 16-byte piece of an array, as one access and as its elements.
-template <class T>
-union SonarPiece {
-  uint4 u;
-  T x[SONAR_PIECE / sizeof(T)];
-};
 
 SONAR_HD bool sonar_piece_aligned(unsigned long long p) { return (p & (SONAR_PIECE - 1)) == 0; }
 
@@ -420,26 +456,27 @@ SONAR_HD void sonar_update(const SonarGrid& g, long long lo, long long hi, unsig
   sonar_walk<N>(
       g, lo, hi, pieces,
       [&](long long j) {
-        SonarPiece<T> p, gr, m, v, vm;
-        p.u = *(const uint4*)(P + j);
-        gr.u = *(const uint4*)(G + j);
-        m.u = *(const uint4*)(M + j);
-        v.u = *(const uint4*)(V + j);
-        if (VM) vm.u = *(const uint4*)(VM + j);
+        typedef SonarLane<T> L;
+        SonarPiece p, gr, m, v, vm;
+        sonar_load(p, P + j);
+        sonar_load(gr, G + j);
+        sonar_load(m, M + j);
+        sonar_load(v, V + j);
+        if (VM) sonar_load(vm, VM + j);
         SONAR_UNROLL
         for (int i = 0; i < N; i++) {
-          float pf = S::get(p.x[i]), mf = S::get(m.x[i]), vf = S::get(v.x[i]);
-          float vmf = VM ? S::get(vm.x[i]) : 0.0f;
-          op(pf, S::get(gr.x[i]), mf, vf, vmf);
-          p.x[i] = S::put(pf);
-          m.x[i] = S::put(mf);
-          v.x[i] = S::put(vf);
-          if (VM) vm.x[i] = S::put(vmf);
+          float pf = S::get(L::get(p, i)), mf = S::get(L::get(m, i)), vf = S::get(L::get(v, i));
+          float vmf = VM ? S::get(L::get(vm, i)) : 0.0f;
+          op(pf, S::get(L::get(gr, i)), mf, vf, vmf);
+          L::set(p, i, S::put(pf));
+          L::set(m, i, S::put(mf));
+          L::set(v, i, S::put(vf));
+          if (VM) L::set(vm, i, S::put(vmf));
         }
-        *(uint4*)(P + j) = p.u;
-        *(uint4*)(M + j) = m.u;
-        *(uint4*)(V + j) = v.u;
-        if (VM) *(uint4*)(VM + j) = vm.u;
+        sonar_store(P + j, p);
+        sonar_store(M + j, m);
+        sonar_store(V + j, v);
+        if (VM) sonar_store(VM + j, vm);
       },
       [&](long long j) {
         float p = S::get(P[j]), m = S::get(M[j]), v = S::get(V[j]);
@@ -540,12 +577,13 @@ SONAR_HD void sonar_add_batch(const SonarBatch& b, const SonarGrid& g) {
     sonar_walk<N>(
         g, lo, hi, sonar_piece_aligned(t.param | t.grad),
         [&](long long j) {
-          SonarPiece<T> a, gr;
-          a.u = *(const uint4*)(A + j);
-          gr.u = *(const uint4*)(G + j);
+          typedef SonarLane<T> L;
+          SonarPiece a, gr;
+          sonar_load(a, A + j);
+          sonar_load(gr, G + j);
           SONAR_UNROLL
-          for (int i = 0; i < N; i++) a.x[i] = S::put(sonar_add_element<S>(S::get(a.x[i]), S::get(gr.x[i])));
-          *(uint4*)(A + j) = a.u;
+          for (int i = 0; i < N; i++) L::set(a, i, S::put(sonar_add_element<S>(S::get(L::get(a, i)), S::get(L::get(gr, i)))));
+          sonar_store(A + j, a);
         },
         [&](long long j) { A[j] = S::put(sonar_add_element<S>(S::get(A[j]), S::get(G[j]))); });
   }

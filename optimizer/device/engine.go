@@ -47,7 +47,7 @@ func NewEngineWith(dv *cuda.Device, k *Kernels) (*Engine, error) {
 }
 
 // Describe names the device and the kernels' build, e.g.
-// "NVIDIA H200, cc 9.0, compute_90, vector loads".
+// "NVIDIA H200, cc 9.0, compute_90, scalar loads".
 func (e *Engine) Describe() string {
 	return fmt.Sprintf("%s, cc %d.%d, compute_%d, %s loads", e.Dev.Name, e.Dev.Major, e.Dev.Minor, e.Kernels.Arch, e.Kernels.Loads)
 }

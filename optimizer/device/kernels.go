@@ -77,14 +77,16 @@ const (
 type Loads int
 
 const (
+	// ScalarLoads: one element per thread and access, the kernels as
+	// checked on a GPU (an H200, 2026-12-04). The default until a GPU run
+	// has checked VectorLoads bit for bit.
+	ScalarLoads Loads = iota
 	// VectorLoads: where every array of a tensor starts on a 16-byte
 	// boundary, each thread loads and stores 16 bytes of each array at once
 	// (4 float32 or 8 bfloat16 values), the chunk's tail one element at a
-	// time. The default.
-	VectorLoads Loads = iota
-	// ScalarLoads: one element per thread and access, the kernels as first
-	// checked on a GPU (2026-12-04).
-	ScalarLoads
+	// time. Checked on the host (TestHostLaunches) and compiled by NVRTC;
+	// not yet run on a GPU.
+	VectorLoads
 )
 
 // String is the name ParseLoads reads.
@@ -341,7 +343,7 @@ type Kernels struct {
 	fn    map[string]*cuda.Function
 	Arch  int    // the compute_<Arch> the PTX was built for
 	PTX   []byte // as compiled (NUL-terminated)
-	Loads Loads  // how the kernels access memory (LoadPTX: VectorLoads, the source's default)
+	Loads Loads  // how the kernels access memory (LoadPTX: ScalarLoads, which it cannot tell)
 }
 
 // LoadKernels compiles the kernels with NVRTC for dv's compute capability
