@@ -33,7 +33,7 @@ docs/gpu-results.md and docs/gpu-results.json (and copies both to $OUT when that
    outside torch's allocator, cross-checked by NVML per process where it answers) and median
    step time, against the paper's -19..22% memory and -17..23% step time.
 4. bench: kernel throughput on one OLMoE layer's experts (vector and scalar loads in alternating
-   rounds), against torch's foreach AdamW.
+   rounds), foreach against torch's foreach AdamW and fused against AdamW(fused=True).
 5. cpu-kernels: the CPU update kernels at every vector level the host CPU has (AVX-512 where
    it has it; this repository's own machines lack it), lane for lane against the Go code
    (the optimizer package's tests, built by `scripts/gpu-check prepare`).
@@ -1107,36 +1107,46 @@ def check_bench(ctx: argparse.Namespace) -> None:
     if not (kc and os.access(kc, os.X_OK)):
         record("bench", "ERROR", f"{kc or 'sonar-kernelcheck'} not found")
         return
-    try:
-        out = subprocess.run([kc, "bench", "-dtype", "bfloat16", "-numel", str(layer), "-tensors", "2", "-iters", "20"],
-                             capture_output=True, text=True, timeout=max(10.0, min(90.0, left())))
-        if out.returncode != 0:
-            raise RuntimeError(out.stderr.strip()[-600:])
-        r = json.loads(out.stdout)
-        # torch's foreach AdamW on the same tensors, in this process.
-        per = layer // 2
-        ps = [torch.nn.Parameter(torch.zeros(per, dtype=torch.bfloat16, device="cuda")) for _ in range(2)]
-        for p in ps:
-            p.grad = torch.zeros_like(p)
-        opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01)
+    for impl, flags in (("foreach", []), ("fused", ["-fused"])):
+        name = "bench kernel" if impl == "foreach" else f"bench {impl} kernel"
+        if left() < 20:
+            record(name, "SKIPPED", "out of this check's time")
+            continue
+        try:
+            out = subprocess.run([kc, "bench", "-dtype", "bfloat16", "-numel", str(layer), "-tensors", "2", "-iters",
+                                  "20", *flags], capture_output=True, text=True, timeout=max(10.0, min(90.0, left())))
+            if out.returncode != 0:
+                raise RuntimeError(out.stderr.strip()[-600:])
+            r = json.loads(out.stdout)
+            tms = _torch_adamw_ms(layer, impl)
+            by = r.get("by_loads") or {r.get("loads", "scalar"): r}
+            kern = "; ".join(f"{n} loads {v['ms_per_step']:.2f} ms ({v['gbytes_per_s']:.0f} GB/s)" for n, v in by.items())
+            record(name, "MEASURED",
+                   f"bf16 AdamW ({impl}) over one OLMoE layer's experts ({layer / 1e6:.0f}M values, 2 tensors, 14 bytes "
+                   f"per value, medians of alternating rounds): sonard's kernel, {kern}; torch AdamW({impl}) "
+                   f"{tms:.2f} ms ({layer * 14 / tms / 1e6:.0f} GB/s)", kernel=r, torch_ms=tms, impl=impl)
+        except Exception as e:  # noqa: BLE001
+            record(name, "ERROR", err_text(e))
+
+
+def _torch_adamw_ms(layer: int, impl: str) -> float:
+    """torch's AdamW (foreach, or fused=True) over the bench's tensors, in this process: ms per step."""
+    per = layer // 2
+    ps = [torch.nn.Parameter(torch.zeros(per, dtype=torch.bfloat16, device="cuda")) for _ in range(2)]
+    for p in ps:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, **KERNEL_IMPLS[impl])
+    opt.step()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
         opt.step()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            opt.step()
-        b.record()
-        torch.cuda.synchronize()
-        tms = a.elapsed_time(b) / 10
-        del opt, ps
-        torch.cuda.empty_cache()
-        by = r.get("by_loads") or {r.get("loads", "vector"): r}
-        kern = "; ".join(f"{name} loads {v['ms_per_step']:.2f} ms ({v['gbytes_per_s']:.0f} GB/s)" for name, v in by.items())
-        record("bench kernel", "MEASURED",
-               f"bf16 AdamW over one OLMoE layer's experts ({layer / 1e6:.0f}M values, 2 tensors, 14 bytes per value, "
-               f"medians of alternating rounds): sonard's kernel, {kern}; torch foreach AdamW {tms:.2f} ms "
-               f"({layer * 14 / tms / 1e6:.0f} GB/s)", kernel=r, torch_ms=tms)
-    except Exception as e:  # noqa: BLE001
-        record("bench kernel", "ERROR", err_text(e))
+    b.record()
+    torch.cuda.synchronize()
+    tms = a.elapsed_time(b) / 10
+    del opt, ps
+    torch.cuda.empty_cache()
+    return tms
 
 
 # ------------------------------------------------------------------------------------ report
