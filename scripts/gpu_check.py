@@ -689,6 +689,18 @@ def state_diff(got: dict[str, Any], want: dict[str, Any]) -> tuple[int, str]:
     return bad, first
 
 
+def client_per_step(before: dict[str, Any], after: dict[str, Any], steps: int) -> dict[str, Any]:
+    """What SonarAdamW's client spent per timed step (between two stats(server=False)): handing
+    gradients over in the hooks, waiting for updates, requests; and the latest step requests'
+    median round trip, cut where the hand-overs are (us)."""
+    if not before or steps <= 0:
+        return {}
+    per = {k: (after.get(k, 0) - before.get(k, 0)) / steps for k in ("hand_over_s", "wait_s", "requests")}
+    return {"hand_over_ms_per_step": 1e3 * per["hand_over_s"], "wait_ms_per_step": 1e3 * per["wait_s"],
+            "requests_per_step": per["requests"],
+            "request_us_p50": {k: round(v, 1) for k, v in (after.get("step_us_p50") or {}).items()}}
+
+
 def server_stats(opt: Any) -> dict[str, Any]:
     """sonard's counters through the public stats() (best effort)."""
     try:
@@ -990,6 +1002,10 @@ def check_full(ctx: argparse.Namespace) -> None:
                      f"{r['sonard_device'] / 2**30:.2f}); device memory outside torch's allocator grew by "
                      f"{r['outside_allocator_growth'] / 2**30:.2f} GiB during the run"
                      + (f"; NVML: sonard {r['nvml_sonard'] / 2**30:.2f} GiB" if r.get("nvml_sonard") else "")
+                     + (f"; per step: {r['client']['requests_per_step']:.0f} requests, "
+                        f"{r['client']['hand_over_ms_per_step']:.1f} ms handing gradients over in the hooks, "
+                        f"{r['client']['wait_ms_per_step']:.1f} ms waiting for updates; a request's round trip "
+                        f"(p50 us): {r['client']['request_us_p50']}" if r.get("client") else "")
                      + (f"; {r['note']}" if r.get("note") else ""))
     summary: dict[str, Any] = {}
     if len(rows) == 2 and rows[0]["mode"] == "standard+clip" and rows[0]["peak_total"] > 0:
@@ -1029,6 +1045,7 @@ def _full_mode(model: torch.nn.Module, mode: str, cfg: dict[str, Any], bsz: int,
     warmup, timed = (1, 2) if G.selftest else (ctx.full_warmup, ctx.full_steps)
     times: list[float] = []
     rows_note = ""
+    client0: dict[str, Any] = {}
     try:
         s = 0
         while s < warmup + timed:
@@ -1036,6 +1053,8 @@ def _full_mode(model: torch.nn.Module, mode: str, cfg: dict[str, Any], bsz: int,
                 sync()
                 if G.dev == "cuda":
                     torch.cuda.reset_peak_memory_stats()
+                if mode != "standard+clip":
+                    client0 = opt.stats(server=False)
             est = (times[-1] if times else 5.0) * 1.5 + 5
             if times and left() < est + (15 if len(times) >= 3 else 0):
                 rows_note = f"{len(times)} of {timed} timed steps (out of time)"
@@ -1086,6 +1105,7 @@ def _full_mode(model: torch.nn.Module, mode: str, cfg: dict[str, Any], bsz: int,
             row["sonard_pids"] = pids
             row["nvml_sonard"] = sum(per_proc.get(p, 0) for p in pids) if any(p in per_proc for p in pids) else None
             row["sonard_stats"] = server_stats(opt)
+            row["client"] = client_per_step(client0, opt.stats(server=False), len(times))
             # sonard's device memory (state, kernels, its CUDA context): what the device's used
             # memory grew by outside torch's allocator since just before SonarAdamW was built.
             row["sonard_device"] = max(0, outside)
@@ -1109,7 +1129,7 @@ def check_bench(ctx: argparse.Namespace) -> None:
         return
     for impl, flags in (("foreach", []), ("fused", ["-fused"])):
         name = "bench kernel" if impl == "foreach" else f"bench {impl} kernel"
-        if left() < 20:
+        if left() < 12:
             record(name, "SKIPPED", "out of this check's time")
             continue
         try:
