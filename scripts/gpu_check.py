@@ -21,7 +21,8 @@ docs/gpu-results.md and docs/gpu-results.json (and copies both to $OUT when that
    the one-element path runs on whole tensors too.
 2. sonard: a small OLMoE (transformers, on CUDA) trained by sonar_moe.SonarAdamW with a
    private sonard (started by the client, as a user gets it), float32 and bfloat16, with and
-   without max_grad_norm, and with fused=True (float32, and bfloat16 with clipping), bit for
+   without max_grad_norm, and with fused=True (float32, and bfloat16 with clipping), and two of
+   these again with sonard's vector-load kernels (SONAR_CUDA_LOADS=vector), bit for
    bit against torch.optim.AdamW (with the same flags) over all parameters: (a) a
    shadow AdamW fed the very gradients of the Sonar run, after every step; (b) an independent
    torch run (meaningful when two torch runs agree); (c) state_dict() (sonard's export) vs
@@ -724,12 +725,16 @@ def check_sonard(ctx: argparse.Namespace) -> None:
     except Exception as e:  # noqa: BLE001
         record("sonard", "ERROR", f"sonar_moe cannot be imported ({err_text(e)}): the wheel from scripts/gpu-check prepare")
         return
-    # (dtype, max_grad_norm, fused): torch's CUDA default (foreach) and fused=True.
-    variants = [(torch.float32, None, False), (torch.float32, 0.5, False), (torch.bfloat16, None, False),
-                (torch.bfloat16, 0.5, False), (torch.float32, None, True), (torch.bfloat16, 0.5, True)]
+    # (dtype, max_grad_norm, fused, sonard's kernel loads): torch's CUDA default (foreach) and
+    # fused=True; two of them again with the kernels' vector loads (opt-in until checked here).
+    variants = [(torch.float32, None, False, "scalar"), (torch.float32, 0.5, False, "scalar"),
+                (torch.bfloat16, None, False, "scalar"), (torch.bfloat16, 0.5, False, "scalar"),
+                (torch.float32, None, True, "scalar"), (torch.bfloat16, 0.5, True, "scalar"),
+                (torch.bfloat16, 0.5, False, "vector"), (torch.float32, None, True, "vector")]
 
-    def vname(dtype: torch.dtype, clip: float | None, fused: bool) -> str:
-        return f"sonard {dtname(dtype)} {'clip' if clip else 'no clip'}{' fused' if fused else ''}"
+    def vname(dtype: torch.dtype, clip: float | None, fused: bool, loads: str) -> str:
+        return (f"sonard {dtname(dtype)} {'clip' if clip else 'no clip'}{' fused' if fused else ''}"
+                + (" vector loads" if loads == "vector" else ""))
 
     if G.ipc.get("usable") is False:
         for v in variants:
@@ -754,15 +759,22 @@ def check_sonard(ctx: argparse.Namespace) -> None:
         return
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        for dtype, clip, fused in variants:
-            name = vname(dtype, clip, fused)
+        saved = os.environ.get("SONAR_CUDA_LOADS")
+        for dtype, clip, fused, loads in variants:
+            name = vname(dtype, clip, fused, loads)
             if left() < 10:
                 record(name, "SKIPPED", "out of this check's time")
                 continue
+            os.environ["SONAR_CUDA_LOADS"] = loads  # read by the private sonards SonarAdamW starts
             try:
                 _sonard_variant(sonar_moe, dtype, clip, ctx.sonard_steps, name, fused)
             except Exception as e:  # noqa: BLE001
                 record(name, "ERROR", err_where(e))
+            finally:
+                if saved is None:
+                    os.environ.pop("SONAR_CUDA_LOADS", None)
+                else:
+                    os.environ["SONAR_CUDA_LOADS"] = saved
             gc.collect()
     finally:
         torch.use_deterministic_algorithms(False)
