@@ -66,6 +66,7 @@ for _var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
 
 import argparse  # noqa: E402
 import base64  # noqa: E402
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
@@ -83,6 +84,7 @@ import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -719,6 +721,22 @@ def server_stats(opt: Any) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def cuda_loads(loads: str) -> Iterator[None]:
+    """SONAR_CUDA_LOADS for the duration (read as --cuda-loads by each private sonard SonarAdamW
+    starts meanwhile), restored after; bench/common.py's environ() is the same for the benchmarks,
+    which this script, run alone on the GPU machine, does not import."""
+    saved = os.environ.get("SONAR_CUDA_LOADS")
+    os.environ["SONAR_CUDA_LOADS"] = loads
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("SONAR_CUDA_LOADS", None)
+        else:
+            os.environ["SONAR_CUDA_LOADS"] = saved
+
+
 def check_sonard(ctx: argparse.Namespace) -> None:
     try:
         import sonar_moe
@@ -759,22 +777,16 @@ def check_sonard(ctx: argparse.Namespace) -> None:
         return
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        saved = os.environ.get("SONAR_CUDA_LOADS")
         for dtype, clip, fused, loads in variants:
             name = vname(dtype, clip, fused, loads)
             if left() < 10:
                 record(name, "SKIPPED", "out of this check's time")
                 continue
-            os.environ["SONAR_CUDA_LOADS"] = loads  # read by the private sonards SonarAdamW starts
             try:
-                _sonard_variant(sonar_moe, dtype, clip, ctx.sonard_steps, name, fused)
+                with cuda_loads(loads):
+                    _sonard_variant(sonar_moe, dtype, clip, ctx.sonard_steps, name, fused)
             except Exception as e:  # noqa: BLE001
                 record(name, "ERROR", err_where(e))
-            finally:
-                if saved is None:
-                    os.environ.pop("SONAR_CUDA_LOADS", None)
-                else:
-                    os.environ["SONAR_CUDA_LOADS"] = saved
             gc.collect()
     finally:
         torch.use_deterministic_algorithms(False)
@@ -1062,17 +1074,8 @@ def _full_mode(model: torch.nn.Module, mode: str, cfg: dict[str, Any], bsz: int,
     if mode == "standard+clip":
         opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
     else:
-        # The private sonard SonarAdamW starts reads --cuda-loads from its environment.
-        loads = "vector" if mode.endswith("vector loads") else "scalar"
-        saved = os.environ.get("SONAR_CUDA_LOADS")
-        os.environ["SONAR_CUDA_LOADS"] = loads
-        try:
+        with cuda_loads("vector" if mode.endswith("vector loads") else "scalar"):
             opt = sonar_moe.SonarAdamW(model, lr=1e-5, weight_decay=0.01, max_grad_norm=1.0)
-        finally:
-            if saved is None:
-                os.environ.pop("SONAR_CUDA_LOADS", None)
-            else:
-                os.environ["SONAR_CUDA_LOADS"] = saved
     setup_s = time.monotonic() - t_setup
     warmup, timed = (1, 2) if G.selftest else (ctx.full_warmup, ctx.full_steps)
     times: list[float] = []

@@ -41,12 +41,16 @@ template <class S, class D, class Op> static void plain(const D& t, const Op& op
     if (VM) VM[j] = S::put(vm);
   }
 }
+// launch runs kernel(g) as every thread g of every block of a launch, one after another.
+template <class K> static void launch(unsigned long long blocks, const K& kernel) {
+  for (unsigned long long k = 0; k < blocks; k++)
+    for (unsigned int th = 0; th < SONAR_THREADS; th++) { SonarGrid g = {k, blocks, th}; kernel(g); }
+}
 template <class S> static void run(int kind, void* batch, unsigned long long blocks, bool reference) {
   if (kind == 1) {
     SonarFusedBatch* b = (SonarFusedBatch*)batch;
     if (!reference) {
-      for (unsigned long long k = 0; k < blocks; k++)
-        for (unsigned int th = 0; th < SONAR_THREADS; th++) { SonarGrid g = {k, blocks, th}; sonar_fused_batch<S>(*b, g); }
+      launch(blocks, [&](const SonarGrid& g) { sonar_fused_batch<S>(*b, g); });
       return;
     }
     for (unsigned int i = 0; i < b->n; i++) {
@@ -57,8 +61,7 @@ template <class S> static void run(int kind, void* batch, unsigned long long blo
   } else if (kind == 2) {
     SonarFused64Batch* b = (SonarFused64Batch*)batch;
     if (!reference) {
-      for (unsigned long long k = 0; k < blocks; k++)
-        for (unsigned int th = 0; th < SONAR_THREADS; th++) { SonarGrid g = {k, blocks, th}; sonar_fused64_batch<S>(*b, g); }
+      launch(blocks, [&](const SonarGrid& g) { sonar_fused64_batch<S>(*b, g); });
       return;
     }
     for (unsigned int i = 0; i < b->n; i++) {
@@ -70,11 +73,7 @@ template <class S> static void run(int kind, void* batch, unsigned long long blo
   } else {
     SonarBatch* b = (SonarBatch*)batch;
     if (!reference) {
-      for (unsigned long long k = 0; k < blocks; k++)
-        for (unsigned int th = 0; th < SONAR_THREADS; th++) {
-          SonarGrid g = {k, blocks, th};
-          if (kind == 0) sonar_adamw_batch<S>(*b, g); else sonar_add_batch<S>(*b, g);
-        }
+      launch(blocks, [&](const SonarGrid& g) { if (kind == 0) sonar_adamw_batch<S>(*b, g); else sonar_add_batch<S>(*b, g); });
       return;
     }
     for (unsigned int i = 0; i < b->n; i++) {
@@ -186,7 +185,7 @@ func TestHostLaunches(t *testing.T) {
 					for i, n := range sizes {
 						ts[i] = launchTensor{numel: n, sc: k.sc(k.kind != 3 && i%2 == 1)}
 					}
-					arena, ts := fillArena(r, dt, ts, layout)
+					arena := fillArena(r, dt, ts, layout)
 					for build, bin := range builds {
 						runHostLaunch(t, name+"/"+build, bin, k.kind, dt, sms, arena, ts)
 					}
@@ -201,8 +200,9 @@ const guardByte = 0xA5
 
 // fillArena places each tensor's arrays in a new arena (64 guard bytes
 // around each, on 16-byte boundaries or one element past one as layout
-// says) and fills them with random values of the dtype.
-func fillArena(r *rand.Rand, dt optimizer.DType, ts []launchTensor, layout int) ([]byte, []launchTensor) {
+// says), sets their offsets in ts and fills them with random values of the
+// dtype.
+func fillArena(r *rand.Rand, dt optimizer.DType, ts []launchTensor, layout int) []byte {
 	sz := int64(dt.Size())
 	var off int64 = 256 // offset 0 means "none"
 	for i := range ts {
@@ -245,7 +245,7 @@ func fillArena(r *rand.Rand, dt optimizer.DType, ts []launchTensor, layout int) 
 			}
 		}
 	}
-	return arena, ts
+	return arena
 }
 
 // runHostLaunch packs ts as the kernels' batch, runs the host launch and
