@@ -313,6 +313,9 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
              "without clipping; (c) optimizer-in-backward over all parameters (one `torch.optim.AdamW` per "
              "parameter stepped in `register_post_accumulate_grad_hook`, the PyTorch tutorial's method, no "
              "clipping possible); (d) `SonarAdamW(max_grad_norm=1.0)` (batched expert tensors, a layer's in one request, dense clipping); "
+             "(q) `SonarAdamW` without clipping: torch's AdamW updates, so its model, and the work of its forward "
+             "and backward, follow (b)'s, where (d)'s clipping makes a different model whose routing, and with it "
+             "the cost of the expert layers, drifts from (b)'s; "
              "(e) `SonarAdamW(max_grad_norm=1.0, split_experts=True)` (one request per expert slice); "
              "(f) (d) with `zero_copy=False` (each gradient copied through the shared-memory ring, Sonar before "
              "zero copy); (g) (d) with a one-worker sonard instead of one worker per core; (s), (o) and (h): (d) "
@@ -342,7 +345,7 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
                  "ring + server state) | median step ms | vs (a) | step ms min-max | CPU ms / step (trainer + sonard) | "
                  "CPU vs (a) | held-out loss | train loss (last) |")
         L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for k in "abcdefgsohun":
+        for k in "abcdqefgsohun":
             m = ms.get(k)
             if m is None:
                 continue
@@ -392,6 +395,11 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
                 cb = d["cpu_s_per_step"] / b["cpu_s_per_step"]
                 targets.append({"target": "Sonar (d) CPU time per step (trainer + sonard) <= (b)", "case": tag,
                                 "measured": f"{cb:.3f}x (b)", "met": cb <= 1.0, "by": signed_pct(1 - cb)})
+        q = ms.get("q")
+        if b and q:
+            tq = q["median_step_s"] / b["median_step_s"]
+            targets.append({"target": "Sonar step time <= (b), on (b)'s own model: (q), no clipping", "case": tag,
+                            "measured": f"{tq:.3f}x (b)", "met": tq <= 1.0, "by": signed_pct(1 - tq)})
         if d and e:
             targets.append({"target": "(e) shows the per-expert slowdown", "case": tag,
                             "measured": f"(e) {e['median_step_s'] / d['median_step_s']:.2f}x (d); "
@@ -481,6 +489,87 @@ def spin_section(res: dict) -> list[str]:
         L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {t('b')} | {t('c')} | {t('d')} | {t('o')} | "
                  f"{ratio(ms, 'd', 'b')} | {ratio(ms, 'd', 'c')} | {ratio(df, 'd', 'b')} / {ratio(df, 'd', 'c')} | "
                  f"{cpu} | {dcpu} |")
+    return L + park_section(res)
+
+
+def granite_step(res: dict) -> str:
+    """sonard's step of a GraniteMoe layer in training ((d), p50 of its requests' server time)."""
+    for r in res["train"]:
+        t = r["methods"].get("d", {}).get("step_trace_p50_us") or {}
+        if r["model"] == "granite" and "server_step" in t:
+            return f" In training, sonard's step of a GraniteMoe layer took {t['server_step']:.0f} us (p50)."
+    return ""
+
+
+def q_sentence(res: dict) -> str:
+    """(q) against (b): the same updates, so the same model and forward/backward work."""
+    parts = []
+    for r in res["train"]:
+        ms = r["methods"]
+        if "q" in ms and "b" in ms:
+            drift = "; ".join(f"({k}) {ms[k]['loss_drift_vs_b']:.0e}" for k in "qdc"
+                              if "loss_drift_vs_b" in ms.get(k, {}))
+            dq = f", (d) {ms['d']['median_step_s'] / ms['b']['median_step_s']:.2f}x" if "d" in ms else ""
+            parts.append(f"{MODEL_NAME[r['model']]} {r['impl']} "
+                         f"(q) {ms['q']['median_step_s'] / ms['b']['median_step_s']:.2f}x{dq}"
+                         + (f" (losses' largest relative difference from (b)'s: {drift})" if drift else ""))
+    if not parts:
+        return ""
+    return ("So did Sonar on (b)'s own model: (q), `SonarAdamW` without clipping, makes torch's AdamW updates, "
+            "so its model follows (b)'s as closely as (c)'s does (torch's own forward and backward are not bitwise "
+            "repeatable from one model to its copy with the grouped_mm experts, which is all that separates (c) "
+            "from (b)), while (d)'s clipping makes a model of its own. Step time against (b): " + "; ".join(parts) +
+            ". ")
+
+
+def park_section(res: dict) -> list[str]:
+    """What ending a park costs: bench/park.py's release times after a busy and an idle team,
+    and the tail of the same in training ((d)'s requests: from the reply's bytes to the wait's end)."""
+    park = res.get("park")
+    if not park or "skipped" in park.get("as_scheduled", {"skipped": ""}):
+        return []
+    sched, pinned = park["as_scheduled"], park.get("pinned", {})
+    gaps = list(sched["gaps"])
+    rounds = len(sched["gaps"][gaps[0]]["release_s"])
+
+    def cell(v: dict, g: str) -> str:
+        x = v.get("gaps", {}).get(g)
+        return f"{1e6 * x['p50_s']:.0f} ({x['over_1ms']})" if x else "-"
+    L = ["\n#### Ending a park: when the woken thread lands on the waiting thread's CPU\n",
+         "Closing the park costs a wake-up per parked thread and the region's barrier: tens of microseconds, but "
+         f"sometimes milliseconds. `bench/park.py` runs a torch op on the team ({sched['threads']} threads), lets it "
+         f"sit idle for a gap, parks it around a 1 ms job and times the release after the job, {rounds} rounds a gap, "
+         "once as scheduled and once with torch's other threads kept off the main thread's CPU (`sched_setaffinity`); "
+         "p50 us (rounds over 1 ms):\n",
+         "| torch's other threads | " + " | ".join(f"idle {1e3 * float(g):.0f} ms before" for g in gaps) + " |",
+         "|---|" + "---|" * len(gaps),
+         "| as scheduled | " + " | ".join(cell(sched, g) for g in gaps) + " |",
+         "| off the main thread's CPU | " + " | ".join(cell(pinned, g) for g in gaps) + " |",
+         "",
+         "After an idle gap of tens of milliseconds the other CPU has halted, and the guest's scheduler then treats "
+         "it as unavailable (a halted virtual CPU reads as preempted by the host), so the thread woken by the "
+         "post is queued on the main thread's own CPU and preempts it before it has closed the region. The woken "
+         "thread reaches libgomp's end-of-region barrier first and spins there, waiting for the main thread it "
+         "displaced, until its spin count runs out (`GOMP_SPINCOUNT`, milliseconds at the default); kept off that "
+         "CPU, the same release takes tens of microseconds. In training the team has just run backward's ops, "
+         "so this is the exception, not the rule; (d)'s step requests in the main runs, from the reply's bytes to "
+         "the end of the trainer's wait:\n",
+         "| model | requests | p50 us | p90 us | p99 us | max ms | over 1 ms | ms a step in those |",
+         "|---|---|---|---|---|---|---|---|"]
+    for r in res["train"]:
+        w = r["methods"].get("d", {}).get("wake_us")
+        if not w:
+            continue
+        n = len(w)
+        slow = [x for x in w if x > 1000]
+        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {n} | {w[n // 2]:.0f} | {w[n * 9 // 10]:.0f} | "
+                 f"{w[min(n - 1, n * 99 // 100)]:.0f} | {w[-1] / 1e3:.1f} | {len(slow)} | "
+                 f"{sum(slow) / 1e3 / max(r['steps'], 1):.2f} |")
+    L.append("\nNot mended: the remedies within reach each cost more than this tail. Pinning torch's threads "
+             "overrides the scheduler (and the user's affinity) for every op, not only the waits; a park that ends "
+             "by itself (its threads sleeping on a timer instead of a semaphore) adds the timer's delay and slack to "
+             "every wait; not parking lets the threads spin on the cores sonard's update needs, which costs more "
+             "((u) above). With `GOMP_SPINCOUNT` set low, nothing is parked and the tail is gone.\n")
     return L
 
 
@@ -1355,13 +1444,19 @@ def analysis(res: dict) -> list[str]:
                  "costs torch itself: its own optimizer-in-backward (c) took " + ", ".join(cb) + " (b)'s step time "
                  "in this run, with no process, request or copy in between (likely, not measured: each update's data "
                  "passes through the caches backward is using, and the hooks run one after another in backward's "
-                 "thread). The "
+                 "thread). " + q_sentence(res) + "The "
                  "table of request segments in section 4 shows what Sonar adds: "
                  "of each layer's round trip, only sonard's step (validation, page check, read, update) is the "
                  "update; the rest (the client's send, ZeroMQ both ways, decoding, waking the trainer, handling the "
                  "reply) is several hundred microseconds a request, 8 requests a step. The update itself is memory-bound: the same 614K-element request on an idle machine takes "
                  "sonard 449-453 us with its data in cache and 783-884 us after 256 MiB were written between "
-                 "steps, as training does (2026-12-02, a one-tensor `SonarAdamW` loop). torch's single-tensor "
+                 "steps, as training does (2026-12-02, a one-tensor `SonarAdamW` loop), and the machine's idle "
+                 "time between requests costs as much again: the engine's step of the same tensor, data in cache, took "
+                 "377-400 us on one worker back to back, 430-443 after 5 ms asleep and 618-637 after 40 ms; on two "
+                 "workers 306-422, 579-883 and 754-901 (three runs of `go test ./optimizer -bench ApplyAfterIdle "
+                 "-benchtime 40x -count 3`, 2026-12-04): while this process sleeps the host runs other work on the "
+                 "cores, and a woken worker may stall mid-chunk, holding the step up." + granite_step(res) +
+                 " torch's single-tensor "
                  "AdamW (b) does more passes but no exchange. Two changes aimed at the exchange were measured and "
                  "not kept (2026-12-02): (1) sonard waiting in Go's poller (libzmq's ZMQ_FD in an epoll set) "
                  "instead of in `zmq_poll`, a cgo call during which the Go runtime's monitor thread wakes every "

@@ -33,7 +33,7 @@ PY = sys.executable
 
 # Training methods of the main configs (bench/train.py's letters), and of the spare-core runs:
 # torch limited to fewer threads than cores, so sonard has a core of its own.
-METHODS, SPARE_METHODS = "abcdefgsohunxyw", "nbcdgso"
+METHODS, SPARE_METHODS = "abcdqefgsohunxyw", "nbcdgso"
 # The same configs with libgomp's spin-wait shortened (GOMP_SPINCOUNT, read when torch loads
 # libgomp): torch's idle OpenMP threads then sleep instead of spinning while a hook waits for sonard.
 SPIN_METHODS, SPIN_COUNT = "bcdo", "10000"
@@ -41,12 +41,12 @@ FULL = dict(sizes="1M,16M,64M", contended="16M", reps=9, pings=2000, layers=8, h
             models=[("olmoe", "eager"), ("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
             spare=[("olmoe", "grouped_mm", 1), ("granite", "grouped_mm", 1)],
             spin=[("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
-            depth=[("olmoe", "grouped_mm", 16), ("granite", "grouped_mm", 32)])
+            depth=[("olmoe", "grouped_mm", 16), ("granite", "grouped_mm", 32)], park_rounds=40)
 QUICK = dict(sizes="1M,16M", contended="1M", reps=3, pings=500, layers=4, hidden=128, batch=4, seq=64, warmup=1, steps=5,
              models=[("olmoe", "eager"), ("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
              spare=[("olmoe", "grouped_mm", 1)],
              spin=[("granite", "grouped_mm")],
-             depth=[("olmoe", "grouped_mm", 8)])
+             depth=[("olmoe", "grouped_mm", 8)], park_rounds=10)
 
 
 BUILD = ["scripts/build-go", "sonard", "sonar-bench"]  # the one build entry point, into bin/
@@ -144,6 +144,10 @@ def run_all(cfg: dict, quick: bool, env: dict[str, str], before: str | None = No
                   prefix=(f"GOMP_SPINCOUNT={SPIN_COUNT}",))
         r["gomp_spincount"] = int(SPIN_COUNT)
         res["spin"].append(r)
+    print("ending a park of torch's OpenMP threads (bench/park.py)", file=sys.stderr, flush=True)
+    park_cmd = [PY, "bench/park.py", "--rounds", str(cfg["park_rounds"])]
+    res["park"] = common.run_json(park_cmd, env)
+    cmds.append(park_cmd)
     res["depth"] = []
     for model, impl, layers in cfg["depth"]:
         print(f"memory at depth {layers}: {model} / {impl}", file=sys.stderr, flush=True)

@@ -8,6 +8,9 @@ Methods:
   c  optimizer-in-backward over all params: one torch AdamW per parameter, stepped in a
      post-accumulate-grad hook (the PyTorch tutorial's method; no global clipping possible)
   d  SonarAdamW(max_grad_norm=1.0): batched expert tensors updated by sonard during backward
+  q  SonarAdamW without clipping: torch AdamW's updates, as (b) makes them, so its model and the
+     work of its forward and backward follow (b)'s (as (c)'s do), where (d)'s clipping trains
+     a model of its own
   e  SonarAdamW(max_grad_norm=1.0, split_experts=True): one request per expert slice
   f  SonarAdamW(max_grad_norm=1.0, zero_copy=False): (d) with each gradient copied through the
      shared-memory ring, as before zero copy (d reads gradients in place where the server can)
@@ -65,6 +68,7 @@ METHODS = {
     "b": "torch AdamW, no clip",
     "c": "optimizer-in-backward (all params)",
     "d": "SonarAdamW batched",
+    "q": "SonarAdamW batched, no clip",
     "e": "SonarAdamW split_experts",
     "f": "SonarAdamW batched, ring (zero_copy=False)",
     "g": "SonarAdamW batched, 1-worker sonard",
@@ -123,7 +127,7 @@ class Method:
                    "y": {"SONAR_TRANSPORT": "unix"}, "z": {"SONAR_TRANSPORT": "zmq"},
                    "w": {"SONAR_SPIN": "0"}}.get(key, {})
             with common.environ(env):
-                self.sonar = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
+                self.sonar = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD, max_grad_norm=None if key == "q" else CLIP,
                                                   split_experts=key in "ey", zero_copy=False if key == "f" else None,
                                                   ring_layers={"s": 0, "o": 1, "h": 2}.get(key))
             self.opt = self.sonar
@@ -363,6 +367,9 @@ def main() -> None:
             # Where a step request's round trip went (client and server readings of one clock), p50 us.
             traces = [t for t in m.sonar.request_traces[getattr(m, "trace0", 0):] if t.op == "step"]
             if traces:
+                # The end of the client's wait (from the reply's bytes to the wait's return: torch's
+                # parked threads woken and the parallel region closed), every request: its tail.
+                r["wake_us"] = sorted((t.woke - t.got) / 1e3 for t in traces)
                 r["step_trace_p50_us"] = sonar_moe.RequestTrace.median_segments(traces)
                 r["step_trace_p50_us"]["server_step"] = common.median([float(t.server_us) for t in traces])
                 r["step_trace_count"] = len(traces)
@@ -376,6 +383,10 @@ def main() -> None:
                 r["server_proc"] = common.proc_status(pid)
         r["heldout_loss"] = heldout_loss(m.model, held)
         res_methods[m.key] = r
+    if "b" in res_methods:  # how far each method's training losses drift from (b)'s (relative, worst step)
+        ref = res_methods["b"]["losses"]
+        for r in res_methods.values():
+            r["loss_drift_vs_b"] = max((abs(x - y) / abs(y) for x, y in zip(r["losses"], ref)), default=0.0)
     # Memory: one profiled step per method (after the timed ones; its timing is not used).
     for m in methods:
         mem = m.profiled_step(train[a.warmup + a.steps])

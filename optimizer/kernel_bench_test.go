@@ -5,6 +5,7 @@ import (
 	"math/rand/v2"
 	"runtime"
 	"testing"
+	"time"
 	"unsafe"
 )
 
@@ -90,6 +91,47 @@ func BenchmarkParallelCaller(b *testing.B) {
 				b.SetBytes(28 * int64(n))
 				b.ResetTimer()
 				for i := 0; i < b.N; i++ {
+					if err := e.Apply(t, grad, ScalarsFor(t.Hyper, int64(i+1))); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
+}
+
+// BenchmarkApplyAfterIdle times the float32 step of one GraniteMoe layer's
+// experts (614,400 elements) after the process has slept for a gap, as
+// sonard's are between a trainer's requests: its data was in cache when it
+// went to sleep and nothing of this process ran since. On a virtual machine
+// whose idle CPUs halt, other guests run on the cores meanwhile, and the
+// step after a gap of milliseconds is far slower than back to back. Compare
+// the gaps within one run: go test -bench ApplyAfterIdle ./optimizer
+func BenchmarkApplyAfterIdle(b *testing.B) {
+	const n = 614400
+	p, g, _, _ := benchBufs(n)
+	param := unsafe.Slice((*byte)(unsafe.Pointer(&p[0])), 4*n)
+	grad := unsafe.Slice((*byte)(unsafe.Pointer(&g[0])), 4*n)
+	for _, workers := range []int{1, 2} {
+		for _, gap := range []time.Duration{0, 5 * time.Millisecond, 40 * time.Millisecond} {
+			b.Run(fmt.Sprintf("workers=%d/gap=%v", workers, gap), func(b *testing.B) {
+				runtime.LockOSThread()
+				defer runtime.UnlockOSThread()
+				e := NewEngine()
+				e.Workers = workers
+				t, err := NewTensor("w", Float32, n, Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}, param)
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer t.Free()
+				b.SetBytes(28 * n)
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					if gap > 0 {
+						b.StopTimer()
+						time.Sleep(gap)
+						b.StartTimer()
+					}
 					if err := e.Apply(t, grad, ScalarsFor(t.Hyper, int64(i+1))); err != nil {
 						b.Fatal(err)
 					}

@@ -1,0 +1,95 @@
+"""What ending a park of torch's OpenMP threads costs, after the team was busy and after it sat
+idle (sonar_moe/_openmp.py's OpenMPPark: while the trainer's main thread waits for a reply,
+torch's other OpenMP threads block in sem_wait inside a parallel region, and once the reply is in
+the main thread posts the semaphore and closes the region). Prints one JSON document.
+
+Each round runs a torch op on the team, then waits `gap` seconds, then parks the team around a
+1 ms job (a stand-in for the wait for sonard's reply) and times, from the job's end, how long
+releasing the team takes (the posts and the close of the region). With --pinned, torch's other
+threads are kept off the main thread's CPU (sched_setaffinity), which shows whether the cost is
+the woken thread landing on the main thread's CPU: there it preempts the main thread and spins
+in libgomp's barrier, waiting for the very thread it preempted, until its spin runs out.
+
+    .venv/bin/python bench/park.py --rounds 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import common
+import torch
+
+
+def pin_apart() -> None:
+    """This thread on the first CPU it may use, every other thread of the process on the rest."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pinned needs two CPUs")
+    main = threading.get_native_id()
+    os.sched_setaffinity(0, {cpus[0]})
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != main:
+            os.sched_setaffinity(int(tid), set(cpus[1:]))
+
+
+def measure(gaps: list[float], rounds: int, pinned: bool) -> dict:
+    from sonar_moe._openmp import OpenMPPark
+
+    park = OpenMPPark.find()
+    threads = torch.get_num_threads()
+    if park is None or threads < 2:
+        return {"skipped": "no libgomp team to park (one thread, another runtime, or GOMP_SPINCOUNT set)"}
+    a = torch.randn(256, 256)
+    a = torch.tanh(a @ a)  # the team exists before it is pinned
+    if pinned:
+        pin_apart()
+    out: dict = {"threads": threads, "pinned": pinned, "gaps": {}}
+    for gap in gaps:
+        release: list[float] = []
+        for _ in range(rounds):
+            a = torch.tanh(a @ a) / 16  # the team ran an op, as backward's do
+            if gap:
+                time.sleep(gap)
+            end = [0.0]
+
+            def job() -> None:
+                time.sleep(0.001)
+                end[0] = time.perf_counter()
+
+            park.park(job, threads)
+            release.append(time.perf_counter() - end[0])
+        out["gaps"][str(gap)] = {"release_s": release, "p50_s": common.median(release),
+                                 "over_1ms": sum(x > 1e-3 for x in release)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gaps", default="0,0.005,0.04", help="idle seconds before each park, comma-separated")
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--pinned", action="store_true", help="(one variant) torch's other threads off this CPU")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a single variant, in this process
+    a = ap.parse_args()
+    gaps = [float(x) for x in a.gaps.split(",")]
+    if a.one:
+        print(json.dumps(measure(gaps, a.rounds, a.pinned)))
+        return
+    # Each variant in a fresh process: pinning cannot be undone for threads libgomp keeps.
+    res = {}
+    for pinned in (False, True):
+        cmd = [sys.executable, __file__, "--one", "--gaps", a.gaps, "--rounds", str(a.rounds)]
+        cmd += ["--pinned"] if pinned else []
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        res["pinned" if pinned else "as_scheduled"] = json.loads(done.stdout)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
