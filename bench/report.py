@@ -507,7 +507,8 @@ def q_sentence(res: dict) -> str:
     for r in res["train"]:
         ms = r["methods"]
         if "q" in ms and "b" in ms:
-            drift = "; ".join(f"({k}) {ms[k]['loss_drift_vs_b']:.0e}" for k in "qdc"
+            drift = "; ".join(f"({k}) {ms[k]['loss_drift_vs_b']:.0e}" if ms[k]["loss_drift_vs_b"] else f"({k}) 0"
+                              for k in "qdc"
                               if "loss_drift_vs_b" in ms.get(k, {}))
             dq = f", (d) {ms['d']['median_step_s'] / ms['b']['median_step_s']:.2f}x" if "d" in ms else ""
             parts.append(f"{MODEL_NAME[r['model']]} {r['impl']} "
