@@ -5,10 +5,12 @@ the main thread posts the semaphore and closes the region). Prints one JSON docu
 
 Each round runs a torch op on the team, then waits `gap` seconds, then parks the team around a
 1 ms job (a stand-in for the wait for sonard's reply) and times, from the job's end, how long
-releasing the team takes (the posts and the close of the region). With --pinned, torch's other
-threads are kept off the main thread's CPU (sched_setaffinity), which shows whether the cost is
-the woken thread landing on the main thread's CPU: there it preempts the main thread and spins
-in libgomp's barrier, waiting for the very thread it preempted, until its spin runs out.
+releasing the team takes (the posts and the close of the region). Three variants, each in a
+fresh process: the park as Sonar runs it (its threads kept off the main thread's CPU while the
+posts wake them), the same with SONAR_OPENMP_STEER=0 (left where Linux wakes them: on a halted
+virtual machine, the main thread's own CPU, where the woken thread preempts it and spins in
+libgomp's barrier for the very thread it preempted), and torch's other threads pinned off the
+main thread's CPU for the whole run (sched_setaffinity).
 
     .venv/bin/python bench/park.py --rounds 40
 """
@@ -42,7 +44,7 @@ def pin_apart() -> None:
 def measure(gaps: list[float], rounds: int, pinned: bool) -> dict:
     from sonar_moe._openmp import OpenMPPark
 
-    park = OpenMPPark.find()
+    park = OpenMPPark.find()  # SONAR_OPENMP_STEER from the environment
     threads = torch.get_num_threads()
     if park is None or threads < 2:
         return {"skipped": "no libgomp team to park (one thread, another runtime, or GOMP_SPINCOUNT set)"}
@@ -50,7 +52,7 @@ def measure(gaps: list[float], rounds: int, pinned: bool) -> dict:
     a = torch.tanh(a @ a)  # the team exists before it is pinned
     if pinned:
         pin_apart()
-    out: dict = {"threads": threads, "pinned": pinned, "gaps": {}}
+    out: dict = {"threads": threads, "pinned": pinned, "steered": park.steering.enabled, "gaps": {}}
     for gap in gaps:
         release: list[float] = []
         for _ in range(rounds):
@@ -83,11 +85,12 @@ def main() -> None:
         return
     # Each variant in a fresh process: pinning cannot be undone for threads libgomp keeps.
     res = {}
-    for pinned in (False, True):
+    for name, steer, pinned in (("steered", "1", False), ("unsteered", "0", False), ("pinned", "0", True)):
         cmd = [sys.executable, __file__, "--one", "--gaps", a.gaps, "--rounds", str(a.rounds)]
         cmd += ["--pinned"] if pinned else []
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-        res["pinned" if pinned else "as_scheduled"] = json.loads(done.stdout)
+        env = {**os.environ, "SONAR_OPENMP_STEER": steer}
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+        res[name] = json.loads(done.stdout)
     print(json.dumps(res))
 
 

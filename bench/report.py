@@ -524,12 +524,14 @@ def q_sentence(res: dict) -> str:
 
 
 def park_section(res: dict) -> list[str]:
-    """What ending a park costs: bench/park.py's release times after a busy and an idle team,
-    and the tail of the same in training ((d)'s requests: from the reply's bytes to the wait's end)."""
+    """What ending a park costs: bench/park.py's release times after a busy and an idle team, and
+    in training (d) (parked threads steered off the waiting thread's CPU) against (k) (not)."""
     park = res.get("park")
-    if not park or "skipped" in park.get("as_scheduled", {"skipped": ""}):
+    if park and "as_scheduled" in park:  # before 2026-12-04's steering: the park as it was, unsteered
+        park = {"unsteered": park["as_scheduled"], "pinned": park.get("pinned", {})}
+    if not park or "skipped" in park.get("unsteered", {"skipped": ""}):
         return []
-    sched, pinned = park["as_scheduled"], park.get("pinned", {})
+    sched = park["unsteered"]
     gaps = list(sched["gaps"])
     rounds = len(sched["gaps"][gaps[0]]["release_s"])
 
@@ -537,40 +539,46 @@ def park_section(res: dict) -> list[str]:
         x = v.get("gaps", {}).get(g)
         return f"{1e6 * x['p50_s']:.0f} ({x['over_1ms']})" if x else "-"
     L = ["\n#### Ending a park: when the woken thread lands on the waiting thread's CPU\n",
-         "Closing the park costs a wake-up per parked thread and the region's barrier: tens of microseconds, but "
-         f"sometimes milliseconds. `bench/park.py` runs a torch op on the team ({sched['threads']} threads), lets it "
-         f"sit idle for a gap, parks it around a 1 ms job and times the release after the job, {rounds} rounds a gap, "
-         "once as scheduled and once with torch's other threads kept off the main thread's CPU (`sched_setaffinity`); "
-         "p50 us (rounds over 1 ms):\n",
+         "Closing a park costs a wake-up per parked thread and the region's barrier: tens of microseconds, but "
+         "it took milliseconds after the team had sat idle. On a virtual machine whose idle CPUs halt, a halted "
+         "CPU reads as preempted by the host and Linux passes it over, so the thread a post woke was queued on "
+         "the posting thread's own CPU and preempted it before it had closed the region; it reached libgomp's "
+         "end-of-region barrier first and spun there, waiting for the very thread it had displaced, until its "
+         "spin count ran out (`GOMP_SPINCOUNT`, milliseconds at the default). Since 2026-12-04 the park keeps "
+         "its threads off the posting thread's CPU while the posts wake them (their CPU masks leave that CPU out "
+         "for the moment and are put back once the region is closed; `SONAR_OPENMP_STEER=0` turns it off). "
+         f"`bench/park.py` runs a torch op on the team ({sched['threads']} threads), lets it sit idle for a gap, "
+         f"parks it around a 1 ms job and times the release after the job, {rounds} rounds a gap, each way in a "
+         "fresh process: p50 us (rounds over 1 ms):\n",
          "| torch's other threads | " + " | ".join(f"idle {1e3 * float(g):.0f} ms before" for g in gaps) + " |",
          "|---|" + "---|" * len(gaps),
-         "| as scheduled | " + " | ".join(cell(sched, g) for g in gaps) + " |",
-         "| off the main thread's CPU | " + " | ".join(cell(pinned, g) for g in gaps) + " |",
+         *[f"| {what} | " + " | ".join(cell(park[k], g) for g in gaps) + " |" for k, what in (
+             ("unsteered", "left where Linux wakes them (`SONAR_OPENMP_STEER=0`; Sonar before 2026-12-04)"),
+             ("steered", "kept off the waiting thread's CPU while woken (Sonar)"),
+             ("pinned", "pinned off the main thread's CPU for the whole run (`sched_setaffinity`)")) if k in park],
          "",
-         "After an idle gap of tens of milliseconds the other CPU has halted, and the guest's scheduler then treats "
-         "it as unavailable (a halted virtual CPU reads as preempted by the host), so the thread woken by the "
-         "post is queued on the main thread's own CPU and preempts it before it has closed the region. The woken "
-         "thread reaches libgomp's end-of-region barrier first and spins there, waiting for the main thread it "
-         "displaced, until its spin count runs out (`GOMP_SPINCOUNT`, milliseconds at the default); kept off that "
-         "CPU, the same release takes tens of microseconds. In training the team has just run backward's ops, "
-         "so this is the exception, not the rule; (d)'s step requests in the main runs, from the reply's bytes to "
-         "the end of the trainer's wait:\n",
-         "| model | requests | p50 us | p90 us | p99 us | max ms | over 1 ms | ms a step in those |",
-         "|---|---|---|---|---|---|---|---|"]
+         "In training the team has just run backward's ops, so the long release is the exception: (d) steers, "
+         "(k) is (d) with `SONAR_OPENMP_STEER=0`, in the same runs as the main tables; the release is each step "
+         "request's time from the reply's bytes to the end of the trainer's wait:\n",
+         "| model | method | step ms | CPU ms / step | requests | release p50 us | p99 us | max ms | over 1 ms | "
+         "ms a step in those |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["train"]:
-        w = r["methods"].get("d", {}).get("wake_us")
-        if not w:
-            continue
-        n = len(w)
-        slow = [x for x in w if x > 1000]
-        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {n} | {w[n // 2]:.0f} | {w[n * 9 // 10]:.0f} | "
-                 f"{w[min(n - 1, n * 99 // 100)]:.0f} | {w[-1] / 1e3:.1f} | {len(slow)} | "
-                 f"{sum(slow) / 1e3 / max(r['steps'], 1):.2f} |")
-    L.append("\nNot mended: the remedies within reach each cost more than this tail. Pinning torch's threads "
-             "overrides the scheduler (and the user's affinity) for every op, not only the waits; a park that ends "
-             "by itself (its threads sleeping on a timer instead of a semaphore) adds the timer's delay and slack to "
-             "every wait; not parking lets the threads spin on the cores sonard's update needs, which costs more "
-             "((u) above). With `GOMP_SPINCOUNT` set low, nothing is parked and the tail is gone.\n")
+        for k in "dk":
+            m = r["methods"].get(k, {})
+            w = m.get("wake_us")
+            if not w:
+                continue
+            n = len(w)
+            slow = [x for x in w if x > 1000]
+            L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | ({k}) | {1e3 * m['median_step_s']:.0f} | "
+                     f"{1e3 * m['cpu_s_per_step']:.0f} | {n} | {w[n // 2]:.0f} | {w[min(n - 1, n * 99 // 100)]:.0f} | "
+                     f"{w[-1] / 1e3:.1f} | {len(slow)} | {sum(slow) / 1e3 / max(r['steps'], 1):.2f} |")
+    L.append("\nSteering costs every wait a little: the woken thread now runs on the other CPU, which may have "
+             "to be woken from halt first (tens of microseconds; the mask changes themselves about 6 us), where it "
+             "used to run at once on the waiting thread's. Pinning torch's threads for good would avoid both but "
+             "overrides the scheduler, and the user's affinity, for every op; with `GOMP_SPINCOUNT` set low nothing "
+             "is parked.\n")
     return L
 
 

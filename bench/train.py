@@ -26,6 +26,8 @@ Methods:
      (d) and (g) are the same)
   u  (d) with torch's OpenMP threads left to spin while the trainer waits (SONAR_OPENMP_PARK=0
      when it is built): Sonar before it parked them (sonar_moe/_openmp.py)
+  k  (d) with the parked threads left where Linux wakes them (SONAR_OPENMP_STEER=0): Sonar
+     before it kept them off the waiting thread's CPU while waking them
   x  (d) with its private sonard spoken to over sonard's own Unix socket (SONAR_TRANSPORT=unix)
   z  (d) with its private sonard spoken to over ZeroMQ (SONAR_TRANSPORT=zmq)
   y  (e) over sonard's own Unix socket: one request per expert slice, each without ZeroMQ
@@ -76,6 +78,7 @@ METHODS = {
     "o": "SonarAdamW batched, ring_layers=1",
     "h": "SonarAdamW batched, ring_layers=2",
     "u": "SonarAdamW batched, OpenMP threads not parked",
+    "k": "SonarAdamW batched, parked threads not steered",
     "x": "SonarAdamW batched, unix:// transport",
     "z": "SonarAdamW batched, ZeroMQ transport",
     "y": "SonarAdamW split_experts, unix:// transport",
@@ -123,7 +126,8 @@ class Method:
             if key == "v" and not before:
                 raise SystemExit("method v needs $SONAR_BENCH_BEFORE_SONARD (make bench BEFORE=REV sets it)")
             env = {"v": {"SONARD": before},
-                   "g": {"SONAR_WORKERS": "1"}, "u": {"SONAR_OPENMP_PARK": "0"}, "x": {"SONAR_TRANSPORT": "unix"},
+                   "g": {"SONAR_WORKERS": "1"}, "u": {"SONAR_OPENMP_PARK": "0"}, "k": {"SONAR_OPENMP_STEER": "0"},
+                   "x": {"SONAR_TRANSPORT": "unix"},
                    "y": {"SONAR_TRANSPORT": "unix"}, "z": {"SONAR_TRANSPORT": "zmq"},
                    "w": {"SONAR_SPIN": "0"}}.get(key, {})
             with common.environ(env):

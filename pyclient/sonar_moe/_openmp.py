@@ -12,6 +12,11 @@ reply, it opens an OpenMP parallel region on torch's own team whose other thread
 the kernel instead of spinning. ``GOMP_SPINCOUNT`` (read when libgomp is loaded, so set before
 Python starts) is the other way; where it or ``OMP_WAIT_POLICY`` is set, or
 ``SONAR_OPENMP_PARK=0``, nothing is parked.
+
+While the posts wake the parked threads, ``Steering`` keeps them off the posting thread's CPU
+(``SONAR_OPENMP_STEER=0`` leaves them where Linux puts them): on a virtual machine whose idle
+CPUs halt, a woken thread queued there preempted the poster and spun in libgomp's barrier for
+it, milliseconds a wait (docs/benchmarks.md, "Ending a park").
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ import torch
 
 log = logging.getLogger("sonar_moe")
 
+# The C signature of a parallel region's body: void fn(void *data).
+_REGION_BODY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
 PARK_ENV = "SONAR_OPENMP_PARK"
+STEER_ENV = "SONAR_OPENMP_STEER"
 
 # A receive: recv(timeout) is the next reply's bytes, or None when none came within timeout
 # seconds (0: do not wait).
@@ -77,6 +86,63 @@ class DirectWait:
         return recv(timeout)
 
 
+class Steering:
+    """Keeps the parked threads off the waiting thread's CPU while the posts wake them.
+
+    A post wakes a parked thread, and Linux chooses the CPU it wakes on. On a virtual machine
+    whose idle CPUs halt, a halted CPU reads as preempted by the host and is passed over, so after
+    an idle gap of tens of milliseconds the woken thread is queued on the posting thread's own
+    CPU and preempts it before it has closed the region; it then reaches libgomp's end-of-region
+    barrier first and spins there, waiting for the very thread it displaced, until its spin count
+    runs out: milliseconds instead of tens of microseconds (bench/park.py; docs/benchmarks.md,
+    "Ending a park"). For the posts, each parked thread's CPU mask leaves out the poster's CPU;
+    the masks are put back once the region is closed. A thread whose mask holds no other CPU is
+    left as it is. Turned off (``enabled`` False), it changes nothing."""
+
+    def __init__(self, find_team: Callable[[int], list[int]], enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._find_team = find_team  # native ids of a team of n threads, without the caller
+        self._tids: list[int] = []
+        self._pid = 0  # the process the ids are of (a forked child learns its own)
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._getcpu = libc.sched_getcpu
+        self._getcpu.restype = ctypes.c_int
+        self.steered = 0  # posts made with the parked threads kept off the poster's CPU
+
+    def prepare(self, threads: int) -> None:
+        """Learns the ids of the team's other threads (outside a parallel region), once per team size."""
+        if self.enabled and (len(self._tids) != threads - 1 or self._pid != os.getpid()):
+            self._tids, self._pid = self._find_team(threads), os.getpid()
+
+    def away(self) -> list[tuple[int, set[int]]]:
+        """Moves the team's other threads off this thread's CPU; their former masks."""
+        cpu = self._getcpu() if self.enabled else -1
+        if cpu < 0:
+            return []
+        held: list[tuple[int, set[int]]] = []
+        try:
+            for tid in self._tids:
+                mask = os.sched_getaffinity(tid)
+                if cpu in mask and len(mask) > 1:
+                    os.sched_setaffinity(tid, mask - {cpu})
+                    held.append((tid, mask))
+        except OSError as e:  # a thread gone (the team shrank): learn the team again next time
+            log.debug("cannot steer torch's OpenMP threads: %s", e)
+            self._tids = []
+        if held:
+            self.steered += 1
+        return held
+
+    @staticmethod
+    def back(held: list[tuple[int, set[int]]]) -> None:
+        """Puts back the masks away() changed."""
+        for tid, mask in held:
+            try:
+                os.sched_setaffinity(tid, mask)
+            except OSError as e:
+                log.debug("cannot restore the CPU mask of thread %d: %s", tid, e)
+
+
 class OpenMPPark:
     """Waits with the main thread's OpenMP team (torch's threads) parked in ``sem_wait``.
 
@@ -88,7 +154,7 @@ class OpenMPPark:
     threads), only outside a parallel region, only when the team has more than one thread and
     no reply is waiting already. Nothing but the receive runs inside the region."""
 
-    def __init__(self, libgomp_path: str) -> None:
+    def __init__(self, libgomp_path: str, steer: bool = True) -> None:
         gomp = ctypes.CDLL(libgomp_path)  # the copy torch loaded: dlopen gives the same handle
         self._start = gomp.GOMP_parallel_start
         self._start.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
@@ -110,7 +176,11 @@ class OpenMPPark:
         self._sem_wait = ctypes.cast(libc.sem_wait, ctypes.c_void_p).value
         self._sem = (ctypes.c_ulonglong * 8)()  # a sem_t (32 bytes on glibc) with room to spare
         self._sem_addr = ctypes.addressof(self._sem)
+        self._parallel = gomp.GOMP_parallel
+        self._parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        self._parallel.restype = None
         self.parks = 0  # waits that parked the team
+        self.steering = Steering(self._team_ids, steer)
 
     @classmethod
     def find(cls, environ: Mapping[str, str] = os.environ, maps_path: str = "/proc/self/maps") -> OpenMPPark | None:
@@ -122,7 +192,7 @@ class OpenMPPark:
         if path is None:
             return None
         try:
-            return cls(path)
+            return cls(path, steer=environ.get(STEER_ENV, "1") != "0")
         except (OSError, AttributeError) as e:  # a libgomp without these entry points
             log.debug("cannot park OpenMP threads with %s: %s", path, e)
             return None
@@ -144,6 +214,7 @@ class OpenMPPark:
 
     def park(self, job: Callable[[], bytes | None], threads: int) -> bytes | None:
         """job() with the other threads of a team of `threads` asleep; job's result."""
+        self.steering.prepare(threads)
         self._sem_init(self._sem_addr, 0, 0)  # drops posts a smaller team left
         self.parks += 1
         try:
@@ -152,9 +223,26 @@ class OpenMPPark:
         finally:
             # Closed only if it opened: an interrupt (KeyboardInterrupt) may come before.
             if self._level():
-                for _ in range(int(self._num_threads()) - 1):
-                    self._sem_post(self._sem_addr)
-                self._end()
+                held = self.steering.away()
+                try:
+                    for _ in range(int(self._num_threads()) - 1):
+                        self._sem_post(self._sem_addr)
+                    self._end()
+                finally:
+                    self.steering.back(held)
+
+    def _team_ids(self, threads: int) -> list[int]:
+        """The native ids of the threads other than this one in a parallel region of `threads`
+        opened here: the team torch's operators run on (libgomp keeps its threads)."""
+        seen: list[int] = []
+        lock = threading.Lock()
+
+        def body(_: int | None) -> None:
+            with lock:
+                seen.append(threading.get_native_id())
+        fn = _REGION_BODY(body)  # referenced until the region is over
+        self._parallel(ctypes.cast(fn, ctypes.c_void_p), None, threads, 0)
+        return sorted(set(seen) - {threading.get_native_id()})
 
 
 def torch_uses_openmp() -> bool:
