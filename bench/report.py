@@ -325,6 +325,8 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
              "(since 2026-12-01) the cores torch leaves free, so with a core to spare (d) runs what (g) runs; "
              "(u) (d) with torch's idle OpenMP threads left to spin while the trainer waits for sonard "
              "(`SONAR_OPENMP_PARK=0`; (d) parks them since 2026-12-02, see \"torch's OpenMP threads\" below); "
+             "(k) (d) with the parked threads left where Linux wakes them (`SONAR_OPENMP_STEER=0`; (d) keeps them "
+             "off the waiting thread's CPU since 2026-12-04, see \"Ending a park\" below); "
              "(n) no optimizer at all (forward, backward, `zero_grad`): the floor every method adds its "
              "update to.\n")
     L.append("**How peak memory is measured.** One extra step per method runs under `torch.profiler` with "
@@ -345,7 +347,7 @@ def train_section(res: dict, out: Path) -> tuple[list[str], list[dict]]:
                  "ring + server state) | median step ms | vs (a) | step ms min-max | CPU ms / step (trainer + sonard) | "
                  "CPU vs (a) | held-out loss | train loss (last) |")
         L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for k in "abcdqefgsohun":
+        for k in "abcdqefgsohukn":
             m = ms.get(k)
             if m is None:
                 continue
