@@ -6,8 +6,9 @@ the main thread posts the semaphore and closes the region). Prints one JSON docu
 Each round runs a torch op on the team, then waits `gap` seconds, then parks the team around a
 1 ms job (a stand-in for the wait for sonard's reply) and times, from the job's end, how long
 releasing the team takes (the posts and the close of the region). Three variants, each in a
-fresh process: the park as Sonar runs it (its threads kept off the main thread's CPU while the
-posts wake them), the same with SONAR_OPENMP_STEER=0 (left where Linux wakes them: on a halted
+fresh process: the park steering from the start (SONAR_OPENMP_STEER=1: its threads kept off the
+main thread's CPU while the posts wake them; Sonar's default starts so after a first slow
+release), the same with SONAR_OPENMP_STEER=0 (left where Linux wakes them: on a halted
 virtual machine, the main thread's own CPU, where the woken thread preempts it and spins in
 libgomp's barrier for the very thread it preempted), and torch's other threads pinned off the
 main thread's CPU for the whole run (sched_setaffinity).
@@ -52,7 +53,7 @@ def measure(gaps: list[float], rounds: int, pinned: bool) -> dict:
     a = torch.tanh(a @ a)  # the team exists before it is pinned
     if pinned:
         pin_apart()
-    out: dict = {"threads": threads, "pinned": pinned, "steered": park.steering.enabled, "gaps": {}}
+    out: dict = {"threads": threads, "pinned": pinned, "steering": park.steering.mode, "gaps": {}}
     for gap in gaps:
         release: list[float] = []
         for _ in range(rounds):

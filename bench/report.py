@@ -546,9 +546,10 @@ def park_section(res: dict) -> list[str]:
          "CPU reads as preempted by the host and Linux passes it over, so the thread a post woke was queued on "
          "the posting thread's own CPU and preempted it before it had closed the region; it reached libgomp's "
          "end-of-region barrier first and spun there, waiting for the very thread it had displaced, until its "
-         "spin count ran out (`GOMP_SPINCOUNT`, milliseconds at the default). Since 2026-12-04 the park keeps "
-         "its threads off the posting thread's CPU while the posts wake them (their CPU masks leave that CPU out "
-         "for the moment and are put back once the region is closed; `SONAR_OPENMP_STEER=0` turns it off). "
+         "spin count ran out (`GOMP_SPINCOUNT`, milliseconds at the default). Since 2026-12-04, once a release has "
+         "taken over 1 ms, the park keeps its threads off the posting thread's CPU while the posts wake them (their "
+         "CPU masks leave that CPU out for the moment and are put back once the region is closed; "
+         "`SONAR_OPENMP_STEER=1` from the first park, `0` never). "
          f"`bench/park.py` runs a torch op on the team ({sched['threads']} threads), lets it sit idle for a gap, "
          f"parks it around a 1 ms job and times the release after the job, {rounds} rounds a gap, each way in a "
          "fresh process: p50 us (rounds over 1 ms):\n",
@@ -556,15 +557,16 @@ def park_section(res: dict) -> list[str]:
          "|---|" + "---|" * len(gaps),
          *[f"| {what} | " + " | ".join(cell(park[k], g) for g in gaps) + " |" for k, what in (
              ("unsteered", "left where Linux wakes them (`SONAR_OPENMP_STEER=0`; Sonar before 2026-12-04)"),
-             ("steered", "kept off the waiting thread's CPU while woken (Sonar)"),
+             ("steered", "kept off the waiting thread's CPU while woken (`SONAR_OPENMP_STEER=1`)"),
              ("pinned", "pinned off the main thread's CPU for the whole run (`sched_setaffinity`)")) if k in park],
          "",
-         "In training the team has just run backward's ops, so the long release is the exception: (d) steers, "
+         "In training the team has just run backward's ops, so the long release is the exception: (d) steers "
+         "from its first slow release on, "
          "(k) is (d) with `SONAR_OPENMP_STEER=0`, in the same runs as the main tables; the release is each step "
          "request's time from the reply's bytes to the end of the trainer's wait:\n",
-         "| model | method | step ms | CPU ms / step | requests | release p50 us | p99 us | max ms | over 1 ms | "
-         "ms a step in those |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+         "| model | method | step ms | CPU ms / step | parks / steered, a step | requests | release p50 us | p99 us | "
+         "max ms | over 1 ms | ms a step in those |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["train"]:
         for k in "dk":
             m = r["methods"].get(k, {})
@@ -573,11 +575,16 @@ def park_section(res: dict) -> list[str]:
                 continue
             n = len(w)
             slow = [x for x in w if x > 1000]
+            per = r["warmup"] + r["steps"]  # stats() is read after them, before the profiled step
+            sn = m.get("sonar", {})
+            parks = f"{sn.get('openmp_parks', 0) / per:.1f} / " + (
+                f"{sn['openmp_steered'] / per:.1f}" if "openmp_steered" in sn else "-")
             L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | ({k}) | {1e3 * m['median_step_s']:.0f} | "
-                     f"{1e3 * m['cpu_s_per_step']:.0f} | {n} | {w[n // 2]:.0f} | {w[min(n - 1, n * 99 // 100)]:.0f} | "
+                     f"{1e3 * m['cpu_s_per_step']:.0f} | {parks} | {n} | {w[n // 2]:.0f} | "
+                     f"{w[min(n - 1, n * 99 // 100)]:.0f} | "
                      f"{w[-1] / 1e3:.1f} | {len(slow)} | {sum(slow) / 1e3 / max(r['steps'], 1):.2f} |")
     L.append("\nSteering costs every wait a little: the woken thread now runs on the other CPU, which may have "
-             "to be woken from halt first (tens of microseconds; the mask changes themselves about 6 us), where it "
+             "to be woken from halt first (tens of microseconds; the mask changes themselves 4-8 us a parked thread), where it "
              "used to run at once on the waiting thread's. Pinning torch's threads for good would avoid both but "
              "overrides the scheduler, and the user's affinity, for every op; with `GOMP_SPINCOUNT` set low nothing "
              "is parked.\n")

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import sonar_moe
-from sonar_moe._openmp import DirectWait, OpenMPPark, choose_waiter, default_spin_runtime, torch_uses_openmp
+from sonar_moe._openmp import (DirectWait, OpenMPPark, Steering, choose_waiter, default_spin_runtime,
+                               torch_uses_openmp)
 
 from moe_util import TinyMoE, assert_same_params, train_beside
 
@@ -165,26 +166,46 @@ def test_release_after_an_idle_gap(two_threads: None) -> None:
     """The thread a post wakes must not land on the posting thread's CPU: on a virtual machine
     whose idle CPUs halt (these), after 40 ms idle it did, preempted the poster and spun in
     libgomp's barrier for it: 2.2 ms p50 to end a park instead of tens of microseconds
-    (bench/park.py, 2026-12-04). The park keeps its threads off the poster's CPU for the posts."""
-    park = OpenMPPark.find({})
-    assert park is not None
-    times = [release_after(park, 0.04) for _ in range(12)]
-    assert statistics.median(times) < 0.0005, [round(t * 1e6) for t in times]
-    assert park.steering.steered == 12
+    (bench/park.py, 2026-12-04). Steering (by default from the first slow release) keeps the
+    park's threads off the poster's CPU while they are woken."""
+    for env in ({"SONAR_OPENMP_STEER": "1"}, {}):
+        park = OpenMPPark.find(env)
+        assert park is not None
+        times = [release_after(park, 0.04) for _ in range(12)]
+        assert statistics.median(times) < 0.0005, (env, [round(t * 1e6) for t in times])
+        # On a machine where no release is slow, the default never needs to steer.
+        assert park.steering.steered == (12 if env else min(12, 12 - first_slow(times))), env
 
 
-def test_steering_turned_off(two_threads: None) -> None:
-    """SONAR_OPENMP_STEER=0 parks as before and moves no thread."""
-    park = OpenMPPark.find({"SONAR_OPENMP_STEER": "0"})
-    assert park is not None and not park.steering.enabled
-    release_after(park, 0.0)
-    assert park.parks == 1 and park.steering.steered == 0
+def first_slow(times: list[float]) -> int:
+    """Index after the first release over Steering.SLOW_RELEASE_S (len(times) if none)."""
+    return next((i + 1 for i, t in enumerate(times) if t > Steering.SLOW_RELEASE_S), len(times))
+
+
+def test_steering_modes(two_threads: None) -> None:
+    """SONAR_OPENMP_STEER: 1 steers from the first park, 0 never, unset once a release was slow;
+    anything else is the default."""
+    assert OpenMPPark.find({"SONAR_OPENMP_STEER": "1"}).steering.active
+    for env in ({}, {"SONAR_OPENMP_STEER": "yes"}):
+        park = OpenMPPark.find(env)
+        assert park is not None and park.steering.mode == "auto" and not park.steering.active
+        park.steering.released(Steering.SLOW_RELEASE_S / 2)
+        assert not park.steering.active and park.steering.slow_releases == 0
+        park.steering.released(Steering.SLOW_RELEASE_S * 2)
+        assert park.steering.active and park.steering.slow_releases == 1
+    off = OpenMPPark.find({"SONAR_OPENMP_STEER": "0"})
+    assert off is not None
+    off.steering.released(1.0)
+    release_after(off, 0.0)
+    assert off.parks == 1 and not off.steering.active and off.steering.steered == 0
+    with pytest.raises(ValueError, match="auto, on or off"):
+        Steering(lambda n: [], "sometimes")
 
 
 def test_steering_puts_masks_back(two_threads: None) -> None:
     """The parked threads' CPU masks are the same after a park as before; a thread whose mask
     holds one CPU is left as it is (nowhere else to go), and the park still ends."""
-    park = OpenMPPark.find({})
+    park = OpenMPPark.find({"SONAR_OPENMP_STEER": "1"})
     assert park is not None
     tids = team_tids()
     before = {t: os.sched_getaffinity(t) for t in tids}
@@ -200,7 +221,6 @@ def test_steering_puts_masks_back(two_threads: None) -> None:
     finally:
         for t, m in before.items():
             os.sched_setaffinity(t, m)
-
 
 def test_find_respects_the_environment(tmp_path: Path) -> None:
     """Nothing is parked where the user set libgomp's wait (GOMP_SPINCOUNT, OMP_WAIT_POLICY),
@@ -245,7 +265,8 @@ def test_training_parks_and_stays_exact(two_threads: None, monkeypatch: pytest.M
         train_beside(model, ref, opt, topt, lambda: torch.randn(64, 33), steps=4,
                      before_ref_step=lambda: torch.nn.utils.clip_grad_norm_(ref.proj.parameters(), 1.0))
         assert_same_params(model, ref)
-        parks = opt.stats()["openmp_parks"]
+        parks, steered = opt.stats()["openmp_parks"], opt.stats()["openmp_steered"]
         assert (parks > 0) if park else (parks == 0), parks
+        assert 0 <= steered <= parks, (steered, parks)
     finally:
         opt.close()

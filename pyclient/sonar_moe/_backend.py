@@ -444,7 +444,8 @@ class ServerBackend(ABC):
                 "step_requests": self._steps.step_requests, "grads_sent": self._steps.grads_sent,
                 "bytes_sent": self._steps.bytes_sent, "room_wait_s": self._room_wait_s,
                 "ring_layers": self._options.ring_layers, "server_workers": self._server_workers,
-                "server_isa": self._server_isa, "openmp_parks": self._conn.waiter.parks}
+                "server_isa": self._server_isa, "openmp_parks": self._conn.waiter.parks,
+                "openmp_steered": self._conn.waiter.steered}
 
     def server_stats(self) -> dict[str, Any] | None:
         return self._conn.call("stats", {})

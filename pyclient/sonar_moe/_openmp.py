@@ -14,9 +14,9 @@ Python starts) is the other way; where it or ``OMP_WAIT_POLICY`` is set, or
 ``SONAR_OPENMP_PARK=0``, nothing is parked.
 
 While the posts wake the parked threads, ``Steering`` keeps them off the posting thread's CPU
-(``SONAR_OPENMP_STEER=0`` leaves them where Linux puts them): on a virtual machine whose idle
-CPUs halt, a woken thread queued there preempted the poster and spun in libgomp's barrier for
-it, milliseconds a wait (docs/benchmarks.md, "Ending a park").
+once a release has been slow (``SONAR_OPENMP_STEER``: 1 from the start, 0 never): on a virtual
+machine whose idle CPUs halt, a woken thread queued there preempted the poster and spun in
+libgomp's barrier for it, milliseconds a wait (docs/benchmarks.md, "Ending a park").
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -72,6 +73,7 @@ class Waiter(Protocol):
     """How a connection waits for a reply."""
 
     parks: int  # waits that parked torch's threads
+    steered: int  # parks whose threads were kept off the waiting thread's CPU while woken
 
     def receive(self, recv: Receive, timeout: float) -> bytes | None:
         """recv(timeout), however this waiter waits."""
@@ -81,6 +83,7 @@ class DirectWait:
     """The calling thread receives; torch's threads do as they like."""
 
     parks = 0
+    steered = 0
 
     def receive(self, recv: Receive, timeout: float) -> bytes | None:
         return recv(timeout)
@@ -95,12 +98,20 @@ class Steering:
     CPU and preempts it before it has closed the region; it then reaches libgomp's end-of-region
     barrier first and spins there, waiting for the very thread it displaced, until its spin count
     runs out: milliseconds instead of tens of microseconds (bench/park.py; docs/benchmarks.md,
-    "Ending a park"). For the posts, each parked thread's CPU mask leaves out the poster's CPU;
-    the masks are put back once the region is closed. A thread whose mask holds no other CPU is
-    left as it is. Turned off (``enabled`` False), it changes nothing."""
+    "Ending a park"). Steering, each parked thread's CPU mask leaves out the poster's CPU for the
+    posts and is put back once the region is closed; a thread whose mask holds no other CPU is
+    left as it is. That costs each park a few microseconds a thread (two system calls each) and
+    a wake-up on another CPU, so by default (mode "auto") it starts once a release has taken
+    longer than SLOW_RELEASE_S, the sign of that machine; "on" steers from the first park, "off"
+    never (``SONAR_OPENMP_STEER`` 1 or 0)."""
 
-    def __init__(self, find_team: Callable[[int], list[int]], enabled: bool = True) -> None:
-        self.enabled = enabled
+    SLOW_RELEASE_S = 0.001  # a release this long: a woken thread held the poster's CPU
+
+    def __init__(self, find_team: Callable[[int], list[int]], mode: str = "auto") -> None:
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"steering mode {mode!r}: auto, on or off")
+        self.mode = mode
+        self.active = mode == "on"  # steering the posts now
         self._find_team = find_team  # native ids of a team of n threads, without the caller
         self._tids: list[int] = []
         self._pid = 0  # the process the ids are of (a forked child learns its own)
@@ -108,15 +119,16 @@ class Steering:
         self._getcpu = libc.sched_getcpu
         self._getcpu.restype = ctypes.c_int
         self.steered = 0  # posts made with the parked threads kept off the poster's CPU
+        self.slow_releases = 0  # releases that took longer than SLOW_RELEASE_S
 
     def prepare(self, threads: int) -> None:
         """Learns the ids of the team's other threads (outside a parallel region), once per team size."""
-        if self.enabled and (len(self._tids) != threads - 1 or self._pid != os.getpid()):
+        if self.active and (len(self._tids) != threads - 1 or self._pid != os.getpid()):
             self._tids, self._pid = self._find_team(threads), os.getpid()
 
     def away(self) -> list[tuple[int, set[int]]]:
         """Moves the team's other threads off this thread's CPU; their former masks."""
-        cpu = self._getcpu() if self.enabled else -1
+        cpu = self._getcpu() if self.active and self._pid == os.getpid() else -1
         if cpu < 0:
             return []
         held: list[tuple[int, set[int]]] = []
@@ -142,6 +154,18 @@ class Steering:
             except OSError as e:
                 log.debug("cannot restore the CPU mask of thread %d: %s", tid, e)
 
+    def released(self, seconds: float) -> None:
+        """Notes how long a release (posts and close of the region) took; in mode auto, the
+        first slow one starts the steering."""
+        if seconds <= self.SLOW_RELEASE_S:
+            return
+        self.slow_releases += 1
+        if self.mode == "auto" and not self.active:
+            self.active = True
+            log.info("releasing torch's parked OpenMP threads took %.1f ms (a woken thread held this thread's "
+                     "CPU); keeping them off it while they are woken from now on (SONAR_OPENMP_STEER=0 "
+                     "turns this off)", seconds * 1e3)
+
 
 class OpenMPPark:
     """Waits with the main thread's OpenMP team (torch's threads) parked in ``sem_wait``.
@@ -154,7 +178,7 @@ class OpenMPPark:
     threads), only outside a parallel region, only when the team has more than one thread and
     no reply is waiting already. Nothing but the receive runs inside the region."""
 
-    def __init__(self, libgomp_path: str, steer: bool = True) -> None:
+    def __init__(self, libgomp_path: str, steer: str = "auto") -> None:
         gomp = ctypes.CDLL(libgomp_path)  # the copy torch loaded: dlopen gives the same handle
         self._start = gomp.GOMP_parallel_start
         self._start.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
@@ -192,10 +216,15 @@ class OpenMPPark:
         if path is None:
             return None
         try:
-            return cls(path, steer=environ.get(STEER_ENV, "1") != "0")
+            return cls(path, steer={"0": "off", "1": "on"}.get(environ.get(STEER_ENV, ""), "auto"))
         except (OSError, AttributeError) as e:  # a libgomp without these entry points
             log.debug("cannot park OpenMP threads with %s: %s", path, e)
             return None
+
+    @property
+    def steered(self) -> int:
+        """Parks whose threads were kept off the waiting thread's CPU while woken."""
+        return self.steering.steered
 
     def team(self) -> int:
         """Threads a parallel region opened here now would have (1: nothing to park)."""
@@ -224,12 +253,14 @@ class OpenMPPark:
             # Closed only if it opened: an interrupt (KeyboardInterrupt) may come before.
             if self._level():
                 held = self.steering.away()
+                t0 = time.perf_counter()
                 try:
                     for _ in range(int(self._num_threads()) - 1):
                         self._sem_post(self._sem_addr)
                     self._end()
                 finally:
                     self.steering.back(held)
+                self.steering.released(time.perf_counter() - t0)
 
     def _team_ids(self, threads: int) -> list[int]:
         """The native ids of the threads other than this one in a parallel region of `threads`
