@@ -529,8 +529,6 @@ def park_section(res: dict) -> list[str]:
     """What ending a park costs: bench/park.py's release times after a busy and an idle team, and
     in training (d) (parked threads steered off the waiting thread's CPU) against (k) (not)."""
     park = res.get("park")
-    if park and "as_scheduled" in park:  # before 2026-12-04's steering: the park as it was, unsteered
-        park = {"unsteered": park["as_scheduled"], "pinned": park.get("pinned", {})}
     if not park or "skipped" in park.get("unsteered", {"skipped": ""}):
         return []
     sched = park["unsteered"]

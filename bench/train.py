@@ -125,10 +125,9 @@ class Method:
             before = os.environ.get("SONAR_BENCH_BEFORE_SONARD", "")
             if key == "v" and not before:
                 raise SystemExit("method v needs $SONAR_BENCH_BEFORE_SONARD (make bench BEFORE=REV sets it)")
-            env = {"v": {"SONARD": before},
-                   "g": {"SONAR_WORKERS": "1"}, "u": {"SONAR_OPENMP_PARK": "0"}, "k": {"SONAR_OPENMP_STEER": "0"},
-                   "x": {"SONAR_TRANSPORT": "unix"},
-                   "y": {"SONAR_TRANSPORT": "unix"}, "z": {"SONAR_TRANSPORT": "zmq"},
+            env = {"v": {"SONARD": before}, "g": {"SONAR_WORKERS": "1"},
+                   "u": {"SONAR_OPENMP_PARK": "0"}, "k": {"SONAR_OPENMP_STEER": "0"},
+                   "x": {"SONAR_TRANSPORT": "unix"}, "y": {"SONAR_TRANSPORT": "unix"}, "z": {"SONAR_TRANSPORT": "zmq"},
                    "w": {"SONAR_SPIN": "0"}}.get(key, {})
             with common.environ(env):
                 self.sonar = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD, max_grad_norm=None if key == "q" else CLIP,

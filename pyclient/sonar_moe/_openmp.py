@@ -128,7 +128,7 @@ class Steering:
 
     def away(self) -> list[tuple[int, set[int]]]:
         """Moves the team's other threads off this thread's CPU; their former masks."""
-        cpu = self._getcpu() if self.active and self._pid == os.getpid() else -1
+        cpu = self._getcpu() if self.active else -1  # prepare() learnt this process's team
         if cpu < 0:
             return []
         held: list[tuple[int, set[int]]] = []
