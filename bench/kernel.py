@@ -336,19 +336,31 @@ def go_copy(go_bench: str, mb: int, reps: int) -> dict:
     return run_go_bench(go_bench, "-sizes", "", "-copy-mb", str(mb), "-reps", str(reps))["copy"][0]
 
 
-def merge(a: list[dict], b: list[dict]) -> list[dict]:
-    """Two Go runs of the same cases (before and after torch's): median over all repeats."""
+def merge(blocks: list[list[dict]]) -> list[dict]:
+    """Several runs of the same cases (blocks of repeats taken at different times): one row per
+    case, its statistics over all the repeats (and, for the Go engine's, all the copy and stream
+    measurements around them)."""
     out = []
-    for x, y in zip(a, b):
-        times = x["times_s"] + y["times_s"]
+    for rows in zip(*blocks):
+        x = rows[0]
+        times = [t for r in rows for t in r["times_s"]]
         med = common.median(times)
-        copies = x["copies_gbps"] + y["copies_gbps"]
-        streams = x.get("streams_gbps", []) + y.get("streams_gbps", [])
-        out.append({**x, "times_s": times, "median_s": med, "min_s": min(times), "elements_per_s": x["numel"] / med,
-                    "gb_per_s": x["numel"] * x["bytes_per_element"] / med / 1e9, "copies_gbps": copies,
-                    "copy_gbps": common.median(copies), "streams_gbps": streams,
-                    "stream_gbps": common.median(streams) if streams else None})
+        row = {**x, "times_s": times, "median_s": med, "min_s": min(times), "elements_per_s": x["numel"] / med,
+               "gb_per_s": x["numel"] * x["bytes_per_element"] / med / 1e9}
+        if "copies_gbps" in x:
+            copies = [c for r in rows for c in r["copies_gbps"]]
+            streams = [st for r in rows for st in r.get("streams_gbps", [])]
+            row.update({"copies_gbps": copies, "copy_gbps": common.median(copies), "streams_gbps": streams,
+                        "stream_gbps": common.median(streams) if streams else None})
+        out.append(row)
     return out
+
+
+# torch's repeats of a case and the Go engine's alternate in this many rounds (the Go engine
+# before the first and after each), so that a change of the shared machine's speed, which can
+# last seconds, falls on both alike: with one block of each, one run found torch's fused step at
+# 64M elements 1.7x faster than the bandwidth measured beside it, and no such rate again.
+ROUNDS = 3
 
 
 def one_core(pings: int, go_bench: str | None) -> dict | None:
@@ -404,7 +416,7 @@ def main() -> None:
     ap.add_argument("--pings", type=int, default=2000)
     ap.add_argument("--go-bench", help="cmd/sonar-bench binary: measure the Go engine next to each torch case")
     ap.add_argument("--go-bench-before", help="a cmd/sonar-bench built from an earlier commit: its Go engine "
-                    "measured beside --go-bench's at each case (before its first and after its second run)")
+                    "measured beside --go-bench's at each case (around each of its runs)")
     ap.add_argument("--torch-lib", help="libtorch_cpu.so for the Go engine's MKL sqrt variant")
     ap.add_argument("--contended", default="", help="size (K/M suffix) of the kernels also timed with one core "
                     "kept busy by another process (needs --go-bench); empty: not")
@@ -425,18 +437,30 @@ def main() -> None:
     before = a.go_bench_before if a.go_bench else None
     if before:
         res["go_kernels_before"] = []
+    per_round = max(1, -(-a.reps // ROUNDS))  # torch's repeats of a case, in ROUNDS blocks
+    res["rounds"] = ROUNDS
     for dn in a.dtypes.split(","):
         dtype = DTYPES[dn.strip()]
         for n in parse_sizes(a.sizes):
-            # Go before and after torch, so drift of the machine's load hits both alike; the earlier
-            # build (before) outside those, so it sees the same drift.
-            old1 = go_engine(before, a.torch_lib, dn.strip(), n, a.reps) if before else []
-            go1 = go_engine(a.go_bench, a.torch_lib, dn.strip(), n, a.reps) if a.go_bench else []
-            res["kernels"] += torch_adamw(n, dtype, a.reps)
+            # The Go engine before torch's first block and after each (the earlier build, if any,
+            # around those), so drift of the machine's load hits both alike.
+            def go_block(mine: list[list[dict]], old: list[list[dict]]) -> None:
+                if before:
+                    old.append(go_engine(before, a.torch_lib, dn.strip(), n, per_round))
+                if a.go_bench:
+                    mine.append(go_engine(a.go_bench, a.torch_lib, dn.strip(), n, per_round))
+            go_blocks: list[list[dict]] = []
+            old_blocks: list[list[dict]] = []
+            torch_blocks: list[list[dict]] = []
+            go_block(go_blocks, old_blocks)
+            for _ in range(ROUNDS):
+                torch_blocks.append(torch_adamw(n, dtype, per_round))
+                go_block(go_blocks, old_blocks)
+            res["kernels"] += merge(torch_blocks)
             if a.go_bench:
-                res["go_kernels"] += merge(go1, go_engine(a.go_bench, a.torch_lib, dn.strip(), n, a.reps))
+                res["go_kernels"] += merge(go_blocks)
             if before:
-                res["go_kernels_before"] += merge(old1, go_engine(before, a.torch_lib, dn.strip(), n, a.reps))
+                res["go_kernels_before"] += merge(old_blocks)
             if not a.no_sonard:
                 res["sonard"].append(sonard_e2e(n, dtype, a.reps))
                 res["sonard"].append(sonard_e2e(n, dtype, a.reps, fused=True))

@@ -107,9 +107,16 @@ def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
     targets: list[dict] = []
     L.append("## 1. AdamW kernel: Go engine vs torch CPU AdamW\n")
     reps = len(res["torch"]["kernels"][0]["times_s"])
+    rounds = res["torch"].get("rounds")
+    if rounds:  # since 2026-12-05: torch's repeats and the Go engine's alternate in rounds
+        go_reps = len(res["torch"]["go_kernels"][0]["times_s"]) if res["torch"].get("go_kernels") else 0
+        how = (f"in {rounds} blocks of {reps // rounds} each case, the Go engine's {go_reps} in blocks of as many "
+               "before torch's first and after each, so a change of the shared machine's speed that lasts seconds "
+               "hits both")
+    else:
+        how = f"the Go engine: {reps} before and {reps} after torch's, each case, so a change of load hits both"
     L.append(f"One AdamW step over one tensor (lr 1e-3, weight decay 0.01, step >= 2), median of "
-             f"{reps} repeats after a warm-up step (the Go engine: {reps} before and {reps} after torch's, "
-             "each case, so a change of load hits both). Bytes moved: 28 per element for float32 "
+             f"{reps} repeats after a warm-up step ({how}). Bytes moved: 28 per element for float32 "
              "(read p, g, m, v; write p, m, v), 14 for bfloat16. torch runs with "
              f"{res['torch']['threads']} threads, the Go engine with {res['torch']['go_kernels'][0]['workers']} workers "
              "(= cores). torch's default on CPU is the "
