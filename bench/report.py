@@ -977,6 +977,7 @@ def ipc_section(res: dict) -> list[str]:
     L += trace_table(res)
     L += transport_training_section(res)
     L += spin_training_section(res)
+    L += steer_training_section(res)
     L += waits_training_section(res)
     L.append("\n![IPC latency](ipc-latency.png)\n")
     return L
@@ -1080,6 +1081,35 @@ def spin_training_section(res: dict) -> list[str]:
             return f"{v / 1e3:.2f}" if v else "-"
         L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {side_by_side(b, d, w)} | "
                  f"{d['latency_ms_p50']:.2f} / {w['latency_ms_p50']:.2f} | {srv(d)} / {srv(w)} |")
+    return L
+
+
+def steer_training_section(res: dict) -> list[str]:
+    """(d) against (r): sonard's workers kept off the CPU of the request's goroutine while they
+    work (optimizer/helpers.go, sonard --steer) or left where Linux wakes them (SONAR_STEER=0)."""
+    rows = [r for r in res["train"] if all(k in r["methods"] for k in "bdr")]
+    if not rows:
+        return []
+    L = ["\n### sonard's update workers: on the caller's CPU or the other\n",
+         "A request's goroutine takes chunks of each tensor itself and wakes a helper goroutine for the "
+         "rest. On these VMs an idle virtual CPU halts and then reads as preempted, so a thread woken "
+         "after an idle gap (every request in training) was queued on the waker's own CPU: the two "
+         "workers shared one core, and sonard's step of a layer took as long with two as with one. Since "
+         "2026-12-05 each helper takes the caller's CPU out of its thread's mask while it works and puts "
+         "it back before it exits (`sonard --steer`, on by default). (r) is (d) with `SONAR_STEER=0`; "
+         "same runs as the tables above, medians over every request of the timed steps:\n",
+         "| model | (d) steered: step vs (b) | (r) not: step vs (b) | (d) / (r) step | CPU (d) / (r) | "
+         "request p50 ms (d) / (r) | sonard step p50 ms (d) / (r) |",
+         "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ms = r["methods"]
+        b, d, x = ms["b"], ms["d"], ms["r"]
+
+        def srv(m: dict) -> str:
+            v = (m.get("step_trace_p50_us") or {}).get("server_step")
+            return f"{v / 1e3:.2f}" if v else "-"
+        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {side_by_side(b, d, x)} | "
+                 f"{d['latency_ms_p50']:.2f} / {x['latency_ms_p50']:.2f} | {srv(d)} / {srv(x)} |")
     return L
 
 

@@ -33,7 +33,7 @@ PY = sys.executable
 
 # Training methods of the main configs (bench/train.py's letters), and of the spare-core runs:
 # torch limited to fewer threads than cores, so sonard has a core of its own.
-METHODS, SPARE_METHODS = "abcdqefgsohuknxyw", "nbcdgso"
+METHODS, SPARE_METHODS = "abcdqefgsohuknxywr", "nbcdgso"
 # The same configs with libgomp's spin-wait shortened (GOMP_SPINCOUNT, read when torch loads
 # libgomp): torch's idle OpenMP threads then sleep instead of spinning while a hook waits for sonard.
 SPIN_METHODS, SPIN_COUNT = "bcdo", "10000"

@@ -34,6 +34,8 @@ Methods:
   w  (d) with sonard's workers never polling (SONAR_SPIN=0): each tensor's helper goroutine
      started when its arithmetic starts and the request's wait for it blocking, as before
      2026-12-02 (optimizer/helpers.go)
+  r  (d) with sonard's workers left where Linux wakes them (SONAR_STEER=0): each helper of a
+     request's goroutine may share its CPU, as before 2026-12-05 (optimizer/helpers.go)
   v  (d) with sonard as built at another commit (the binary in $SONAR_BENCH_BEFORE_SONARD;
      make bench BEFORE=REV builds it): the server before this change, in the same run
 
@@ -83,6 +85,7 @@ METHODS = {
     "z": "SonarAdamW batched, ZeroMQ transport",
     "y": "SonarAdamW split_experts, unix:// transport",
     "w": "SonarAdamW batched, workers never poll (SONAR_SPIN=0)",
+    "r": "SonarAdamW batched, workers not steered (SONAR_STEER=0)",
     "v": "SonarAdamW batched, sonard of the BEFORE commit",
     "n": "no optimizer (forward + backward only)",
 }
@@ -128,7 +131,7 @@ class Method:
             env = {"v": {"SONARD": before}, "g": {"SONAR_WORKERS": "1"},
                    "u": {"SONAR_OPENMP_PARK": "0"}, "k": {"SONAR_OPENMP_STEER": "0"},
                    "x": {"SONAR_TRANSPORT": "unix"}, "y": {"SONAR_TRANSPORT": "unix"}, "z": {"SONAR_TRANSPORT": "zmq"},
-                   "w": {"SONAR_SPIN": "0"}}.get(key, {})
+                   "w": {"SONAR_SPIN": "0"}, "r": {"SONAR_STEER": "0"}}.get(key, {})
             with common.environ(env):
                 self.sonar = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD, max_grad_norm=None if key == "q" else CLIP,
                                                   split_experts=key in "ey", zero_copy=False if key == "f" else None,

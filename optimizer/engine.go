@@ -274,6 +274,10 @@ type Engine struct {
 	// the helpers' last chunks before blocking (0: helperSpin; negative:
 	// never; helpers.go).
 	Spin time.Duration
+	// Steer keeps each helper off the CPU of the goroutine that started it
+	// while it works (helpers.go): on virtual machines whose idle CPUs halt,
+	// a helper woken after an idle gap otherwise shares its caller's core.
+	Steer bool
 
 	helpers helperPool // the goroutines beside the caller (helpers.go)
 }
@@ -546,7 +550,7 @@ func (e *Engine) parallel(n int, fn func(lo, hi int)) error {
 		<-finished
 	} else {
 		j := &job{work: work}
-		e.helpers.publish(j, helpers, e.spin())
+		e.helpers.publish(j, helpers, e.spin(), e.Steer)
 		work()
 		await(&done, int64(chunks), finished, e.spin())
 		e.helpers.retire(j)

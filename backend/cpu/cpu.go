@@ -27,6 +27,9 @@ type Backend struct {
 	// Spin is how long idle workers poll for the next tensor (the engine's
 	// Spin: 0 its default, negative never).
 	Spin time.Duration
+	// Steer keeps the workers helping a request's goroutine off its CPU
+	// (the engine's Steer).
+	Steer bool
 
 	phases optimizer.Phases // of every session's engine, and of the page checks
 }
@@ -62,6 +65,7 @@ func (b *Backend) Open(c backend.Client) (backend.Session, error) {
 	e := optimizer.NewEngine()
 	e.Workers = b.Workers
 	e.Spin = b.Spin
+	e.Steer = b.Steer
 	e.Phases = &b.phases
 	if b.MinChunk > 0 {
 		e.MinChunk = b.MinChunk

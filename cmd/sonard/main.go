@@ -79,6 +79,7 @@ func run() int {
 	logFormat := fs.String("log-format", envOr("SONAR_LOG_FORMAT", "console"), "log format: console or json (env SONAR_LOG_FORMAT)")
 	workers := fs.Int("workers", envInt("SONAR_WORKERS", runtime.GOMAXPROCS(0)), "goroutines per tensor update (env SONAR_WORKERS)")
 	spin := fs.Duration("spin", envDuration("SONAR_SPIN", 50*time.Microsecond), "how long an update's idle worker goroutines keep polling for the next tensor, and a request's wait for them, before they sleep (a woken thread costs tens of microseconds on a virtual CPU that halts when idle); 0: never poll (env SONAR_SPIN)")
+	steer := fs.Bool("steer", envOr("SONAR_STEER", "1") != "0", "keep the workers that help a request's goroutine off its CPU while they work (on a virtual machine whose idle CPUs halt, a worker woken after an idle gap otherwise lands on that goroutine's core); SONAR_STEER=0 turns it off (env SONAR_STEER)")
 	shmDir := fs.String("shm-dir", envOr("SONAR_SHM_DIR", "/dev/shm"), "directory of POSIX shared memory (env SONAR_SHM_DIR)")
 	idle := fs.Duration("idle-timeout", envDuration("SONAR_IDLE_TIMEOUT", 10*time.Minute), "release the state of a client whose connection cannot be watched after this long without a request (a session normally ends --reconnect-grace after its connection closed); 0: never (env SONAR_IDLE_TIMEOUT)")
 	curveSecret := fs.String("curve-secret-file", os.Getenv("SONAR_CURVE_SECRET_FILE"), "file holding the server's CURVE secret key (Z85, mode 0600); required for tcp:// (env SONAR_CURVE_SECRET_FILE)")
@@ -178,6 +179,7 @@ func run() int {
 	}
 	cpuBackend := cpu.New(ipcbridge.ShmMapper{Dir: *shmDir, Unlink: true}, *workers)
 	cpuBackend.Spin = *spin
+	cpuBackend.Steer = *steer
 	if *spin <= 0 {
 		cpuBackend.Spin = -1 // the engine's "never"
 	}
@@ -250,7 +252,7 @@ func run() int {
 		log.Info("metrics", zap.String("url", "http://"+ln.Addr().String()+"/metrics"))
 	}
 	log.Info("sonard listening", zap.String("addr", *listen), zap.String("version", sonar.Version),
-		zap.Int("protocol", ipc.Version), zap.Int("workers", *workers), zap.Duration("spin", *spin), zap.Int("pid", os.Getpid()),
+		zap.Int("protocol", ipc.Version), zap.Int("workers", *workers), zap.Duration("spin", *spin), zap.Bool("steer", *steer), zap.Int("pid", os.Getpid()),
 		zap.Stringer("isa", optimizer.KernelISA()), zap.Stringer("cpu_isa", optimizer.CPUISA()),
 		zap.String("max_state_bytes", budgetString(budget)), zap.String("max_session_state_bytes", budgetString(sessionBudget)))
 	announceCUDA() // after "sonard listening", which stays the first line
