@@ -1493,7 +1493,10 @@ def analysis(res: dict) -> list[str]:
                  "; ".join(time_lines) + ".")
         cb = [f"{MODEL_NAME[r['model']]} {r['impl']} {r['methods']['c']['median_step_s'] / r['methods']['b']['median_step_s']:.2f}x"
               for r in res["train"] if "b" in r["methods"] and "c" in r["methods"]]
-        L.append("- **Where GraniteMoe's (d) loses to (b).** Updating during backward on the cores backward runs on "
+        gran = [r for r in res["train"] if r["model"] == "granite" and "b" in r["methods"] and "d" in r["methods"]]
+        loses = any(r["methods"]["d"]["median_step_s"] > r["methods"]["b"]["median_step_s"] for r in gran)
+        title = "Where GraniteMoe's (d) loses to (b)" if loses else "GraniteMoe's (d) against (b)"
+        L.append(f"- **{title}.** Updating during backward on the cores backward runs on "
                  "costs torch itself: its own optimizer-in-backward (c) took " + ", ".join(cb) + " (b)'s step time "
                  "in this run, with no process, request or copy in between (likely, not measured: each update's data "
                  "passes through the caches backward is using, and the hooks run one after another in backward's "
@@ -1508,7 +1511,10 @@ def analysis(res: dict) -> list[str]:
                  "377-400 us on one worker back to back, 430-443 after 5 ms asleep and 618-637 after 40 ms; on two "
                  "workers 306-422, 579-883 and 754-901 (three runs of `go test ./optimizer -bench ApplyAfterIdle "
                  "-benchtime 40x -count 3`, 2026-12-04): while this process sleeps the host runs other work on the "
-                 "cores, and a woken worker may stall mid-chunk, holding the step up." + granite_step(res) +
+                 "cores, and a woken worker may stall mid-chunk, holding the step up; the second worker, woken "
+                 "after the idle gap, was queued on its caller's own CPU (a halted CPU reads as preempted), which "
+                 "sonard avoids since 2026-12-05 (`sonard --steer`; section 4, \"on the caller's CPU or the "
+                 "other\")." + granite_step(res) +
                  " torch's single-tensor "
                  "AdamW (b) does more passes but no exchange. Two changes aimed at the exchange were measured and "
                  "not kept (2026-12-02): (1) sonard waiting in Go's poller (libzmq's ZMQ_FD in an epoll set) "
