@@ -32,9 +32,10 @@ import (
 // the caller takes chunks, so the two workers shared one core. With
 // Engine.Steer, a helper takes its publisher's CPU out of its thread's mask
 // for as long as it runs (and puts the mask back before it exits): a
-// 614K-element step after 40 ms idle, two workers, 682-756 us against
-// 926-1103 (BenchmarkApplyAfterIdle), and in GraniteMoe training sonard's
-// step of a layer 610-1130 us p50 against 1023-1660 (2026-12-05).
+// 614K-element step after 40 ms idle, two workers, 563-589 us against
+// 671-754 and in another run 682-756 against 926-1103
+// (BenchmarkApplyAfterIdle), and in GraniteMoe training sonard's step of a
+// layer 609-1130 us p50 against 1023-1823 (2026-12-05).
 //
 // Polling is bounded by the spin time (Engine.Spin, default helperSpin) per
 // job; a negative spin turns it off (helpers exit when they find no chunk,

@@ -106,19 +106,25 @@ func BenchmarkParallelCaller(b *testing.B) {
 // went to sleep and nothing of this process ran since. On a virtual machine
 // whose idle CPUs halt, other guests run on the cores meanwhile, and the
 // step after a gap of milliseconds is far slower than back to back. Compare
-// the gaps within one run: go test -bench ApplyAfterIdle ./optimizer
+// the gaps within one run: go test -bench ApplyAfterIdle ./optimizer. With
+// two workers, steer=true is sonard's default (helpers.go: the helper keeps
+// off the caller's CPU), steer=false the engine before 2026-12-05.
 func BenchmarkApplyAfterIdle(b *testing.B) {
 	const n = 614400
 	p, g, _, _ := benchBufs(n)
 	param := unsafe.Slice((*byte)(unsafe.Pointer(&p[0])), 4*n)
 	grad := unsafe.Slice((*byte)(unsafe.Pointer(&g[0])), 4*n)
-	for _, workers := range []int{1, 2} {
+	for _, c := range []struct {
+		workers int
+		steer   bool
+	}{{1, false}, {2, false}, {2, true}} {
 		for _, gap := range []time.Duration{0, 5 * time.Millisecond, 40 * time.Millisecond} {
-			b.Run(fmt.Sprintf("workers=%d/gap=%v", workers, gap), func(b *testing.B) {
+			b.Run(fmt.Sprintf("workers=%d/steer=%v/gap=%v", c.workers, c.steer, gap), func(b *testing.B) {
 				runtime.LockOSThread()
 				defer runtime.UnlockOSThread()
 				e := NewEngine()
-				e.Workers = workers
+				e.Workers = c.workers
+				e.Steer = c.steer
 				t, err := NewTensor("w", Float32, n, Hyper{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}, param)
 				if err != nil {
 					b.Fatal(err)
