@@ -1056,61 +1056,57 @@ def side_by_side(b: dict, d: dict, x: dict) -> str:
             f"{d['median_step_s'] / x['median_step_s']:.3f}x | {d['cpu_s_per_step'] / x['cpu_s_per_step']:.3f}x")
 
 
-def spin_training_section(res: dict) -> list[str]:
-    """(d) against (w): sonard's update workers polling between tensors (optimizer/helpers.go) or
-    not (SONAR_SPIN=0), side by side in the same runs."""
-    rows = [r for r in res["train"] if all(k in r["methods"] for k in "bdw")]
+def worker_variant_section(res: dict, x: str, title: str, text: str, d_name: str, x_name: str) -> list[str]:
+    """(d) against a variant x of how sonard's update workers run, side by side in the same runs:
+    step and CPU time, request latency and sonard's step time (medians over every request of the
+    timed steps)."""
+    rows = [r for r in res["train"] if all(k in r["methods"] for k in "bd" + x)]
     if not rows:
         return []
-    L = ["\n### sonard's update workers: polling or sleeping between tensors\n",
-         "On these virtual CPUs a goroutine started on the other core runs 75-90 us later, and a caller "
-         "blocked on a channel is woken as late, so a tensor's second worker used to join late or not at "
-         "all. Since 2026-12-02 the engine's idle workers poll for the next tensor for 50 us "
-         "(`sonard --spin`), the request's own goroutine polls for their last chunks before it blocks, and "
-         "the CPU backend starts them when a step request comes in (`optimizer/helpers.go`). (w) is (d) "
-         "with `SONAR_SPIN=0`: the engine before. Same runs as the tables above; request latency and "
-         "sonard's step time are medians over every request of the timed steps:\n",
-         "| model | (d) polling: step vs (b) | (w) sleeping: step vs (b) | (d) / (w) step | CPU (d) / (w) | "
-         "request p50 ms (d) / (w) | sonard step p50 ms (d) / (w) |",
+
+    def srv(m: dict) -> str:
+        v = (m.get("step_trace_p50_us") or {}).get("server_step")
+        return f"{v / 1e3:.2f}" if v else "-"
+    L = [f"\n### {title}\n", text,
+         f"| model | (d) {d_name}: step vs (b) | ({x}) {x_name}: step vs (b) | (d) / ({x}) step | CPU (d) / ({x}) | "
+         f"request p50 ms (d) / ({x}) | sonard step p50 ms (d) / ({x}) |",
          "|---|---|---|---|---|---|---|"]
     for r in rows:
         ms = r["methods"]
-        b, d, w = ms["b"], ms["d"], ms["w"]
-        def srv(m: dict) -> str:
-            v = (m.get("step_trace_p50_us") or {}).get("server_step")
-            return f"{v / 1e3:.2f}" if v else "-"
-        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {side_by_side(b, d, w)} | "
-                 f"{d['latency_ms_p50']:.2f} / {w['latency_ms_p50']:.2f} | {srv(d)} / {srv(w)} |")
+        b, d, v = ms["b"], ms["d"], ms[x]
+        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {side_by_side(b, d, v)} | "
+                 f"{d['latency_ms_p50']:.2f} / {v['latency_ms_p50']:.2f} | {srv(d)} / {srv(v)} |")
     return L
+
+
+def spin_training_section(res: dict) -> list[str]:
+    """(d) against (w): sonard's update workers polling between tensors (optimizer/helpers.go) or
+    not (SONAR_SPIN=0)."""
+    return worker_variant_section(
+        res, "w", "sonard's update workers: polling or sleeping between tensors",
+        "On these virtual CPUs a goroutine started on the other core runs 75-90 us later, and a caller "
+        "blocked on a channel is woken as late, so a tensor's second worker used to join late or not at "
+        "all. Since 2026-12-02 the engine's idle workers poll for the next tensor for 50 us "
+        "(`sonard --spin`), the request's own goroutine polls for their last chunks before it blocks, and "
+        "the CPU backend starts them when a step request comes in (`optimizer/helpers.go`). (w) is (d) "
+        "with `SONAR_SPIN=0`: the engine before. Same runs as the tables above; request latency and "
+        "sonard's step time are medians over every request of the timed steps:\n",
+        "polling", "sleeping")
 
 
 def steer_training_section(res: dict) -> list[str]:
     """(d) against (r): sonard's workers kept off the CPU of the request's goroutine while they
     work (optimizer/helpers.go, sonard --steer) or left where Linux wakes them (SONAR_STEER=0)."""
-    rows = [r for r in res["train"] if all(k in r["methods"] for k in "bdr")]
-    if not rows:
-        return []
-    L = ["\n### sonard's update workers: on the caller's CPU or the other\n",
-         "A request's goroutine takes chunks of each tensor itself and wakes a helper goroutine for the "
-         "rest. On these VMs an idle virtual CPU halts and then reads as preempted, so a thread woken "
-         "after an idle gap (every request in training) was queued on the waker's own CPU: the two "
-         "workers shared one core, and sonard's step of a layer took as long with two as with one. Since "
-         "2026-12-05 each helper takes the caller's CPU out of its thread's mask while it works and puts "
-         "it back before it exits (`sonard --steer`, on by default). (r) is (d) with `SONAR_STEER=0`; "
-         "same runs as the tables above, medians over every request of the timed steps:\n",
-         "| model | (d) steered: step vs (b) | (r) not: step vs (b) | (d) / (r) step | CPU (d) / (r) | "
-         "request p50 ms (d) / (r) | sonard step p50 ms (d) / (r) |",
-         "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        ms = r["methods"]
-        b, d, x = ms["b"], ms["d"], ms["r"]
-
-        def srv(m: dict) -> str:
-            v = (m.get("step_trace_p50_us") or {}).get("server_step")
-            return f"{v / 1e3:.2f}" if v else "-"
-        L.append(f"| {MODEL_NAME[r['model']]} {r['impl']} | {side_by_side(b, d, x)} | "
-                 f"{d['latency_ms_p50']:.2f} / {x['latency_ms_p50']:.2f} | {srv(d)} / {srv(x)} |")
-    return L
+    return worker_variant_section(
+        res, "r", "sonard's update workers: on the caller's CPU or the other",
+        "A request's goroutine takes chunks of each tensor itself and wakes a helper goroutine for the "
+        "rest. On these VMs an idle virtual CPU halts and then reads as preempted, so a thread woken "
+        "after an idle gap (every request in training) was queued on the waker's own CPU: the two "
+        "workers shared one core, and sonard's step of a layer took as long with two as with one. Since "
+        "2026-12-05 each helper takes the caller's CPU out of its thread's mask while it works and puts "
+        "it back before it exits (`sonard --steer`, on by default). (r) is (d) with `SONAR_STEER=0`; "
+        "same runs as the tables above, medians over every request of the timed steps:\n",
+        "steered", "not")
 
 
 def waits_training_section(res: dict) -> list[str]:
