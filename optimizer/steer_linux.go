@@ -33,7 +33,10 @@ func awayFrom(cpu int) (restore func()) {
 		return runtime.UnlockOSThread
 	}
 	return func() {
-		_ = unix.SchedSetaffinity(0, &old) // this thread's own mask, as it was: cannot fail
+		// The thread's own mask as it was; should that fail (its cpuset
+		// shrank meanwhile), the thread keeps the narrower mask: no update
+		// depends on where it runs.
+		_ = unix.SchedSetaffinity(0, &old)
 		runtime.UnlockOSThread()
 	}
 }
