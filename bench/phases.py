@@ -9,9 +9,10 @@ added somewhere) or waits (the trainer's cores idle while sonard answers).
 
     python bench/phases.py --model granite --methods bq --steps 30
 
-Methods: b torch.optim.AdamW without clipping; q SonarAdamW without clipping (the same
-updates as b, bit for bit); d SonarAdamW(max_grad_norm=1.0); c optimizer-in-backward over all
-parameters. Prints one JSON document; --table prints a Markdown table instead.
+Methods: those of bench/train.py (the same keys, built by its Method): e.g. b torch.optim.AdamW
+without clipping; q SonarAdamW without clipping (the same updates as b, bit for bit); d
+SonarAdamW(max_grad_norm=1.0); c optimizer-in-backward over all parameters. Prints one JSON
+document; --table prints a Markdown table instead.
 """
 
 from __future__ import annotations
@@ -29,55 +30,32 @@ import torch
 import transformers
 
 import models
-import sonar_moe
 import tiny_moe
+import train
 
-LR, WD, CLIP = 1e-3, 0.01, 1.0
 PHASES = ("forward", "backward", "step")
 
 
 class Trainee:
-    """One model and its optimizer; the per-phase times of its timed steps."""
+    """One of bench/train.py's methods (the same optimizer, options and environment); the
+    per-phase times of its timed steps."""
 
     def __init__(self, key: str, model: torch.nn.Module) -> None:
-        self.key, self.model = key, model
-        self.sonar: sonar_moe.SonarAdamW | None = None
-        self.opt: Any = None
-        if key == "b":
-            self.opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-        elif key == "c":
-            self.per_param = {p: torch.optim.AdamW([p], lr=LR, weight_decay=WD) for p in model.parameters()}
-            for p in self.per_param:
-                p.register_post_accumulate_grad_hook(self._in_backward)
-        elif key in ("q", "d"):
-            self.sonar = self.opt = sonar_moe.SonarAdamW(model, lr=LR, weight_decay=WD,
-                                                         max_grad_norm=CLIP if key == "d" else None)
-        else:
-            raise SystemExit(f"unknown method {key!r}: b, c, d or q")
+        self.method = train.Method(key, model)
         self.wall: dict[str, list[float]] = {k: [] for k in PHASES}
         self.cpu: dict[str, list[float]] = {k: [] for k in PHASES}
         self.faults: list[int] = []
         self.server_cpu: list[float] = []
 
-    def _in_backward(self, p: torch.Tensor) -> None:
-        o = self.per_param[p]
-        o.step()
-        o.zero_grad(set_to_none=True)
-
-    def _server_cpu_s(self) -> float:
-        proc = self.sonar.server_process if self.sonar is not None else None
-        return common.proc_cpu_s(proc.pid) if proc is not None else 0.0
-
     def step(self, batch: dict[str, torch.Tensor], record: bool) -> None:
+        m = self.method
         marks = [(time.perf_counter(), time.process_time())]
-        f0, s0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, self._server_cpu_s()
-        loss = self.model(**batch).loss
+        f0, s0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, m.server_cpu()
+        loss = m.model(**batch).loss
         marks.append((time.perf_counter(), time.process_time()))
         loss.backward()
         marks.append((time.perf_counter(), time.process_time()))
-        if self.opt is not None:
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+        m.update()
         marks.append((time.perf_counter(), time.process_time()))
         if not record:
             return
@@ -85,7 +63,7 @@ class Trainee:
             self.wall[k].append(marks[i + 1][0] - marks[i][0])
             self.cpu[k].append(marks[i + 1][1] - marks[i][1])
         self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-        self.server_cpu.append(self._server_cpu_s() - s0)
+        self.server_cpu.append(m.server_cpu() - s0)
 
     def result(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -97,14 +75,13 @@ class Trainee:
         }
         out["wall_ms"]["total"] = 1e3 * common.median([sum(x) for x in zip(*self.wall.values())])
         out["cpu_ms"]["total"] = 1e3 * common.median([sum(x) for x in zip(*self.cpu.values())])
-        if self.sonar is not None:
-            srv = self.sonar.stats()["server"]
+        if self.method.sonar is not None:
+            srv = self.method.sonar.stats()["server"]
             out["server_phase_s"] = {k: float(srv.get(f"{k}_s", 0.0)) for k in ("check", "read", "kernel")}
         return out
 
     def close(self) -> None:
-        if self.sonar is not None:
-            self.sonar.close()
+        self.method.close()
 
 
 def table(res: dict[str, Any]) -> str:
@@ -153,7 +130,7 @@ def main() -> None:
         for t in trainees:
             t.step(batch, record=i >= a.warmup)
     res = {"model": a.model, "impl": a.impl, "layers": a.layers, "steps": a.steps,
-           "threads": torch.get_num_threads(), "methods": {t.key: t.result() for t in trainees}}
+           "threads": torch.get_num_threads(), "methods": {t.method.key: t.result() for t in trainees}}
     for t in trainees:
         t.close()
     print(table(res) if a.table else json.dumps(res))

@@ -154,6 +154,11 @@ class Method:
     def step(self, batch: dict[str, torch.Tensor]) -> float:
         loss = self.model(**batch).loss
         loss.backward()
+        self.update()
+        return float(loss.detach())
+
+    def update(self) -> None:
+        """What follows backward: clipping (a), the optimizer's step and zero_grad."""
         if self.key == "a":
             torch.nn.utils.clip_grad_norm_(self.params, CLIP)
         if self.opt is not None:
@@ -161,7 +166,6 @@ class Method:
             self.opt.zero_grad(set_to_none=True)
         elif self.key == "n":
             self.model.zero_grad(set_to_none=True)
-        return float(loss.detach())
 
     def timed_step(self, batch: dict[str, torch.Tensor], record: bool) -> None:
         h0, d0, r0 = sonar_seconds(self.sonar)
