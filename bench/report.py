@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 MiB = 2**20
@@ -1303,6 +1304,38 @@ def ratio_summary(runs: list[dict], cpu: bool = False) -> str:
     return "; ".join(parts) if parts else "not measured in this run"
 
 
+def block_medians(times: list[float], blocks: int) -> list[float]:
+    """The medians of times cut into blocks of equal length, in order."""
+    n = len(times) // blocks if blocks else 0
+    return [statistics.median(times[i * n:(i + 1) * n]) for i in range(blocks)] if n else []
+
+
+def block_sentence(res: dict, by: dict, big: int) -> str:
+    """Where the largest float32 case's blocks (torch's and the Go engine's alternate) ran at two
+    speeds: each block's median, and torch fused against the Go kernels at their fastest block,
+    which compares them at the same memory speed. Empty when no block is 25% off another."""
+    rounds = res["torch"].get("rounds")
+    if not rounds:
+        return ""
+    series = {"torch fused": (by.get(("torch-fused", "float32", big)), rounds),
+              "Go IEEE": (by.get(("go-ieee", "float32", big)), rounds + 1),
+              "Go fused": (by.get(("go-fused", "float32", big)), rounds + 1)}
+    meds = {k: block_medians(r["times_s"], n) for k, (r, n) in series.items() if r and r.get("times_s")}
+    if len(meds) < 3 or any(not m for m in meds.values()):
+        return ""
+    every = [x for m in meds.values() for x in m]
+    if max(every) < 1.25 * min(every):
+        return ""
+    lists = "; ".join(f"{k} {' / '.join(f'{1e3 * x:.1f}' for x in m)}" for k, m in meds.items())
+    best = {k: min(m) for k, m in meds.items()}
+    return (f" At {size_name(big)} the blocks' medians (ms, in order: {lists}) differ by up to "
+            f"{max(every) / min(every) - 1:.0%}: the memory of this shared host gave some blocks far more "
+            "bandwidth than others, for seconds at a time, so the medians above compare whichever speed each "
+            "got. At the fastest block of each, the Go "
+            f"kernels run at {best['torch fused'] / best['Go IEEE']:.2f}x (IEEE root) and "
+            f"{best['torch fused'] / best['Go fused']:.2f}x (fused) torch fused.")
+
+
 def analysis(res: dict) -> list[str]:
     """Why targets are met or missed: the mechanisms, with this run's numbers."""
     L = ["## Why\n"]
@@ -1347,6 +1380,7 @@ def analysis(res: dict) -> list[str]:
                     "(read-for-ownership), so the bus carries about 40 bytes per element for the 28 counted. ")
         txt += ("Multi-threaded torch suffers most from other processes' load (its OpenMP threads wait for each "
                 "other at every op), which explains its outliers.")
+        txt += block_sentence(res, by, big)
         L.append(txt)
     gb, fb = by.get(("go-ieee", "bfloat16", big)), by.get(("torch-fused", "bfloat16", big))
     bf_rates = ", ".join(f"{by[('go-ieee', 'bfloat16', n)]['elements_per_s'] / 1e9:.2f}" for n in sizes
