@@ -1312,8 +1312,9 @@ def block_medians(times: list[float], blocks: int) -> list[float]:
 
 def block_sentence(res: dict, by: dict, big: int) -> str:
     """Where the largest float32 case's blocks (torch's and the Go engine's alternate) ran at two
-    speeds: each block's median, and torch fused against the Go kernels at their fastest block,
-    which compares them at the same memory speed. Empty when no block is 25% off another."""
+    speeds: each block's median, and torch fused against the Go kernels level by level (a block
+    is fast when its median is below the midpoint of the slowest and fastest blocks), which
+    compares them at the same memory speed. Empty when no block is 25% off another."""
     rounds = res["torch"].get("rounds")
     if not rounds:
         return ""
@@ -1326,14 +1327,25 @@ def block_sentence(res: dict, by: dict, big: int) -> str:
     every = [x for m in meds.values() for x in m]
     if max(every) < 1.25 * min(every):
         return ""
+    mid = (max(every) + min(every)) / 2
     lists = "; ".join(f"{k} {' / '.join(f'{1e3 * x:.1f}' for x in m)}" for k, m in meds.items())
-    best = {k: min(m) for k, m in meds.items()}
-    return (f" At {size_name(big)} the blocks' medians (ms, in order: {lists}) differ by up to "
+    levels = []
+    for name, keep in (("fast", lambda x: x < mid), ("slow", lambda x: x >= mid)):
+        at = {k: statistics.median(xs) for k, m in meds.items() if (xs := [x for x in m if keep(x)])}
+        if "torch fused" not in at:
+            continue
+        got = [f"{k} {at['torch fused'] / at[k]:.2f}x" for k in ("Go IEEE", "Go fused") if k in at]
+        missing = [k for k in ("Go IEEE", "Go fused") if k not in at]
+        if got:
+            levels.append(f"in the {name} blocks (torch fused {1e3 * at['torch fused']:.1f} ms) " + ", ".join(got)
+                          + (f" ({' and '.join(missing)}: no {name} block)" if missing else ""))
+    text = (f" At {size_name(big)} the blocks' medians (ms, in order: {lists}) differ by up to "
             f"{max(every) / min(every) - 1:.0%}: the memory of this shared host gave some blocks far more "
             "bandwidth than others, for seconds at a time, so the medians above compare whichever speed each "
-            "got. At the fastest block of each, the Go "
-            f"kernels run at {best['torch fused'] / best['Go IEEE']:.2f}x (IEEE root) and "
-            f"{best['torch fused'] / best['Go fused']:.2f}x (fused) torch fused.")
+            "got.")
+    if levels:
+        text += " Level by level, the Go kernels against torch fused: " + "; ".join(levels) + "."
+    return text
 
 
 def analysis(res: dict) -> list[str]:
