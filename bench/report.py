@@ -66,8 +66,7 @@ def kernel_rows(res: dict) -> tuple[list[dict], float, dict]:
         r["case_copy"] = case_copy.get((r["dtype"], r["numel"]))
         r["case_stream"] = case_stream.get((r["dtype"], r["numel"]))
     if case_copy:
-        import statistics as _st
-        return rows, _st.median(case_copy.values()), copies
+        return rows, statistics.median(case_copy.values()), copies
     return rows, max(copies.values()), copies
 
 
