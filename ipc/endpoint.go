@@ -67,7 +67,7 @@ func Open(addr string, log *zap.Logger, curve *Curve, opts Options) (Endpoint, e
 		if curve != nil && curve.ServerSecret != "" {
 			return nil, fmt.Errorf("listen: %w: %q: CURVE keys are for tcp://", ErrTransport, addr)
 		}
-		return ListenUnix(addr, log)
+		return ListenUnix(addr, log, opts)
 	}
 	return Listen(addr, log, curve, opts)
 }

@@ -67,6 +67,11 @@ type Options struct {
 	// that answered nothing for that long (default 10 s), which releases its
 	// client's session like a closed socket.
 	HeartbeatInterval, HeartbeatTimeout time.Duration
+	// Poll is how long a unix:// connection polls its socket for the next
+	// request before it sleeps, while requests come in quick succession
+	// (pollRule); 0: never. The ZeroMQ transport does not poll (its I/O
+	// threads, not the serving goroutine, wait for the socket).
+	Poll time.Duration
 }
 
 func (o Options) withDefaults() Options {

@@ -57,6 +57,7 @@ type UnixTransport struct {
 	ln   *net.UnixListener
 	log  *zap.Logger
 	path string
+	poll time.Duration // Options.Poll
 
 	turn    fifoLock // held while the handler runs (Handle, Tick, Connected, Disconnected)
 	h       Handler
@@ -108,7 +109,7 @@ func (l *fifoLock) Unlock() {
 // the socket file gets mode 0600. A socket file left by a server that is
 // gone (nothing accepts on it) is replaced; one a live server listens on is
 // an error.
-func ListenUnix(addr string, log *zap.Logger) (*UnixTransport, error) {
+func ListenUnix(addr string, log *zap.Logger, opts Options) (*UnixTransport, error) {
 	if err := CheckEndpoint(addr, false); err != nil {
 		return nil, fmt.Errorf("listen: %w", err)
 	}
@@ -130,7 +131,7 @@ func ListenUnix(addr string, log *zap.Logger) (*UnixTransport, error) {
 		_ = ln.Close()
 		return nil, fmt.Errorf("chmod %s: %w", path, err)
 	}
-	return &UnixTransport{ln: ln, log: log, path: path, conns: map[string]*net.UnixConn{},
+	return &UnixTransport{ln: ln, log: log, path: path, poll: opts.Poll, conns: map[string]*net.UnixConn{},
 		open: map[*net.UnixConn]struct{}{}}, nil
 }
 
@@ -261,7 +262,7 @@ func (t *UnixTransport) serveConn(c *net.UnixConn) {
 		t.mu.Unlock()
 		_ = c.Close()
 	}()
-	r := bufio.NewReaderSize(c, 64<<10)
+	r := bufio.NewReaderSize(newPollingReader(c, t.poll), 64<<10)
 	id, err := readFrame(r, maxIDBytes)
 	if err != nil || len(id) == 0 {
 		t.log.Debug("dropping a connection without a client id", zap.Error(err), zap.Int("bytes", len(id)))

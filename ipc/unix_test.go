@@ -22,11 +22,12 @@ import (
 
 // serveUnix starts a UnixTransport in a temporary directory and stops it when
 // the test ends (checking that Serve returns and the socket file is gone).
+// Its connections poll for requests as sonard's do by default (--spin).
 func serveUnix(t testing.TB, h Handler) (addr, path string) {
 	t.Helper()
 	path = filepath.Join(t.TempDir(), "run", "s.sock")
 	addr = "unix://" + path
-	ep, err := Open(addr, zap.NewNop(), nil, Options{})
+	ep, err := Open(addr, zap.NewNop(), nil, Options{Poll: 50 * time.Microsecond})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,6 +11,7 @@ import signal
 import socket
 import struct
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ import sonar_moe
 from conftest import server_stats, sonard_command
 from moe_util import TinyMoE, assert_same_params, train_beside
 from sonar_moe import Connection, SonarError, SonarServerDied
+from sonar_moe._channel import PollRule, UnixChannel, poll_seconds
 from sonar_moe._launch import start_private_server
 
 
@@ -195,3 +197,110 @@ def test_unknown_transport_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SONAR_TRANSPORT", "carrier-pigeon")
     with pytest.raises(SonarError, match="SONAR_TRANSPORT"):
         start_private_server(timeout=10)
+
+
+@pytest.mark.parametrize("setting, seconds", [
+    (None, 50e-6), ("", 50e-6), ("50us", 50e-6), ("50\u00b5s", 50e-6), ("0", 0.0), ("0s", 0.0),
+    ("1.5ms", 1.5e-3), (".5us", 0.5e-6), ("1m30s", 90.0), ("+20us", 20e-6), ("-5us", 0.0),
+])
+def test_spin_setting_read_as_sonard_reads_it(sonard_binary: str, setting: str | None, seconds: float) -> None:
+    """SONAR_SPIN governs both ends of a unix:// connection: the client reads it as sonard's
+    --spin flag does (sonard accepts every value the client does; a negative one never polls)."""
+    assert poll_seconds(setting) == pytest.approx(seconds, rel=1e-12, abs=1e-15)
+    if setting:
+        done = subprocess.run([sonard_binary, "--spin", setting, "--version"], capture_output=True)
+        assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("setting", ["50", "us", "50 us", "fast", "-", "5x", "1e3us"])
+def test_bad_spin_setting_is_a_clear_error(sonard_binary: str, monkeypatch: pytest.MonkeyPatch,
+                                           setting: str) -> None:
+    """A SONAR_SPIN that is no duration fails the connection with its name, as sonard's flag
+    refuses it, instead of a silent default."""
+    done = subprocess.run([sonard_binary, "--spin", setting, "--version"], capture_output=True)
+    assert done.returncode != 0
+    monkeypatch.setenv("SONAR_SPIN", setting)
+    monkeypatch.setenv("SONAR_TRANSPORT", "unix")
+    with pytest.raises(ValueError, match="SONAR_SPIN"):
+        start_private_server(timeout=10.0)
+
+
+class SlowPeer:
+    """The server's end of one unix:// connection, played by the test so that it can answer
+    after a chosen delay (a real socket; the client is sonar_moe's own channel)."""
+
+    def __init__(self, path: Path) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(1)
+        self.conn: socket.socket | None = None
+
+    def accept(self) -> None:
+        self.conn, _ = self.listener.accept()
+        (n,) = struct.unpack("<I", self.conn.recv(4, socket.MSG_WAITALL))
+        self.conn.recv(n, socket.MSG_WAITALL)  # the client's id
+
+    def answer_after(self, delay: float, payload: bytes) -> threading.Thread:
+        assert self.conn is not None
+        conn = self.conn
+
+        def run() -> None:
+            time.sleep(delay)
+            conn.sendall(struct.pack("<I", len(payload)) + payload)
+        th = threading.Thread(target=run)
+        th.start()
+        return th
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()
+
+
+def timed_wait(chan: UnixChannel, peer: SlowPeer, delay: float) -> tuple[float, float]:
+    """Wall and CPU seconds of this process for one wait on chan for a reply sent after delay."""
+    th = peer.answer_after(delay, b"reply")
+    c0, t0 = time.process_time(), time.perf_counter()
+    assert chan.recv(10.0) == b"reply"
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    th.join()
+    assert wall >= delay * 0.9
+    return wall, cpu
+
+
+def test_client_waits_poll_only_while_replies_are_quick(tmp_path: Path) -> None:
+    """A wait for a reply polls (costs its length in CPU) while each wait ended within the poll
+    time, and sleeps (costs nothing) once one took longer, until a wait is quick again: a trainer
+    waiting for updates spends no CPU polling."""
+    peer = SlowPeer(tmp_path / "peer.sock")
+    accepted = threading.Thread(target=peer.accept)
+    accepted.start()
+    chan = UnixChannel(str(tmp_path / "peer.sock"), 10.0, lambda: None, PollRule(0.5))
+    accepted.join()
+    try:
+        wall, cpu = timed_wait(chan, peer, 0.15)  # hot: polls throughout the 150 ms
+        assert cpu > wall / 4, f"a hot wait used {cpu:.3f} s of CPU over {wall:.3f} s: it did not poll"
+        wall, cpu = timed_wait(chan, peer, 0.7)  # longer than the poll time: polls 0.5 s, then sleeps
+        assert cpu < wall * 0.9
+        wall, cpu = timed_wait(chan, peer, 0.15)  # cold: sleeps
+        assert cpu < wall / 3, f"a cold wait used {cpu:.3f} s of CPU over {wall:.3f} s: it polled"
+        wall, cpu = timed_wait(chan, peer, 0.0)  # quick again: hot for the next one
+        wall, cpu = timed_wait(chan, peer, 0.15)
+        assert cpu > wall / 4, "polling did not resume after a quick wait"
+    finally:
+        chan.close()
+        peer.close()
+
+
+def test_unix_pings_poll_with_the_default_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against a real private sonard, with SONAR_SPIN unset, off and longer: every call is
+    answered (the polling paths read frames as the sleeping one does)."""
+    monkeypatch.setenv("SONAR_TRANSPORT", "unix")
+    for setting in ("", "0", "200us"):
+        monkeypatch.setenv("SONAR_SPIN", setting)
+        conn = start_private_server(timeout=10.0)
+        try:
+            for i in range(300):
+                assert conn.call("ping", {"i": i}) is not None
+        finally:
+            conn.shutdown()

@@ -78,7 +78,7 @@ func run() int {
 	logLevel := fs.String("log-level", envOr("SONAR_LOG_LEVEL", "info"), "log level: debug, info, warn, error (env SONAR_LOG_LEVEL)")
 	logFormat := fs.String("log-format", envOr("SONAR_LOG_FORMAT", "console"), "log format: console or json (env SONAR_LOG_FORMAT)")
 	workers := fs.Int("workers", envInt("SONAR_WORKERS", runtime.GOMAXPROCS(0)), "goroutines per tensor update (env SONAR_WORKERS)")
-	spin := fs.Duration("spin", envDuration("SONAR_SPIN", 50*time.Microsecond), "how long an update's idle worker goroutines keep polling for the next tensor, and a request's wait for them, before they sleep (a woken thread costs tens of microseconds on a virtual CPU that halts when idle); 0: never poll (env SONAR_SPIN)")
+	spin := fs.Duration("spin", envDuration("SONAR_SPIN", 50*time.Microsecond), "how long sonard's idle threads keep polling before they sleep: an update's worker goroutines for the next tensor, a request's wait for them, and on unix:// a connection whose requests come in quick succession for the next one (a woken thread costs tens of microseconds on a virtual CPU that halts when idle); 0: never poll (env SONAR_SPIN)")
 	steer := fs.Bool("steer", envOr("SONAR_STEER", "1") != "0", "keep the workers that help a request's goroutine off its CPU while they work (on a virtual machine whose idle CPUs halt, a worker woken after an idle gap otherwise lands on that goroutine's core); SONAR_STEER=0 turns it off (env SONAR_STEER)")
 	shmDir := fs.String("shm-dir", envOr("SONAR_SHM_DIR", "/dev/shm"), "directory of POSIX shared memory (env SONAR_SHM_DIR)")
 	idle := fs.Duration("idle-timeout", envDuration("SONAR_IDLE_TIMEOUT", 10*time.Minute), "release the state of a client whose connection cannot be watched after this long without a request (a session normally ends --reconnect-grace after its connection closed); 0: never (env SONAR_IDLE_TIMEOUT)")
@@ -216,7 +216,7 @@ func run() int {
 	// and still get a clean exit.
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer cancel()
-	tr, err := ipc.Open(*listen, log, curve, ipc.Options{HeartbeatTimeout: *heartbeat})
+	tr, err := ipc.Open(*listen, log, curve, ipc.Options{HeartbeatTimeout: *heartbeat, Poll: max(*spin, 0)})
 	if err != nil {
 		log.Error("listen failed", zap.Error(err))
 		return exitError

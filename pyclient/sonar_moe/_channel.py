@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import select
 import socket
 import struct
@@ -73,11 +74,68 @@ def client_id() -> bytes:
     return b"S" + os.urandom(15)
 
 
+# How long a wait for a reply polls before it sleeps, while replies come that quickly
+# (PollRule): sonard's own polling time, SONAR_SPIN, so one setting governs both ends.
+DEFAULT_POLL_S = 50e-6
+# Go's time.ParseDuration syntax, which sonard reads SONAR_SPIN with: "50us", "0.2ms", "1m30s".
+_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_TERM = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+
+
+def poll_seconds(setting: str | None) -> float:
+    """SONAR_SPIN's value in seconds: a duration as sonard's flags take it (``50us``,
+    ``0.2ms``, ``0``); unset or empty is the default, a negative one is 0 (never poll). A value
+    that is not a duration is an error, not a silent default."""
+    if setting is None or not setting.strip():
+        return DEFAULT_POLL_S
+    text = setting.strip()
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    if body == "0":
+        return 0.0
+    total, pos = 0.0, 0
+    while pos < len(body) or not body:
+        m = _TERM.match(body, pos)
+        if m is None:
+            raise ValueError(f"SONAR_SPIN={setting!r} is not a duration such as 50us, 0.2ms or 0")
+        total += float(m.group(1)) * _UNITS[m.group(2)]
+        pos = m.end()
+    return max(0.0, sign * total)
+
+
+class PollRule:
+    """Whether a wait for a reply polls before it sleeps: while replies come quickly.
+
+    A thread asleep in a read is woken through its CPU, which on virtual machines whose idle
+    CPUs halt costs tens of microseconds; one that polls finds the reply the moment it lands.
+    So while each wait ended within ``poll`` seconds (a client calling a quick request in a
+    loop, as a ping does), the next one first polls for up to ``poll`` seconds; once a wait
+    lasts longer (a reply that takes an update's time, as in training) the next one sleeps at
+    once and costs no CPU, until a wait again ends within ``poll``. sonard follows the same
+    rule for requests (its --spin). ``poll`` 0 never polls."""
+
+    def __init__(self, poll: float) -> None:
+        self.poll = poll
+        self._cold = poll <= 0
+
+    def until(self, start: float) -> float | None:
+        """When a wait begun at ``start`` (time.perf_counter) stops polling; None: no poll."""
+        return None if self._cold else start + self.poll
+
+    def ended(self, start: float) -> None:
+        """The wait begun at ``start`` has ended."""
+        self._cold = self.poll <= 0 or time.perf_counter() - start > self.poll
+
+
 def open_channel(address: str, timeout: float, server_gone: Callable[[], None]) -> Channel:
     """The channel for address (checked by the caller). server_gone raises when the private
-    server this address belongs to has exited (a unix:// connect stops waiting then)."""
+    server this address belongs to has exited (a unix:// connect stops waiting then). On
+    unix://, waits for replies poll first by PollRule, for SONAR_SPIN (the setting sonard
+    polls by); ZeroMQ waits do not poll: libzmq's I/O threads sleep between messages whatever
+    the caller does (ipc/unixpoll.go)."""
     if address.startswith("unix://"):
-        return UnixChannel(address.removeprefix("unix://"), timeout, server_gone)
+        rule = PollRule(poll_seconds(os.environ.get("SONAR_SPIN")))
+        return UnixChannel(address.removeprefix("unix://"), timeout, server_gone, rule)
     return ZmqChannel(address)
 
 
@@ -158,10 +216,14 @@ class UnixChannel:
     (no I/O thread on either side to answer them); instead the server's process, known from
     the socket's peer credentials, is looked up in /proc: stopped (SIGSTOP, a debugger) for
     STOPPED_LIMIT_S, it is given up as ZeroMQ's heartbeat timeout would. A server that runs
-    but never answers is found by the connection's request timeout, on either channel."""
+    but never answers is found by the connection's request timeout, on either channel.
 
-    def __init__(self, path: str, timeout: float, server_gone: Callable[[], None]) -> None:
+    A wait for a reply polls the socket without blocking first, by ``rule``."""
+
+    def __init__(self, path: str, timeout: float, server_gone: Callable[[], None],
+                 rule: PollRule | None = None) -> None:
         self._path = path
+        self._rule = rule or PollRule(0.0)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._buf = bytearray()
         self._pos = 0  # start of the first unread frame in _buf
@@ -279,6 +341,28 @@ class UnixChannel:
                 if (frame := self._frame()) is not None:
                     return frame
             return None
+        start = time.perf_counter()
+        until = self._rule.until(start)
+        if until is not None:
+            frame = self._poll_for_frame(min(until, start + timeout))
+            if frame is not None or self._eof:
+                self._rule.ended(start)
+                return frame
+        frame = self._wait_for_frame(max(start + timeout - time.perf_counter(), 1e-6))
+        self._rule.ended(start)
+        return frame
+
+    def _poll_for_frame(self, until: float) -> bytes | None:
+        """A frame that arrives by perf_counter() time ``until``, read without blocking."""
+        while True:
+            if self._read(socket.MSG_DONTWAIT):
+                if (frame := self._frame()) is not None:
+                    return frame
+            elif self._eof or time.perf_counter() >= until:
+                return None
+
+    def _wait_for_frame(self, timeout: float) -> bytes | None:
+        """The next frame, sleeping in the socket's read for up to timeout seconds."""
         deadline = time.monotonic() + timeout
         while True:
             # One system call: a blocking read bounded by SO_RCVTIMEO (set when it changes).
