@@ -4,12 +4,14 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"path/filepath"
 	"syscall"
 	"testing"
 	"time"
 
 	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
 )
 
 func TestPollRule(t *testing.T) {
@@ -102,8 +104,11 @@ func TestPollingReader(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			srv, cli := connPair(t)
-			r := newPollingReader(srv, poll).(*pollingReader)
-			r.rule.cold = tc.cold
+			raw, err := srv.SyscallConn()
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := &pollingReader{raw: raw, rule: pollRule{poll: poll, cold: tc.cold}}
 			go func() {
 				time.Sleep(delay)
 				_, _ = cli.Write([]byte("request"))
@@ -131,7 +136,11 @@ func TestPollingReader(t *testing.T) {
 	}
 	t.Run("end of stream ends a poll", func(t *testing.T) {
 		srv, cli := connPair(t)
-		r := newPollingReader(srv, time.Hour)
+		raw, err := srv.SyscallConn()
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := &pollingReader{raw: raw, rule: pollRule{poll: time.Hour}}
 		go func() {
 			time.Sleep(50 * time.Millisecond)
 			_ = srv.CloseRead() // as the transport's stop does
@@ -151,6 +160,39 @@ func TestPollingReader(t *testing.T) {
 			t.Errorf("reader %T, want the connection", r)
 		}
 	})
+}
+
+// TestPollingOnOneCPU: a process that may run on one CPU only does not poll
+// (what it waits for needs that CPU); with more, it does.
+func TestPollingOnOneCPU(t *testing.T) {
+	var all unix.CPUSet
+	if err := unix.SchedGetaffinity(os.Getpid(), &all); err != nil {
+		t.Skipf("no CPU mask: %v", err)
+	}
+	srv, _ := connPair(t)
+	if all.Count() > 1 {
+		if _, ok := newPollingReader(srv, time.Millisecond).(*pollingReader); !ok {
+			t.Errorf("not polling with %d CPUs", all.Count())
+		}
+	}
+	one := unix.CPUSet{}
+	for c := range 1024 {
+		if all.IsSet(c) {
+			one.Set(c)
+			break
+		}
+	}
+	if err := unix.SchedSetaffinity(os.Getpid(), &one); err != nil {
+		t.Skipf("cannot confine the process: %v", err)
+	}
+	defer func() {
+		if err := unix.SchedSetaffinity(os.Getpid(), &all); err != nil {
+			t.Fatalf("restoring the CPU mask: %v", err)
+		}
+	}()
+	if r := newPollingReader(srv, time.Millisecond); r != io.Reader(srv) {
+		t.Errorf("reader %T on one CPU, want the connection itself", r)
+	}
 }
 
 // TestUnixPollingStops: a connection polling for its next request (a poll

@@ -103,13 +103,24 @@ def poll_seconds(setting: str | None) -> float:
     return max(0.0, sign * total)
 
 
+def several_cpus() -> bool:
+    """This process may run on more than one CPU. Polling for a reply only helps where the
+    server can answer on another CPU meanwhile: a process confined to one (taskset) does not
+    poll, and sonard, which inherits the confinement of the process that starts it, neither."""
+    try:
+        return len(os.sched_getaffinity(0)) > 1
+    except (AttributeError, OSError):
+        return True
+
+
 class PollRule:
     """Whether a wait for a reply polls before it sleeps: while replies come quickly.
 
     A thread asleep in a read is woken through its CPU, which on virtual machines whose idle
     CPUs halt costs tens of microseconds; one that polls finds the reply the moment it lands.
     So while each wait ended within ``poll`` seconds (a client calling a quick request in a
-    loop, as a ping does), the next one first polls for up to ``poll`` seconds; once a wait
+    loop, as a ping does), the next one first polls for up to ``poll`` seconds, yielding its
+    CPU between reads to any thread that waits for it (the server's, if they share it); once a wait
     lasts longer (a reply that takes an update's time, as in training) the next one sleeps at
     once and costs no CPU, until a wait again ends within ``poll``. sonard follows the same
     rule for requests (its --spin). ``poll`` 0 never polls."""
@@ -134,7 +145,7 @@ def open_channel(address: str, timeout: float, server_gone: Callable[[], None]) 
     polls by); ZeroMQ waits do not poll: libzmq's I/O threads sleep between messages whatever
     the caller does (ipc/unixpoll.go)."""
     if address.startswith("unix://"):
-        rule = PollRule(poll_seconds(os.environ.get("SONAR_SPIN")))
+        rule = PollRule(poll_seconds(os.environ.get("SONAR_SPIN")) if several_cpus() else 0.0)
         return UnixChannel(address.removeprefix("unix://"), timeout, server_gone, rule)
     return ZmqChannel(address)
 
@@ -360,6 +371,8 @@ class UnixChannel:
                     return frame
             elif self._eof or time.perf_counter() >= until:
                 return None
+            else:
+                os.sched_yield()
 
     def _wait_for_frame(self, timeout: float) -> bytes | None:
         """The next frame, sleeping in the socket's read for up to timeout seconds."""
