@@ -914,6 +914,13 @@ def ipc_section(res: dict) -> list[str]:
                          f"loop, decoding and handler ({us(z['p50_s'] - e['p50_s'])} us) and the Python client "
                          f"around pyzmq ({us(c['p50_s'] - z['p50_s'])} us: request bookkeeping, liveness checks, "
                          f"reply dispatch).")
+            if "client_unix" in layers:
+                L.append(f"\nOver `unix://` (since 2026-12-05) both ends poll for the next message while messages "
+                         f"come in quick succession (`SONAR_SPIN`, 50 us; a wait polls only if the one before it "
+                         f"ended within that time, and yields the CPU between reads; docs/protocol.md): back to back, "
+                         f"neither thread sleeps, and Sonar's round trip ({us(layers['client_unix']['p50_s'])} us) "
+                         f"is close to the plain socket's. After an idle gap (below) each wait was longer than "
+                         f"the poll time, so both ends sleep, as a trainer's and its server's do between layers.")
             L.append(f"\nmsgpack on the client (pack one request, unpack one reply): "
                      f"{1e6 * ping['msgpack_s_per_call']:.1f} us per call.\n")
         idle = ping.get("after_idle") or []
