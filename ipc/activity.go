@@ -38,7 +38,9 @@ import (
 // instead would make each of them hold a P, which another connection's
 // update workers then lack, and a thread asleep in a system call answered a
 // back-to-back request later than the network poller (a ping's p50 44-49 us
-// against 20-24 in a trial of 2026-12-02).
+// against 20-24 in a trial of 2026-12-02). A connection whose requests come
+// in quick succession holds its P for at most the poll time before it waits
+// there (pollingReader, unixpoll.go), yielding its CPU between reads.
 const (
 	activeFor  = time.Second
 	activeWait = 5 * time.Millisecond

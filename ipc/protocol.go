@@ -1,7 +1,9 @@
 // Package ipc owns the wire protocol between the Python client and sonard:
 // msgpack-encoded messages (a versioned envelope around one body per
-// operation), their validation, and the ZeroMQ ROUTER transport that carries
-// them. docs/protocol.md is the human-readable specification.
+// operation), their validation, and the transports that carry them: a
+// ZeroMQ ROUTER (ipc://, tcp://) and sonard's own Unix stream socket
+// (unix://), chosen once from the address (Open). docs/protocol.md is the
+// human-readable specification.
 package ipc
 
 import (
