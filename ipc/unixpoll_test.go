@@ -78,6 +78,17 @@ func connPair(t *testing.T) (srv *net.UnixConn, cli net.Conn) {
 	return srv, cli
 }
 
+// readerOf is a pollingReader of srv in the state rule says, whatever the
+// CPUs this process may use (newPollingReader polls only with several).
+func readerOf(t *testing.T, srv *net.UnixConn, rule pollRule) *pollingReader {
+	t.Helper()
+	raw, err := srv.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &pollingReader{raw: raw, rule: rule}
+}
+
 // processCPU is the CPU time this process has used so far.
 func processCPU(t *testing.T) time.Duration {
 	t.Helper()
@@ -104,11 +115,7 @@ func TestPollingReader(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			srv, cli := connPair(t)
-			raw, err := srv.SyscallConn()
-			if err != nil {
-				t.Fatal(err)
-			}
-			r := &pollingReader{raw: raw, rule: pollRule{poll: poll, cold: tc.cold}}
+			r := readerOf(t, srv, pollRule{poll: poll, cold: tc.cold})
 			go func() {
 				time.Sleep(delay)
 				_, _ = cli.Write([]byte("request"))
@@ -136,11 +143,7 @@ func TestPollingReader(t *testing.T) {
 	}
 	t.Run("end of stream ends a poll", func(t *testing.T) {
 		srv, cli := connPair(t)
-		raw, err := srv.SyscallConn()
-		if err != nil {
-			t.Fatal(err)
-		}
-		r := &pollingReader{raw: raw, rule: pollRule{poll: time.Hour}}
+		r := readerOf(t, srv, pollRule{poll: time.Hour})
 		go func() {
 			time.Sleep(50 * time.Millisecond)
 			_ = srv.CloseRead() // as the transport's stop does

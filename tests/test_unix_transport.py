@@ -24,7 +24,7 @@ import sonar_moe
 from conftest import server_stats, sonard_command
 from moe_util import TinyMoE, assert_same_params, train_beside
 from sonar_moe import Connection, SonarError, SonarServerDied
-from sonar_moe._channel import PollRule, UnixChannel, poll_seconds, several_cpus
+from sonar_moe._channel import PollRule, UnixChannel, poll_seconds, reply_poll_seconds
 from sonar_moe._launch import start_private_server
 
 
@@ -307,12 +307,13 @@ def test_unix_pings_poll_with_the_default_setting(monkeypatch: pytest.MonkeyPatc
             conn.shutdown()
 
 
-def test_a_process_on_one_cpu_does_not_poll() -> None:
+def test_a_process_on_one_cpu_does_not_poll(monkeypatch: pytest.MonkeyPatch) -> None:
     """Confined to one CPU (taskset), the client does not poll for replies: the server it waits
     for needs that very CPU. Checked in a child process confined with sched_setaffinity."""
+    monkeypatch.setenv("SONAR_SPIN", "50us")
     cpus = sorted(os.sched_getaffinity(0))
-    code = ("import os, sys; from sonar_moe._channel import several_cpus; "
-            "os.sched_setaffinity(0, {int(sys.argv[1])}); print(several_cpus())")
+    code = ("import os, sys; from sonar_moe._channel import reply_poll_seconds; "
+            "os.sched_setaffinity(0, {int(sys.argv[1])}); print(reply_poll_seconds())")
     out = subprocess.run([sys.executable, "-c", code, str(cpus[0])], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
-    assert several_cpus() == (len(cpus) > 1)
+    assert float(out.stdout) == 0.0
+    assert reply_poll_seconds() == pytest.approx(50e-6 if len(cpus) > 1 else 0.0)

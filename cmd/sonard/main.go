@@ -216,7 +216,7 @@ func run() int {
 	// and still get a clean exit.
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer cancel()
-	tr, err := ipc.Open(*listen, log, curve, ipc.Options{HeartbeatTimeout: *heartbeat, Poll: max(*spin, 0)})
+	tr, err := ipc.Open(*listen, log, curve, ipc.Options{HeartbeatTimeout: *heartbeat, Poll: *spin})
 	if err != nil {
 		log.Error("listen failed", zap.Error(err))
 		return exitError

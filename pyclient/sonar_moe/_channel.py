@@ -26,6 +26,7 @@ from typing import Protocol
 
 import zmq
 
+from ._cpus import usable_cores
 from ._liveness import Link, configure
 
 # Plain ints: pyzmq's enum flags cost microseconds per operation on the hot path.
@@ -79,7 +80,9 @@ def client_id() -> bytes:
 DEFAULT_POLL_S = 50e-6
 # Go's time.ParseDuration syntax, which sonard reads SONAR_SPIN with: "50us", "0.2ms", "1m30s".
 _UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_TERM = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+_TERM = r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)"
+_TERMS = re.compile(_TERM)
+_DURATION = re.compile(f"(?:{_TERM})+")
 
 
 def poll_seconds(setting: str | None) -> float:
@@ -93,24 +96,17 @@ def poll_seconds(setting: str | None) -> float:
     body = text.lstrip("+-")
     if body == "0":
         return 0.0
-    total, pos = 0.0, 0
-    while pos < len(body) or not body:
-        m = _TERM.match(body, pos)
-        if m is None:
-            raise ValueError(f"SONAR_SPIN={setting!r} is not a duration such as 50us, 0.2ms or 0")
-        total += float(m.group(1)) * _UNITS[m.group(2)]
-        pos = m.end()
-    return max(0.0, sign * total)
+    if not _DURATION.fullmatch(body):
+        raise ValueError(f"SONAR_SPIN={setting!r} is not a duration such as 50us, 0.2ms or 0")
+    return max(0.0, sign * sum(float(n) * _UNITS[unit] for n, unit in _TERMS.findall(body)))
 
 
-def several_cpus() -> bool:
-    """This process may run on more than one CPU. Polling for a reply only helps where the
-    server can answer on another CPU meanwhile: a process confined to one (taskset) does not
-    poll, and sonard, which inherits the confinement of the process that starts it, neither."""
-    try:
-        return len(os.sched_getaffinity(0)) > 1
-    except (AttributeError, OSError):
-        return True
+def reply_poll_seconds() -> float:
+    """How long a unix:// wait for a reply may poll: SONAR_SPIN's time, or 0 in a process that
+    may run on one CPU only. Polling only helps where the server can answer on another CPU
+    meanwhile; confined to one (taskset), the client does not poll, and sonard, which inherits
+    the confinement of the process that starts it, neither."""
+    return poll_seconds(os.environ.get("SONAR_SPIN")) if usable_cores() > 1 else 0.0
 
 
 class PollRule:
@@ -145,8 +141,7 @@ def open_channel(address: str, timeout: float, server_gone: Callable[[], None]) 
     polls by); ZeroMQ waits do not poll: libzmq's I/O threads sleep between messages whatever
     the caller does (ipc/unixpoll.go)."""
     if address.startswith("unix://"):
-        rule = PollRule(poll_seconds(os.environ.get("SONAR_SPIN")) if several_cpus() else 0.0)
-        return UnixChannel(address.removeprefix("unix://"), timeout, server_gone, rule)
+        return UnixChannel(address.removeprefix("unix://"), timeout, server_gone, PollRule(reply_poll_seconds()))
     return ZmqChannel(address)
 
 

@@ -11,18 +11,11 @@ import torch
 
 from ._binary import find_sonard
 from ._connection import Connection, SonarError
+from ._cpus import usable_cores
 
 # How a private server is spoken to (SONAR_TRANSPORT overrides): both ends on this machine.
 PRIVATE_SCHEMES = {"unix": "unix://", "zmq": "ipc://"}
 DEFAULT_TRANSPORT = "zmq"
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def private_workers(torch_threads: int, cores: int) -> int | None:

@@ -21,7 +21,7 @@ from torch import nn
 from ._backend import Counter, BackendOptions, Expert, MemRef, ServerBackend, Staged, Transfer, no_ref, say_hello
 from ._connection import Connection, SonarError, SonarRefused, is_local
 from ._direct import attach_process
-from ._launch import usable_cores
+from ._cpus import usable_cores
 from ._openmp import choose_waiter
 from ._shm import PAGE, Ring, Segment
 from ._sqrt import check_session_sqrt, needed_sqrt_lib
