@@ -164,8 +164,19 @@ func stepF32IEEEAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
 //go:noescape
 func stepF32MKLAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts, fma bool)
 
+// mklSqrtSSEAVX512 and stepF32MKLSSEAVX512 are mklSqrtAVX2 and
+// stepF32MKLAVX2 on 16 lanes (kernel_mkl_avx512_amd64.s), bit for bit; n a
+// multiple of 16.
+//
+//go:noescape
+func mklSqrtSSEAVX512(dst, src *float32, n int, fma bool)
+
+//go:noescape
+func stepF32MKLSSEAVX512(pp, gg, mm, vv *float32, n int, k *vecConsts, fma bool)
+
 // hasMKLSqrt: the MKL emulations are AVX2+FMA assembly whatever level the
-// kernels use (it is the definition of the function, not a faster path).
+// kernels use (it is the definition of the function, not a faster path);
+// where the kernels run AVX-512 they take 16 lanes at a time.
 func hasMKLSqrt() bool { return cpuISA >= ISAAVX2 }
 
 // hasMKLSqrtAVX512: the emulation of MKL's AVX-512 kernel needs AVX-512F
@@ -190,7 +201,16 @@ func mklSqrtVec(k mklKernel, dst, src []float32) int {
 		return 0
 	}
 	_ = dst[n-1]
-	mklSqrtAVX2(&dst[0], &src[0], n, k == mklFMA)
+	w := 0
+	if vecISA >= ISAAVX512 {
+		w = n &^ 15
+	}
+	if w > 0 {
+		mklSqrtSSEAVX512(&dst[0], &src[0], w, k == mklFMA)
+	}
+	if w < n {
+		mklSqrtAVX2(&dst[w], &src[w], n-w, k == mklFMA)
+	}
 	return n
 }
 
@@ -199,8 +219,9 @@ func mklSqrtVec(k mklKernel, dst, src []float32) int {
 // run on AVX2 or wider and the square root is the IEEE one or an MKL
 // emulation, and returns how many elements it did (0 otherwise, and with
 // amsgrad). The IEEE square root runs 16 lanes at a time on AVX-512 and 8
-// (the rest) on AVX2; the MKL emulations are their kernels' own
-// instructions (AVX2, or AVX-512 for MKL's AVX-512 kernel) on every CPU.
+// (the rest) on AVX2; so do the emulations of MKL's SSE and AVX2 kernels
+// (their 16-lane form takes VRSQRTPS on each half: the same bits), while
+// the emulation of MKL's AVX-512 kernel is AVX-512 only.
 func stepF32OnePass(p, g, m, v []float32, s Scalars, k f32, sqrt Sqrt) int {
 	n := len(p) &^ 7
 	if sqrt.mkl == mklAVX512 {
@@ -215,7 +236,13 @@ func stepF32OnePass(p, g, m, v []float32, s Scalars, k f32, sqrt Sqrt) int {
 	case sqrt.mkl == mklAVX512:
 		stepF32MKLAVX512(&p[0], &g[0], &m[0], &v[0], n, &c)
 	case sqrt.IsMKLEmulation():
-		stepF32MKLAVX2(&p[0], &g[0], &m[0], &v[0], n, &c, sqrt.mkl == mklFMA)
+		w, _ := lanes(n)
+		if w > 0 {
+			stepF32MKLSSEAVX512(&p[0], &g[0], &m[0], &v[0], w, &c, sqrt.mkl == mklFMA)
+		}
+		if w < n {
+			stepF32MKLAVX2(&p[w], &g[w], &m[w], &v[w], n-w, &c, sqrt.mkl == mklFMA)
+		}
 	case sqrt.IsIEEE() && divisorOK(k.bc2s): // the IEEE kernels divide by bc2s through its reciprocal
 		w, _ := lanes(n)
 		if w > 0 {

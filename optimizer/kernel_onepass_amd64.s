@@ -18,7 +18,9 @@
 //     code.
 //
 // An MKL emulation is used only where a comparison with the client's vmsSqrt
-// found it equal (see sqrt.go).
+// found it equal (see sqrt.go). On a CPU with AVX-512 the kernels take the
+// 16-lane form of these emulations (kernel_mkl_avx512_amd64.s) for all but
+// the last 8 elements.
 //
 // The lanes perform the same operations as pass1AVX2, the square root, and
 // pass2AVX2, each operation with the same first source (the operand whose
