@@ -165,7 +165,7 @@ func stepF32IEEEAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts)
 func stepF32MKLAVX2(pp, gg, mm, vv *float32, n int, k *vecConsts, fma bool)
 
 // mklSqrtSSEAVX512 and stepF32MKLSSEAVX512 are mklSqrtAVX2 and
-// stepF32MKLAVX2 on 16 lanes (kernel_mkl_avx512_amd64.s), bit for bit; n a
+// stepF32MKLAVX2 on 16 lanes (kernel_avx512_amd64.s), bit for bit; n a
 // multiple of 16.
 //
 //go:noescape

@@ -2,6 +2,7 @@
 
 #include "prefetch_amd64.h"
 #include "divide_amd64.h"
+#include "mklsqrt_amd64.h"
 
 // AVX-512F versions of the passes in kernel_amd64.s: the same IEEE
 // single-precision operations in the same order, 16 lanes at a time (so the
@@ -715,5 +716,140 @@ slown:
 	ADDQ $32, BX
 	JMP loopn
 donen:
+	VZEROUPPER
+	RET
+
+// MKL's SSE and AVX2 (FMA) vmsSqrt kernels (kernel_onepass_amd64.s: MKLSQRT,
+// MKLSQRTFMA) on 16 lanes. Their approximation is the CPU's VRSQRTPS, which
+// has no 512-bit form (VRSQRT14PS is another, exactly defined approximation,
+// the one MKL's AVX-512 kernel uses), so each 16-lane block takes it on its
+// two 256-bit halves; the Newton step is the 8-lane code's macro
+// (mklsqrt_amd64.h) on Z registers, and the lanes MKL treats apart are
+// found and fixed as MKLSPECIAL and MKLFIX do, with mask registers. The
+// results are those of the 8-lane emulations bit for bit
+// (TestWideMKLSqrtAllFloat32 compares the two on every float32 input).
+
+DATA zmklSSE<>+0(SB)/4, $0x3f000000  // 0.5
+DATA zmklSSE<>+4(SB)/4, $0x7f800000  // the special-lane bias (and +inf)
+DATA zmklSSE<>+8(SB)/4, $0xfefff000  // the SSE kernel's special-lane threshold
+DATA zmklSSE<>+12(SB)/4, $0xfeffffff // the FMA kernel's
+DATA zmklSSE<>+16(SB)/4, $0x7fc00000 // MKL's NaN
+DATA zmklSSE<>+20(SB)/4, $0x80000001 // the first negative number after -0
+GLOBL zmklSSE<>(SB), RODATA|NOPTR, $24
+
+// ZSSECONSTS loads Z21 = 0.5, Z22 = bias, Z23 = the threshold of the kernel
+// that fma (a byte at FP offset off) names, Z24 = MKL's NaN, Z25 = the first
+// negative number; R10 = fma.
+#define ZSSECONSTS(off) \
+	VPBROADCASTD zmklSSE<>+0(SB), Z21; \
+	VPBROADCASTD zmklSSE<>+4(SB), Z22; \
+	VPBROADCASTD zmklSSE<>+8(SB), Z23; \
+	MOVBQZX off(FP), R10; \
+	TESTQ R10, R10; \
+	JEQ 2(PC); \
+	VPBROADCASTD zmklSSE<>+12(SB), Z23; \
+	VPBROADCASTD zmklSSE<>+16(SB), Z24; \
+	VPBROADCASTD zmklSSE<>+20(SB), Z25
+
+// ZRSQRT sets Z7 to VRSQRTPS of the 16 lanes of x (in Z0-Z15, xlo its Y
+// name: the 256-bit halves are VEX operands), clobbering Y6.
+#define ZRSQRT(x, xlo) \
+	VEXTRACTF64X4 $1, x, Y6; \
+	VRSQRTPS xlo, Y7; \
+	VRSQRTPS Y6, Y6; \
+	VINSERTF64X4 $1, Y6, Z7, Z7
+
+// ZSSESQRT and ZFMASQRT set Z0 to the SSE and the FMA kernel's square root
+// of x (ZSSECONSTS loaded; Z6, Z7, Z16-Z18 clobbered).
+#define ZSSESQRT(x, xlo) \
+	ZRSQRT(x, xlo); \
+	MKLNEWTON(x, Z0, Z7, Z16, Z17, Z18, Z21)
+
+#define ZFMASQRT(x, xlo) \
+	ZRSQRT(x, xlo); \
+	MKLNEWTONFMA(x, Z0, Z7, Z16, Z17, Z21)
+
+// ZSSESPECIAL sets K1 to the lanes of x that MKL's vector code does not
+// compute (x + bias > threshold as signed integers; MKLSPECIAL) and jumps to
+// rare if there is one; Z17 is clobbered.
+#define ZSSESPECIAL(x, rare) \
+	VPADDD Z22, x, Z17; \
+	VPCMPGTD Z23, Z17, K1; \
+	KORTESTW K1, K1; \
+	JNE rare
+
+// ZSSEFIX is MKLFIX on 16 lanes: the lanes of Z0 in K1 take the IEEE square
+// root of x, and a negative x other than -0 (x - 0x80000001 below +inf's
+// bits, unsigned) gives MKL's NaN; Z17 and K2 are clobbered.
+#define ZSSEFIX(x) \
+	VSQRTPS x, K1, Z0; \
+	VPSUBD Z25, x, Z17; \
+	VPCMPUD $1, Z22, Z17, K2; \
+	VMOVAPS Z24, K2, Z0
+
+// ZSQRTSEL is ZSSESQRT, or ZFMASQRT where R10 (ZSSECONSTS's fma) is set, as
+// MKLSQRTSEL chooses (a branch the CPU predicts every time); fmal and donel
+// name the two labels it places.
+#define ZSQRTSEL(x, xlo, fmal, donel) \
+	TESTQ R10, R10; \
+	JNE fmal; \
+	ZSSESQRT(x, xlo); \
+	JMP donel; \
+fmal: \
+	ZFMASQRT(x, xlo); \
+donel:
+
+// func mklSqrtSSEAVX512(dst, src *float32, n int, fma bool)
+TEXT ·mklSqrtSSEAVX512(SB), NOSPLIT, $0-25
+	MOVQ dst+0(FP), DI
+	MOVQ src+8(FP), SI
+	MOVQ n+16(FP), CX
+	ZSSECONSTS(fma+24)
+	XORQ BX, BX
+loopw:
+	CMPQ BX, CX
+	JGE donew
+	VMOVUPS (SI)(BX*4), Z5
+	ZSQRTSEL(Z5, Y5, fmaw, specialw)
+	ZSSESPECIAL(Z5, rarew)
+storew:
+	VMOVUPS Z0, (DI)(BX*4)
+	ADDQ $16, BX
+	JMP loopw
+rarew:
+	ZSSEFIX(Z5)
+	JMP storew
+donew:
+	VZEROUPPER
+	RET
+
+// func stepF32MKLSSEAVX512(pp, gg, mm, vv *float32, n int, k *vecConsts, fma bool)
+// One pass over 16 lanes a block: ZPASS1MV, the square root of ZSQRTSEL and
+// ZSTEPF32P, the 8-lane MKL step's operations (stepF32MKLAVX2).
+TEXT ·stepF32MKLSSEAVX512(SB), NOSPLIT, $0-49
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ n+32(FP), CX
+	MOVQ k+40(FP), AX
+	ZSTEPCONSTS
+	ZSSECONSTS(fma+48)
+	XORQ BX, BX
+loops:
+	CMPQ BX, CX
+	JGE dones
+	PREFETCH4(4)
+	ZPASS1MV
+	ZSQRTSEL(Z5, Y5, fmas, specials)
+	ZSSESPECIAL(Z5, rares)
+nexts:
+	ZSTEPF32P
+	ADDQ $16, BX
+	JMP loops
+rares:
+	ZSSEFIX(Z5)
+	JMP nexts
+dones:
 	VZEROUPPER
 	RET

@@ -1,6 +1,7 @@
 #include "textflag.h"
 #include "prefetch_amd64.h"
 #include "divide_amd64.h"
+#include "mklsqrt_amd64.h"
 
 // One-pass AVX2+FMA float32 AdamW steps (the single-tensor path, StepF32):
 // each element is read and written once, its square root taken in registers
@@ -19,7 +20,7 @@
 //
 // An MKL emulation is used only where a comparison with the client's vmsSqrt
 // found it equal (see sqrt.go). On a CPU with AVX-512 the kernels take the
-// 16-lane form of these emulations (kernel_mkl_avx512_amd64.s) for all but
+// 16-lane form of these emulations (kernel_avx512_amd64.s) for all but
 // the last 8 elements.
 //
 // The lanes perform the same operations as pass1AVX2, the square root, and
@@ -49,26 +50,13 @@ DATA mklNegLo<>+0(SB)/4, $0x80000001
 GLOBL mklNegLo<>(SB), RODATA|NOPTR, $4
 
 // MKLSQRT sets y to MKL's square root of the lanes of x, clobbering r, s, t
-// and u (all distinct from x and y). Lanes MKL treats apart (see above) are
-// fixed by MKLFIX when MKLRARE finds one.
-//
-//	r = rsqrt(x); s = x*r; h = 0.5*r; e = 0.5 - s*h
-//	s1 = s*e + s; h1 = e*h + h; y = (x - s1*s1)*h1 + s1
+// and u (all distinct from x and y): VRSQRTPS, then MKLNEWTON
+// (mklsqrt_amd64.h). Lanes MKL treats apart (see above) are fixed by MKLFIX
+// when MKLRARE finds one.
 #define MKLSQRT(x, y, r, s, t, u) \
 	VRSQRTPS x, r; \
-	VMULPS x, r, s; \
 	VBROADCASTSS mklHalf<>(SB), u; \
-	VMULPS u, r, r; \
-	VMULPS r, s, t; \
-	VSUBPS t, u, u; \
-	VMULPS u, s, t; \
-	VADDPS s, t, s; \
-	VMULPS u, r, t; \
-	VADDPS r, t, r; \
-	VMULPS s, s, t; \
-	VSUBPS t, x, t; \
-	VMULPS r, t, t; \
-	VADDPS s, t, y
+	MKLNEWTON(x, y, r, s, t, u, u)
 
 // MKLSQRT2 is MKLSQRT for two independent blocks, their instructions
 // alternated: each block is one chain of dependent operations, which the
@@ -104,21 +92,11 @@ GLOBL mklNegLo<>(SB), RODATA|NOPTR, $4
 	VADDPS s2, t2, y2
 
 // MKLSQRTFMA is MKLSQRT with fused multiply-adds (MKL's kernel for Intel's
-// AVX2 CPUs): e = fma(-s, h, 0.5); s1 = fma(e, s, s); h1 = fma(e, h, h);
-// y = fma(h1, fma(-s1, s1, x), s1).
+// AVX2 CPUs): MKLNEWTONFMA after the approximation.
 #define MKLSQRTFMA(x, y, r, s, t, u) \
 	VRSQRTPS x, r; \
-	VMULPS x, r, s; \
 	VBROADCASTSS mklHalf<>(SB), u; \
-	VMULPS u, r, r; \
-	VMOVAPS r, t; \
-	VFNMADD213PS u, s, t; \
-	VFMADD231PS s, t, s; \
-	VFMADD231PS r, t, r; \
-	VMOVAPS s, t; \
-	VFNMADD213PS x, s, t; \
-	VFMADD213PS s, r, t; \
-	VMOVAPS t, y
+	MKLNEWTONFMA(x, y, r, s, t, u)
 
 // MKLSQRTSEL is MKLSQRT, or MKLSQRTFMA where R10 (MKLTHRESH's fma) is set;
 // fmal and donel name the two labels it places.
