@@ -67,8 +67,8 @@ def test_dense_step_matches_torch_adamw(hyper: str, clip: float | None, dtype: t
 
 
 def group_of(**over: Any) -> dict[str, Any]:
-    g: dict[str, Any] = dict(lr=1e-3, betas=(0.9, 0.999), foreach=None, fused=None, capturable=False,
-                             differentiable=False)
+    g: dict[str, Any] = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01, eps=1e-8, foreach=None, fused=None,
+                             capturable=False, differentiable=False)
     g.update(over)
     return g
 
@@ -85,12 +85,14 @@ F32 = [torch.zeros(3), torch.zeros(2, 2)]
     (group_of(differentiable=True), F32, None),
     (group_of(lr=torch.tensor(1e-3)), F32, None),
     (group_of(betas=(torch.tensor(0.9), 0.999)), F32, None),
+    (group_of(weight_decay=torch.tensor(0.01)), F32, None),
+    (group_of(eps=torch.tensor(1e-8)), F32, None),
     (group_of(), [torch.zeros(3, dtype=torch.bfloat16)], None),
     (group_of(), [torch.zeros(3), torch.zeros(3, dtype=torch.float16)], None),
     (group_of(), [torch.zeros(3, dtype=torch.float64)], None),
     (group_of(), [torch.zeros(3, dtype=torch.complex64)], None),
     (group_of(), [], None),
 ], ids=["default", "foreach-false", "foreach-true", "fused", "capturable", "differentiable", "tensor-lr",
-        "tensor-beta", "bf16", "mixed-fp16", "fp64", "complex", "empty"])
+        "tensor-beta", "tensor-decay", "tensor-eps", "bf16", "mixed-fp16", "fp64", "complex", "empty"])
 def test_dense_foreach_rule(group: dict[str, Any], params: list[torch.Tensor], want: bool | None) -> None:
     assert dense_foreach(group, params) is want

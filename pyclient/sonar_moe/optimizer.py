@@ -112,7 +112,7 @@ def dense_foreach(group: Mapping[str, Any], params: list[torch.Tensor]) -> bool 
     foreach = group["foreach"]
     if foreach is not None or group["fused"] or group["capturable"] or group["differentiable"] or not params:
         return foreach
-    if any(isinstance(x, torch.Tensor) for x in (group["lr"], *group["betas"])):
+    if any(isinstance(x, torch.Tensor) for x in (group["lr"], *group["betas"], group["weight_decay"], group["eps"])):
         return foreach
     if all(p.device.type == "cpu" and p.dtype == torch.float32 and not p.is_complex() for p in params):
         return True
