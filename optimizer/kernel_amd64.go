@@ -201,10 +201,7 @@ func mklSqrtVec(k mklKernel, dst, src []float32) int {
 		return 0
 	}
 	_ = dst[n-1]
-	w := 0
-	if vecISA >= ISAAVX512 {
-		w = n &^ 15
-	}
+	w, _ := lanes(n)
 	if w > 0 {
 		mklSqrtSSEAVX512(&dst[0], &src[0], w, k == mklFMA)
 	}

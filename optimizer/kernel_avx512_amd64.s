@@ -729,27 +729,20 @@ donen:
 // results are those of the 8-lane emulations bit for bit
 // (TestWideMKLSqrtAllFloat32 compares the two on every float32 input).
 
-DATA zmklSSE<>+0(SB)/4, $0x3f000000  // 0.5
-DATA zmklSSE<>+4(SB)/4, $0x7f800000  // the special-lane bias (and +inf)
-DATA zmklSSE<>+8(SB)/4, $0xfefff000  // the SSE kernel's special-lane threshold
-DATA zmklSSE<>+12(SB)/4, $0xfeffffff // the FMA kernel's
-DATA zmklSSE<>+16(SB)/4, $0x7fc00000 // MKL's NaN
-DATA zmklSSE<>+20(SB)/4, $0x80000001 // the first negative number after -0
-GLOBL zmklSSE<>(SB), RODATA|NOPTR, $24
-
-// ZSSECONSTS loads Z21 = 0.5, Z22 = bias, Z23 = the threshold of the kernel
-// that fma (a byte at FP offset off) names, Z24 = MKL's NaN, Z25 = the first
-// negative number; R10 = fma.
+// ZSSECONSTS broadcasts the 8-lane kernels' constants (kernel_onepass_amd64.s):
+// Z21 = 0.5, Z22 = the special-lane bias (and +inf's bits), Z23 = the
+// threshold of the kernel that fma (a byte at FP offset off) names, Z24 =
+// MKL's NaN, Z25 = the first negative number after -0; R10 = fma.
 #define ZSSECONSTS(off) \
-	VPBROADCASTD zmklSSE<>+0(SB), Z21; \
-	VPBROADCASTD zmklSSE<>+4(SB), Z22; \
-	VPBROADCASTD zmklSSE<>+8(SB), Z23; \
+	VPBROADCASTD ·mklHalf(SB), Z21; \
+	VPBROADCASTD ·mklBias(SB), Z22; \
+	VPBROADCASTD ·mklThresh(SB), Z23; \
 	MOVBQZX off(FP), R10; \
 	TESTQ R10, R10; \
 	JEQ 2(PC); \
-	VPBROADCASTD zmklSSE<>+12(SB), Z23; \
-	VPBROADCASTD zmklSSE<>+16(SB), Z24; \
-	VPBROADCASTD zmklSSE<>+20(SB), Z25
+	VPBROADCASTD ·mklThreshFMA(SB), Z23; \
+	VPBROADCASTD ·mklNaN(SB), Z24; \
+	VPBROADCASTD ·mklNegLo(SB), Z25
 
 // ZRSQRT sets Z7 to VRSQRTPS of the 16 lanes of x (in Z0-Z15, xlo its Y
 // name: the 256-bit halves are VEX operands), clobbering Y6.

@@ -35,19 +35,20 @@
 // that pick the lanes MKL hands to its scalar code (zero, subnormal, the
 // largest 4095 finite values, infinities, NaNs, negative numbers); the NaN
 // MKL returns for a negative number, and the start of the negative numbers
-// (-0 excluded).
-DATA mklHalf<>+0(SB)/4, $0x3f000000
-GLOBL mklHalf<>(SB), RODATA|NOPTR, $4
-DATA mklBias<>+0(SB)/4, $0x7f800000
-GLOBL mklBias<>(SB), RODATA|NOPTR, $4
-DATA mklThresh<>+0(SB)/4, $0xfefff000
-GLOBL mklThresh<>(SB), RODATA|NOPTR, $4
-DATA mklThreshFMA<>+0(SB)/4, $0xfeffffff
-GLOBL mklThreshFMA<>(SB), RODATA|NOPTR, $4
-DATA mklNaN<>+0(SB)/4, $0x7fc00000
-GLOBL mklNaN<>(SB), RODATA|NOPTR, $4
-DATA mklNegLo<>+0(SB)/4, $0x80000001
-GLOBL mklNegLo<>(SB), RODATA|NOPTR, $4
+// (-0 excluded). Package symbols: the 16-lane kernels (kernel_avx512_amd64.s)
+// broadcast the same ones.
+DATA ·mklHalf+0(SB)/4, $0x3f000000
+GLOBL ·mklHalf(SB), RODATA|NOPTR, $4
+DATA ·mklBias+0(SB)/4, $0x7f800000
+GLOBL ·mklBias(SB), RODATA|NOPTR, $4
+DATA ·mklThresh+0(SB)/4, $0xfefff000
+GLOBL ·mklThresh(SB), RODATA|NOPTR, $4
+DATA ·mklThreshFMA+0(SB)/4, $0xfeffffff
+GLOBL ·mklThreshFMA(SB), RODATA|NOPTR, $4
+DATA ·mklNaN+0(SB)/4, $0x7fc00000
+GLOBL ·mklNaN(SB), RODATA|NOPTR, $4
+DATA ·mklNegLo+0(SB)/4, $0x80000001
+GLOBL ·mklNegLo(SB), RODATA|NOPTR, $4
 
 // MKLSQRT sets y to MKL's square root of the lanes of x, clobbering r, s, t
 // and u (all distinct from x and y): VRSQRTPS, then MKLNEWTON
@@ -55,7 +56,7 @@ GLOBL mklNegLo<>(SB), RODATA|NOPTR, $4
 // when MKLRARE finds one.
 #define MKLSQRT(x, y, r, s, t, u) \
 	VRSQRTPS x, r; \
-	VBROADCASTSS mklHalf<>(SB), u; \
+	VBROADCASTSS ·mklHalf(SB), u; \
 	MKLNEWTON(x, y, r, s, t, u, u)
 
 // MKLSQRT2 is MKLSQRT for two independent blocks, their instructions
@@ -66,7 +67,7 @@ GLOBL mklNegLo<>(SB), RODATA|NOPTR, $4
 	VRSQRTPS x2, r2; \
 	VMULPS x, r, s; \
 	VMULPS x2, r2, s2; \
-	VBROADCASTSS mklHalf<>(SB), u; \
+	VBROADCASTSS ·mklHalf(SB), u; \
 	VMOVAPS u, u2; \
 	VMULPS u, r, r; \
 	VMULPS u2, r2, r2; \
@@ -95,7 +96,7 @@ GLOBL mklNegLo<>(SB), RODATA|NOPTR, $4
 // AVX2 CPUs): MKLNEWTONFMA after the approximation.
 #define MKLSQRTFMA(x, y, r, s, t, u) \
 	VRSQRTPS x, r; \
-	VBROADCASTSS mklHalf<>(SB), u; \
+	VBROADCASTSS ·mklHalf(SB), u; \
 	MKLNEWTONFMA(x, y, r, s, t, u)
 
 // MKLSQRTSEL is MKLSQRT, or MKLSQRTFMA where R10 (MKLTHRESH's fma) is set;
@@ -115,7 +116,7 @@ donel:
 	VRSQRTPS x2, r2; \
 	VMULPS x, r, s; \
 	VMULPS x2, r2, s2; \
-	VBROADCASTSS mklHalf<>(SB), u; \
+	VBROADCASTSS ·mklHalf(SB), u; \
 	VMULPS u, r, r; \
 	VMULPS u, r2, r2; \
 	VMOVAPS r, t; \
@@ -140,7 +141,7 @@ donel:
 // register, holds mklThresh for the SSE kernel, mklThreshFMA for the FMA
 // one). k is clobbered.
 #define MKLSPECIAL(x, t, k, thresh) \
-	VPBROADCASTD mklBias<>(SB), k; \
+	VPBROADCASTD ·mklBias(SB), k; \
 	VPADDD k, x, t; \
 	VPCMPGTD thresh, t, t
 
@@ -148,10 +149,10 @@ donel:
 // argument fma (a byte at FP offset off) names, and R10 to fma.
 #define MKLTHRESH(off) \
 	MOVBQZX off(FP), R10; \
-	VPBROADCASTD mklThresh<>(SB), Y13; \
+	VPBROADCASTD ·mklThresh(SB), Y13; \
 	TESTQ R10, R10; \
 	JEQ 2(PC); \
-	VPBROADCASTD mklThreshFMA<>(SB), Y13
+	VPBROADCASTD ·mklThreshFMA(SB), Y13
 
 // MKLFIX sets the lanes of y flagged in t to MKL's scalar results for x:
 // the IEEE square root (MKL's scalar code is correctly rounded, which the
@@ -161,14 +162,14 @@ donel:
 #define MKLFIX(x, y, t, u, k) \
 	VSQRTPS x, u; \
 	VBLENDVPS t, u, y, y; \
-	VPBROADCASTD mklNegLo<>(SB), k; \
+	VPBROADCASTD ·mklNegLo(SB), k; \
 	VPSUBD k, x, t; \
-	VPBROADCASTD mklBias<>(SB), k; \
+	VPBROADCASTD ·mklBias(SB), k; \
 	VPCMPGTD t, k, u; \
 	VPCMPEQD k, k, k; \
 	VPCMPGTD k, t, t; \
 	VPAND u, t, t; \
-	VPBROADCASTD mklNaN<>(SB), u; \
+	VPBROADCASTD ·mklNaN(SB), u; \
 	VBLENDVPS t, u, y, y
 
 // func mklSqrtAVX2(dst, src *float32, n int, fma bool)

@@ -114,7 +114,7 @@ def dense_foreach(group: Mapping[str, Any], params: list[torch.Tensor]) -> bool 
         return foreach
     if any(isinstance(x, torch.Tensor) for x in (group["lr"], *group["betas"], group["weight_decay"], group["eps"])):
         return foreach
-    if all(p.device.type == "cpu" and p.dtype == torch.float32 and not p.is_complex() for p in params):
+    if all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params):
         return True
     return foreach
 
