@@ -278,6 +278,9 @@ func stepBF16AVX2(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 //go:noescape
 func stepBF16AVX512(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 
+//go:noescape
+func stepBF16AVX512BF16(pp, gg, mm, vv *uint16, n int, k *vecConsts)
+
 // stepBF16Vec runs the head of a bfloat16 step (a multiple of 8 elements)
 // in assembly and returns how many elements it did.
 func stepBF16Vec(p, g, m, v []uint16, s Scalars, k f32, epsBF float32) int {
@@ -288,7 +291,10 @@ func stepBF16Vec(p, g, m, v []uint16, s Scalars, k f32, epsBF float32) int {
 	c := vecConsts{pass1Consts: newPass1Consts(s, k), bc2s: k.bc2s, eps: epsBF, negStep: k.negStep}
 	c.setRounding(0x7FC0)
 	c.setWide()
-	if w > 0 {
+	switch {
+	case w > 0 && vecISA >= ISAAVX512BF16:
+		stepBF16AVX512BF16(&p[0], &g[0], &m[0], &v[0], w, &c)
+	case w > 0:
 		stepBF16AVX512(&p[0], &g[0], &m[0], &v[0], w, &c)
 	}
 	if n > 0 {

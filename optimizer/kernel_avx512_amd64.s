@@ -206,11 +206,73 @@ done3:
 	VADDPS g, p, p; \
 	ZRBFS(p, k)
 
+// ZBF16SETUP loads the constants of a bfloat16 step (vecConsts at AX; DI
+// p, SI g, R8 m, R9 v, CX n): DX is n rounded down
+// to 32, BX 0, K4 the lerp's base choice.
+#define ZBF16SETUP \
+	ZRNDCONSTS; \
+	ZSTEPCONSTS; \
+	VPBROADCASTD 484(AX), Z21; \
+	VPTESTMD Z13, Z13, K4; \
+	MOVQ CX, DX; \
+	ANDQ $-32, DX; \
+	XORQ BX, BX
+
+// ZBF16PAIR steps the 32 elements at BX as two blocks of 16 lanes, the even
+// and the odd elements (ZLOADEO), their stages interleaved, with the
+// roundings of ZRBFI.
+#define ZBF16PAIR \
+	ZLOADEO((SI)(BX*2), Z0, Z5); \
+	VPXORD Z12, Z0, Z0; \
+	VPXORD Z12, Z5, Z5; \
+	ZLOADEO((DI)(BX*2), Z1, Z6); \
+	VMULPS Z8, Z1, Z1; \
+	VMULPS Z8, Z6, Z6; \
+	ZRBFI(Z1, K2); \
+	ZRBFI(Z6, K3); \
+	ZLOADEO((R8)(BX*2), Z2, Z7); \
+	ZSW3(Z0, Z2, Z3, Z4, K2); \
+	ZSW3(Z5, Z7, Z22, Z23, K3); \
+	ZLOADEO((R9)(BX*2), Z2, Z7); \
+	ZSTOREEO(Z4, Z23, Z24, (R8)(BX*2)); \
+	ZSW4(Z0, Z2, Z3, K2); \
+	ZSW4(Z5, Z7, Z22, K3); \
+	ZSTOREEO(Z2, Z7, Z24, (R9)(BX*2)); \
+	ZSW5(Z2, Z3, K2); \
+	ZSW5(Z7, Z22, K3); \
+	ZSW6(Z0, Z1, Z3, Z4, K2); \
+	ZSW6(Z5, Z6, Z22, Z23, K3); \
+	ZSTOREEO(Z1, Z6, Z24, (DI)(BX*2))
+
+// ZBF16TAIL steps the elements from BX to CX 16 at a time (a block of the
+// same stages alone: ZLOADBF, ZSTOREBF) and returns.
+#define ZBF16TAIL(loop, done) \
+loop: \
+	CMPQ BX, CX; \
+	JGE done; \
+	ZLOADBF((SI)(BX*2), Z0); \
+	VPXORD Z12, Z0, Z0; \
+	ZLOADBF((DI)(BX*2), Z1); \
+	VMULPS Z8, Z1, Z1; \
+	ZRBFI(Z1, K2); \
+	ZLOADBF((R8)(BX*2), Z2); \
+	ZSW3(Z0, Z2, Z3, Z4, K2); \
+	ZLOADBF((R9)(BX*2), Z2); \
+	ZSTOREBF(Z4, Z5, (R8)(BX*2)); \
+	ZSW4(Z0, Z2, Z3, K2); \
+	ZSTOREBF(Z2, Z5, (R9)(BX*2)); \
+	ZSW5(Z2, Z3, K2); \
+	ZSW6(Z0, Z1, Z3, Z4, K2); \
+	ZSTOREBF(Z1, Z5, (DI)(BX*2)); \
+	ADDQ $16, BX; \
+	JMP loop; \
+done: \
+	VZEROUPPER; \
+	RET
+
 // func stepBF16AVX512(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 //
-// 32 elements an iteration as two blocks of 16 lanes, the even and the odd
-// elements (ZLOADEO), their stages interleaved, with the roundings of
-// ZRBFI; a last block of 16 runs the same stages alone (ZLOADBF, ZSTOREBF).
+// 32 elements an iteration (ZBF16PAIR), then 16 (ZBF16TAIL).
 TEXT ·stepBF16AVX512(SB), NOSPLIT, $0-48
 	MOVQ pp+0(FP), DI
 	MOVQ gg+8(FP), SI
@@ -218,62 +280,15 @@ TEXT ·stepBF16AVX512(SB), NOSPLIT, $0-48
 	MOVQ vv+24(FP), R9
 	MOVQ n+32(FP), CX
 	MOVQ k+40(FP), AX
-	ZRNDCONSTS
-	ZSTEPCONSTS
-	VPBROADCASTD 484(AX), Z21
-	VPTESTMD Z13, Z13, K4
-	MOVQ CX, DX
-	ANDQ $-32, DX
-	XORQ BX, BX
+	ZBF16SETUP
 loopbw:
 	CMPQ BX, DX
 	JGE loopb
 	PREFETCH4(2)
-	ZLOADEO((SI)(BX*2), Z0, Z5)
-	VPXORD Z12, Z0, Z0
-	VPXORD Z12, Z5, Z5
-	ZLOADEO((DI)(BX*2), Z1, Z6)
-	VMULPS Z8, Z1, Z1
-	VMULPS Z8, Z6, Z6
-	ZRBFI(Z1, K2)
-	ZRBFI(Z6, K3)
-	ZLOADEO((R8)(BX*2), Z2, Z7)
-	ZSW3(Z0, Z2, Z3, Z4, K2)
-	ZSW3(Z5, Z7, Z22, Z23, K3)
-	ZLOADEO((R9)(BX*2), Z2, Z7)
-	ZSTOREEO(Z4, Z23, Z24, (R8)(BX*2))
-	ZSW4(Z0, Z2, Z3, K2)
-	ZSW4(Z5, Z7, Z22, K3)
-	ZSTOREEO(Z2, Z7, Z24, (R9)(BX*2))
-	ZSW5(Z2, Z3, K2)
-	ZSW5(Z7, Z22, K3)
-	ZSW6(Z0, Z1, Z3, Z4, K2)
-	ZSW6(Z5, Z6, Z22, Z23, K3)
-	ZSTOREEO(Z1, Z6, Z24, (DI)(BX*2))
+	ZBF16PAIR
 	ADDQ $32, BX
 	JMP loopbw
-loopb:
-	CMPQ BX, CX
-	JGE doneb
-	ZLOADBF((SI)(BX*2), Z0)
-	VPXORD Z12, Z0, Z0
-	ZLOADBF((DI)(BX*2), Z1)
-	VMULPS Z8, Z1, Z1
-	ZRBFI(Z1, K2)
-	ZLOADBF((R8)(BX*2), Z2)
-	ZSW3(Z0, Z2, Z3, Z4, K2)
-	ZLOADBF((R9)(BX*2), Z2)
-	ZSTOREBF(Z4, Z5, (R8)(BX*2))
-	ZSW4(Z0, Z2, Z3, K2)
-	ZSTOREBF(Z2, Z5, (R9)(BX*2))
-	ZSW5(Z2, Z3, K2)
-	ZSW6(Z0, Z1, Z3, Z4, K2)
-	ZSTOREBF(Z1, Z5, (DI)(BX*2))
-	ADDQ $16, BX
-	JMP loopb
-doneb:
-	VZEROUPPER
-	RET
+	ZBF16TAIL(loopb, doneb)
 
 // ZFUSEDH is FUSED8 (kernel_amd64.s) on 16 lanes: g, p (in: loaded, out:
 // updated, unrounded), m (in) and v (in, out: new v) on the given
@@ -718,6 +733,193 @@ slown:
 donen:
 	VZEROUPPER
 	RET
+
+// The bfloat16 single-tensor step on AVX-512 BF16 (ISAAVX512BF16).
+//
+// torch's single-tensor step rounds to bfloat16 after every operation, eight
+// times an element. ZRBFI's four integer operations a block for each were
+// half the loop's time (on an AMD EPYC, one core, 64K elements: 0.85 ns an
+// element, 0.41 with each rounding cut to one operation). Here a rounding of
+// a pair of blocks is one VCVT2, which leaves their 32 words in a register,
+// and two unpacks with zero (VPUNPCKLWD, VPUNPCKHWD: one cycle of latency,
+// where a VPERMW to put the words back where they were takes five) that
+// widen them to float32 lanes again.
+//
+// The unpacks do not restore the lane order. Take a pair as eight groups of
+// four elements (four per register; a group is a quadword of bfloat16): a
+// rounding takes groups (x0..x3 | x4..x7) to (x0 x2 x4 x6 | x1 x3 x5 x7),
+// a permutation r with r^3 = 1. Loading a quadword-ordered memory block by
+// the same unpacks gives r(memory order), "order 1"; a VPERMQ before them
+// gives order 0 (index bf16Order0, which also takes a rounding of order 1
+// back to memory order) or 2. Every value of the step keeps track:
+//   order 1: g, p and m as loaded, p*decay, the lerp (new exp_avg),
+//            exp_avg_sq*beta2 + g*g*(1-beta2) (new exp_avg_sq);
+//   order 0: exp_avg_sq as loaded (VPERMQ bf16Order0), and beta2 times it;
+//            the square root;
+//   order 2: p*decay rounded, the new exp_avg and exp_avg_sq rounded, the
+//            root divided by bias_correction2_sqrt; eps added, rounded; the
+//            new parameter, whose rounding VPERMQ bf16Order2 puts in memory
+//            order;
+// so every operation meets its operands in one order, and three VPERMQs
+// store the pair.
+//
+// VCVT2 rounds as ZRBFI does every value but a subnormal (it becomes a
+// signed zero) and a NaN (it keeps its payload). The pair is therefore
+// stepped into registers only, then checked, then stored:
+//   - VPTESTMW finds a zero word (K1, K2, K3, K6, K7) among the roundings
+//     of p*decay, the new exp_avg, exp_avg_sq*beta2, the new exp_avg_sq and
+//     the new parameter: a subnormal rounds to a zero there. The three
+//     roundings left unchecked cannot meet one: the square root of a nonzero
+//     bfloat16 is at least 2^-63, and dividing it by bias_correction2_sqrt
+//     (at most 1) and adding eps (at least 0) make it no smaller.
+//   - VCMPPS finds a NaN in the new parameter before its rounding (K5):
+//     every value of the step flows into it, and a NaN passes through every
+//     operation of the step, so a NaN anywhere reaches it.
+// A pair with a zero (a true one included: an expert no token reached has
+// zero moments) or a NaN is stepped again by ZBF16PAIR, whose roundings are
+// torch's for every value. TestStepBF16TinyAndZero and the tests of
+// kernel_paths_test.go compare both ways with the Go code.
+#define VCVT2_Z29_Z6_Z1 BYTE $0x62; BYTE $0x62; BYTE $0x4f; BYTE $0x48; BYTE $0x72; BYTE $0xe9
+#define VCVT2_Z30_Z23_Z4 BYTE $0x62; BYTE $0x62; BYTE $0x47; BYTE $0x40; BYTE $0x72; BYTE $0xf4
+#define VCVT2_Z29_Z7_Z2 BYTE $0x62; BYTE $0x62; BYTE $0x47; BYTE $0x48; BYTE $0x72; BYTE $0xea
+#define VCVT2_Z31_Z7_Z2 BYTE $0x62; BYTE $0x62; BYTE $0x47; BYTE $0x48; BYTE $0x72; BYTE $0xfa
+#define VCVT2_Z29_Z22_Z3 BYTE $0x62; BYTE $0x62; BYTE $0x4f; BYTE $0x40; BYTE $0x72; BYTE $0xeb
+
+// ZUNPK widens the 32 words of x (a VCVT2's result or a block of memory)
+// to float32 lanes: the quadwords 0, 2, 4, 6 to a, 1, 3, 5, 7 to b (Z13 is
+// zero).
+#define ZUNPK(x, a, b) \
+	VPUNPCKLWD x, Z13, a; \
+	VPUNPCKHWD x, Z13, b
+
+// bf16Order0 and bf16Order2 are VPERMQ indexes: bf16Order0 takes a block
+// of memory to the quadword order that ZUNPK widens to order 0, and a
+// rounding of order 1 to memory order; bf16Order2 takes a rounding of
+// order 2 to memory order.
+DATA bf16Order0<>+0(SB)/8, $0
+DATA bf16Order0<>+8(SB)/8, $4
+DATA bf16Order0<>+16(SB)/8, $1
+DATA bf16Order0<>+24(SB)/8, $5
+DATA bf16Order0<>+32(SB)/8, $2
+DATA bf16Order0<>+40(SB)/8, $6
+DATA bf16Order0<>+48(SB)/8, $3
+DATA bf16Order0<>+56(SB)/8, $7
+GLOBL bf16Order0<>(SB), RODATA|NOPTR, $64
+DATA bf16Order2<>+0(SB)/8, $0
+DATA bf16Order2<>+8(SB)/8, $2
+DATA bf16Order2<>+16(SB)/8, $4
+DATA bf16Order2<>+24(SB)/8, $6
+DATA bf16Order2<>+32(SB)/8, $1
+DATA bf16Order2<>+40(SB)/8, $3
+DATA bf16Order2<>+48(SB)/8, $5
+DATA bf16Order2<>+56(SB)/8, $7
+GLOBL bf16Order2<>(SB), RODATA|NOPTR, $64
+
+// ZBF16PAIRCVT steps the 32 elements at BX as ZBF16PAIR does, with the
+// roundings of VCVT2, into registers: the new exp_avg in Z30, exp_avg_sq in
+// Z31 and parameter in Z29, each in memory order; the checks in K1, K2, K3,
+// K6, K7 (all ones: no zero) and K5 (all ones: no NaN). Z25 holds
+// bf16Order0, Z26 bf16Order2, Z28 0x7FFF a word.
+#define ZBF16PAIRCVT \
+	ZUNPK((SI)(BX*2), Z0, Z5); \
+	VPXORD Z12, Z0, Z0; \
+	VPXORD Z12, Z5, Z5; \
+	VPERMQ (R9)(BX*2), Z25, Z29; \
+	ZUNPK(Z29, Z2, Z7); \
+	VMULPS Z10, Z2, Z2; \
+	VMULPS Z10, Z7, Z7; \
+	VCVT2_Z29_Z7_Z2; \
+	VPTESTMW Z28, Z29, K3; \
+	ZUNPK(Z29, Z2, Z7); \
+	VMULPS Z11, Z0, Z3; \
+	VFMADD231PS Z0, Z3, Z2; \
+	VMULPS Z11, Z5, Z22; \
+	VFMADD231PS Z5, Z22, Z7; \
+	VCVT2_Z31_Z7_Z2; \
+	VPTESTMW Z28, Z31, K6; \
+	ZUNPK(Z31, Z2, Z7); \
+	VSQRTPS Z2, Z3; \
+	VSQRTPS Z7, Z22; \
+	VPERMQ Z31, Z25, Z31; \
+	ZUNPK((DI)(BX*2), Z1, Z6); \
+	VMULPS Z8, Z1, Z1; \
+	VMULPS Z8, Z6, Z6; \
+	VCVT2_Z29_Z6_Z1; \
+	VPTESTMW Z28, Z29, K1; \
+	ZUNPK(Z29, Z1, Z6); \
+	ZUNPK((R8)(BX*2), Z2, Z7); \
+	VSUBPS Z2, Z0, Z24; \
+	VPBLENDMD Z0, Z2, K4, Z4; \
+	VFMADD231PS Z24, Z9, Z4; \
+	VSUBPS Z7, Z5, Z24; \
+	VPBLENDMD Z5, Z7, K4, Z23; \
+	VFMADD231PS Z24, Z9, Z23; \
+	VCVT2_Z30_Z23_Z4; \
+	VPTESTMW Z28, Z30, K2; \
+	ZUNPK(Z30, Z4, Z23); \
+	VPERMQ Z30, Z25, Z30; \
+	VCVT2_Z29_Z22_Z3; \
+	ZUNPK(Z29, Z3, Z22); \
+	VDIVPS Z14, Z3, Z3; \
+	VDIVPS Z14, Z22, Z22; \
+	VCVT2_Z29_Z22_Z3; \
+	ZUNPK(Z29, Z3, Z22); \
+	VADDPS Z15, Z3, Z3; \
+	VADDPS Z15, Z22, Z22; \
+	VCVT2_Z29_Z22_Z3; \
+	ZUNPK(Z29, Z3, Z22); \
+	VMULPS Z4, Z20, Z0; \
+	VDIVPS Z3, Z0, Z0; \
+	VADDPS Z0, Z1, Z1; \
+	VMULPS Z23, Z20, Z5; \
+	VDIVPS Z22, Z5, Z5; \
+	VADDPS Z5, Z6, Z6; \
+	VCMPPS $7, Z1, Z1, K5; \
+	VCMPPS $7, Z6, Z6, K5, K5; \
+	VCVT2_Z29_Z6_Z1; \
+	VPTESTMW Z28, Z29, K7; \
+	VPERMQ Z29, Z26, Z29; \
+	KANDD K1, K2, K1; \
+	KANDD K3, K6, K3; \
+	KANDD K1, K7, K1; \
+	KANDD K1, K3, K1
+
+// func stepBF16AVX512BF16(pp, gg, mm, vv *uint16, n int, k *vecConsts)
+//
+// stepBF16AVX512 with each pair of blocks stepped by ZBF16PAIRCVT, or by
+// ZBF16PAIR where its checks fail.
+TEXT ·stepBF16AVX512BF16(SB), NOSPLIT, $0-48
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ n+32(FP), CX
+	MOVQ k+40(FP), AX
+	ZBF16SETUP
+	VPXORD Z13, Z13, Z13
+	VMOVDQU64 bf16Order0<>(SB), Z25
+	VMOVDQU64 bf16Order2<>(SB), Z26
+	MOVL $0x7FFF7FFF, R10
+	VPBROADCASTD R10, Z28
+loopvw:
+	CMPQ BX, DX
+	JGE loopvb
+	PREFETCH4(2)
+	ZBF16PAIRCVT
+	KORTESTD K1, K1
+	JCC slowv
+	KORTESTW K5, K5
+	JCC slowv
+	VMOVDQU32 Z30, (R8)(BX*2)
+	VMOVDQU32 Z31, (R9)(BX*2)
+	VMOVDQU32 Z29, (DI)(BX*2)
+	ADDQ $32, BX
+	JMP loopvw
+slowv:
+	ZBF16PAIR
+	ADDQ $32, BX
+	JMP loopvw
+	ZBF16TAIL(loopvb, donevb)
 
 // MKL's SSE and AVX2 (FMA) vmsSqrt kernels (kernel_onepass_amd64.s: MKLSQRT,
 // MKLSQRTFMA) on 16 lanes. Their approximation is the CPU's VRSQRTPS, which
