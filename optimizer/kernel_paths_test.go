@@ -328,3 +328,199 @@ func TestStepBF16NaNPayloads(t *testing.T) {
 		}
 	}
 }
+
+// TestStepBF16TinyAndZero steps bfloat16 values near float32's smallest
+// normal, zeros and ordinary values, mixed a block of 32 at a time, at
+// every level against the Go code: the AVX-512 BF16 step rounds with
+// VCVTNE2PS2BF16, which makes a subnormal a zero, and must find every block
+// where p*decay, the new exp_avg, exp_avg_sq*beta2, the new exp_avg_sq or
+// the new parameter is one, and step it again with torch's rounding.
+func TestStepBF16TinyAndZero(t *testing.T) {
+	levels := asmLevels(t)
+	hypers := []Hyper{
+		{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01},
+		{LR: 1e-4, Beta1: 0.5, Beta2: 0.9, Eps: 1, WeightDecay: 0.5},
+		{LR: 2e-2, Beta1: 0.99, Beta2: 0.5, Eps: 1e-30, Maximize: true},
+		{LR: 1e-3, Beta1: 0.9, Beta2: 0.9, Eps: 1e-3, WeightDecay: 0.1},
+	}
+	r := rand.New(rand.NewPCG(21, 22))
+	// A value of one of four kinds: ordinary, near 2^-126 (either side), zero,
+	// or anywhere from 2^-140 to 2^-50 (what the step's products and sums
+	// of such values need to land near 2^-126).
+	val := func(kind int) float32 {
+		sign := float32(1)
+		if r.IntN(2) == 0 {
+			sign = -1
+		}
+		switch kind {
+		case 0:
+			return sign * float32(r.NormFloat64()/64)
+		case 1:
+			return sign * float32(math.Ldexp(1+r.Float64(), -129+r.IntN(5)))
+		case 2:
+			return 0
+		}
+		return sign * float32(math.Ldexp(1+r.Float64(), -140+r.IntN(91)))
+	}
+	for _, h := range hypers {
+		for _, n := range []int{32*24 + 16 + 8 + 5, 32 * 2000} {
+			p, g, m, v := make([]float32, n), make([]float32, n), make([]float32, n), make([]float32, n)
+			for b := 0; b < n; b += 32 {
+				// Each block draws the kind of each array: ordinary in most
+				// blocks, so that blocks the vector loop keeps and blocks it
+				// steps again alternate.
+				kinds := [4]int{}
+				if r.IntN(3) > 0 {
+					for a := range kinds {
+						kinds[a] = r.IntN(4)
+					}
+				}
+				for i := b; i < min(b+32, n); i++ {
+					for a, x := range [][]float32{p, g, m, v} {
+						k := kinds[a]
+						if k != 0 && r.IntN(4) == 0 {
+							k = 0 // some ordinary lanes among the tiny ones
+						}
+						x[i] = val(k)
+					}
+					v[i] = float32(math.Abs(float64(v[i])))
+				}
+			}
+			run := func() [][]byte {
+				pp, gg, mm, vv := toBF(p), toBF(g), toBF(m), toBF(v)
+				for step := int64(1); step <= 3; step++ {
+					StepBF16(pp, gg, mm, vv, nil, ScalarsFor(h, step))
+				}
+				return [][]byte{u16b(pp), u16b(mm), u16b(vv)}
+			}
+			want := withISA(ISAGo, run)
+			for _, l := range levels {
+				got := withISA(l, run)
+				for i := range got {
+					if j := firstDiff(got[i], want[i], true); j >= 0 {
+						t.Fatalf("%+v n=%d %v: buffer %d element %d = %#04x, Go %#04x", h, n, l, i, j,
+							b2u16(got[i])[j], b2u16(want[i])[j])
+					}
+				}
+			}
+		}
+	}
+}
+
+// bf16Stages is StepBF16's arithmetic for one element, returning the five
+// float32 values the AVX-512 BF16 step checks before rounding each: p*decay,
+// the new exp_avg, exp_avg_sq*beta2, the new exp_avg_sq and the new
+// parameter.
+func bf16Stages(p, g, m, v uint16, s Scalars) [5]float32 {
+	k := s.f32()
+	rb := func(x float32) float32 { return BF16ToF32(F32ToBF16(x)) }
+	gi := BF16ToF32(g)
+	if s.Maximize {
+		gi = -gi
+	}
+	var st [5]float32
+	st[0] = BF16ToF32(p)
+	if s.ApplyDecay {
+		st[0] = float32(st[0] * k.decay)
+	}
+	st[1] = Lerp32(BF16ToF32(m), gi, k.w)
+	st[2] = float32(BF16ToF32(v) * k.b2)
+	st[3] = FMA32(float32(k.omb2*gi), gi, rb(st[2]))
+	den := rb(Sqrt32(rb(st[3])))
+	den = rb(float32(den / k.bc2s))
+	den = rb(float32(den + BF16ToF32(F32ToBF16(k.eps))))
+	st[4] = float32(rb(st[0]) + float32(float32(k.negStep*rb(st[1]))/den))
+	return st
+}
+
+// TestStepBF16EachCheck plants, in blocks of ordinary values, elements
+// whose first step makes exactly one of bf16Stages' values subnormal (and
+// none zero or NaN), one kind of stage a block, so that each of the AVX-512
+// BF16 step's checks alone must send its block to the exact rounding; then
+// compares three steps at every level with the Go code.
+func TestStepBF16EachCheck(t *testing.T) {
+	levels := asmLevels(t)
+	h := Hyper{LR: 1e-4, Beta1: 0.9, Beta2: 0.5, Eps: 1, WeightDecay: 0.01}
+	s1 := ScalarsFor(h, 1)
+	r := rand.New(rand.NewPCG(31, 32))
+	tiny := func(lo, hi int) uint16 { // a bfloat16 of either sign, 2^lo to 2^hi
+		x := float32(math.Ldexp(1+r.Float64(), lo+r.IntN(hi-lo+1)))
+		if r.IntN(2) == 0 {
+			x = -x
+		}
+		return F32ToBF16(x)
+	}
+	sub := func(x float32) bool { return x != 0 && math.Abs(float64(x)) < 0x1p-126 }
+	// plant draws an element whose stage only is subnormal: p, g, m and v
+	// from ranges that make it likely, the parameter (stage 4) or g (stage
+	// 3, with a negative exp_avg_sq: state no step makes, but the kernels
+	// take any input) aimed at a cancellation.
+	plant := func(stage int) [4]uint16 {
+		for range 1 << 20 {
+			var e [4]uint16
+			switch stage {
+			case 0:
+				e = [4]uint16{tiny(-127, -126), tiny(-40, -20), tiny(-40, -20), tiny(-40, -20) & 0x7FFF}
+			case 1:
+				e = [4]uint16{tiny(-40, -20), tiny(-135, -124), tiny(-130, -124), tiny(-40, -20) & 0x7FFF}
+			case 2:
+				e = [4]uint16{tiny(-40, -20), tiny(-62, -50), tiny(-40, -20), tiny(-127, -125) & 0x7FFF}
+			case 3:
+				e = [4]uint16{tiny(-40, -20), 0, tiny(-40, -20), tiny(-124, -118) | 0x8000}
+				v1 := -float64(BF16ToF32(F32ToBF16(float32(BF16ToF32(e[3]) * float32(s1.Beta2)))))
+				e[1] = F32ToBF16(float32(math.Sqrt(v1/s1.OneMinusB2) * (1 + (r.Float64()-0.5)/64)))
+			case 4:
+				e = [4]uint16{0, tiny(-115, -110), tiny(-115, -110), tiny(-40, -30) & 0x7FFF}
+				q := float64(bf16Stages(0, e[1], e[2], e[3], s1)[4])
+				e[0] = F32ToBF16(float32(-q * (1 + r.Float64()/64) / s1.Decay))
+			}
+			st := bf16Stages(e[0], e[1], e[2], e[3], s1)
+			ok := true
+			for j, x := range st {
+				if x != x || math.IsInf(float64(x), 0) || F32ToBF16(x)&0x7FFF == 0 || sub(x) != (j == stage) {
+					ok = false
+				}
+			}
+			if ok {
+				return e
+			}
+		}
+		t.Fatalf("no element found with stage %d alone subnormal", stage)
+		return [4]uint16{}
+	}
+	const n = 32 * 50
+	var in [4][]uint16
+	for a := range in {
+		in[a] = make([]uint16, n)
+		for i := range in[a] {
+			in[a][i] = F32ToBF16(float32(r.NormFloat64() / 64))
+		}
+	}
+	for i := range in[3] {
+		in[3][i] &= 0x7FFF
+	}
+	for b := 0; b < n/32; b++ {
+		e := plant(b % 5)
+		i := 32*b + r.IntN(32)
+		for a := range in {
+			in[a][i] = e[a]
+		}
+	}
+	run := func() [][]byte {
+		pp, mm, vv := append([]uint16(nil), in[0]...), append([]uint16(nil), in[2]...), append([]uint16(nil), in[3]...)
+		for step := int64(1); step <= 3; step++ {
+			StepBF16(pp, in[1], mm, vv, nil, ScalarsFor(h, step))
+		}
+		return [][]byte{u16b(pp), u16b(mm), u16b(vv)}
+	}
+	want := withISA(ISAGo, run)
+	for _, l := range levels {
+		got := withISA(l, run)
+		for i := range got {
+			if j := firstDiff(got[i], want[i], true); j >= 0 {
+				t.Fatalf("%v: buffer %d element %d (block %d) = %#04x, Go %#04x", l, i, j, j/32,
+					b2u16(got[i])[j], b2u16(want[i])[j])
+			}
+		}
+	}
+}
