@@ -435,9 +435,9 @@ func bf16Stages(p, g, m, v uint16, s Scalars) [5]float32 {
 
 // TestStepBF16EachCheck plants, in blocks of ordinary values, elements
 // whose first step makes exactly one of bf16Stages' values subnormal (and
-// none zero or NaN), one kind of stage a block, so that each of the AVX-512
-// BF16 step's checks alone must send its block to the exact rounding; then
-// compares three steps at every level with the Go code.
+// none zero or NaN), or a NaN, so that each of the AVX-512 BF16 step's
+// checks alone must send its block to the exact rounding; then compares
+// three steps at every level with the Go code, bit for bit.
 func TestStepBF16EachCheck(t *testing.T) {
 	levels := asmLevels(t)
 	h := Hyper{LR: 1e-4, Beta1: 0.9, Beta2: 0.5, Eps: 1, WeightDecay: 0.01}
@@ -488,7 +488,12 @@ func TestStepBF16EachCheck(t *testing.T) {
 		t.Fatalf("no element found with stage %d alone subnormal", stage)
 		return [4]uint16{}
 	}
-	const n = 32 * 50
+	// Blocks of 32 go through the vector loop two at a time (then one,
+	// then 16 and 8 elements): an element is planted in the first block of
+	// every other pair and the second of the others, the partner block
+	// ordinary, so that no other block's check covers a missing one; a sixth
+	// kind is a NaN gradient, anywhere in its block.
+	const n = 32*201 + 16 + 8 + 3
 	var in [4][]uint16
 	for a := range in {
 		in[a] = make([]uint16, n)
@@ -499,27 +504,59 @@ func TestStepBF16EachCheck(t *testing.T) {
 	for i := range in[3] {
 		in[3][i] &= 0x7FFF
 	}
-	for b := 0; b < n/32; b++ {
-		e := plant(b % 5)
+	for b := 0; b < 201; b++ {
+		if b%4 != 0 && b%4 != 3 {
+			continue
+		}
 		i := 32*b + r.IntN(32)
-		for a := range in {
-			in[a][i] = e[a]
+		if stage := (b / 4) % 6; stage < 5 {
+			e := plant(stage)
+			for a := range in {
+				in[a][i] = e[a]
+			}
+		} else {
+			in[1][i] = 0x7FC0 | uint16(r.IntN(2))<<15
 		}
 	}
-	run := func() [][]byte {
-		pp, mm, vv := append([]uint16(nil), in[0]...), append([]uint16(nil), in[2]...), append([]uint16(nil), in[3]...)
-		for step := int64(1); step <= 3; step++ {
-			StepBF16(pp, in[1], mm, vv, nil, ScalarsFor(h, step))
+	// chunk 0 steps the whole tensor in one call; 32 steps each block in a
+	// call of its own, which only the loop of one block at a time reaches.
+	run := func(chunk int) func() [][]byte {
+		return func() [][]byte {
+			pp, mm, vv := append([]uint16(nil), in[0]...), append([]uint16(nil), in[2]...), append([]uint16(nil), in[3]...)
+			c := chunk
+			if c == 0 {
+				c = n
+			}
+			for step := int64(1); step <= 3; step++ {
+				for i := 0; i < n; i += c {
+					j := min(i+c, n)
+					StepBF16(pp[i:j], in[1][i:j], mm[i:j], vv[i:j], nil, ScalarsFor(h, step))
+				}
+			}
+			return [][]byte{u16b(pp), u16b(mm), u16b(vv)}
 		}
-		return [][]byte{u16b(pp), u16b(mm), u16b(vv)}
 	}
-	want := withISA(ISAGo, run)
+	want := withISA(ISAGo, run(0))
+	type call struct {
+		l     ISA
+		chunk int
+	}
+	var calls []call
 	for _, l := range levels {
-		got := withISA(l, run)
+		calls = append(calls, call{l, 0})
+	}
+	calls = append(calls, call{levels[len(levels)-1], 32})
+	for _, c := range calls {
+		l, chunk := c.l, c.chunk
+		got := withISA(l, run(chunk))
 		for i := range got {
-			if j := firstDiff(got[i], want[i], true); j >= 0 {
-				t.Fatalf("%v: buffer %d element %d (block %d) = %#04x, Go %#04x", l, i, j, j/32,
-					b2u16(got[i])[j], b2u16(want[i])[j])
+			// Exactly: a NaN is stored as 0x7FC0 at every level, as the Go
+			// code stores it (TestStepBF16NaNPayloads).
+			x, y := b2u16(got[i]), b2u16(want[i])
+			for j := range x {
+				if x[j] != y[j] {
+					t.Fatalf("%v, calls of %d: buffer %d element %d (block %d) = %#04x, Go %#04x", l, chunk, i, j, j/32, x[j], y[j])
+				}
 			}
 		}
 	}
