@@ -206,8 +206,8 @@ done3:
 	VADDPS g, p, p; \
 	ZRBFS(p, k)
 
-// ZBF16SETUP loads the constants of a bfloat16 step (vecConsts at AX; DI
-// p, SI g, R8 m, R9 v, CX n): DX is n rounded down
+// ZBF16SETUP loads the constants of a bfloat16 step, single-tensor or fused
+// (vecConsts at AX; DI p, SI g, R8 m, R9 v, CX n): DX is n rounded down
 // to 32, BX 0, K4 the lerp's base choice.
 #define ZBF16SETUP \
 	ZRNDCONSTS; \
@@ -368,8 +368,8 @@ donef:
 // fusedBF16AVX512BF16), which differ only in how a pair of blocks is
 // narrowed for its store.
 //
-// ZFUSEDBF16SETUP loads the arguments and constants; DX is n rounded down to
-// a multiple of 32, BX the element index.
+// ZFUSEDBF16SETUP loads the arguments and constants (ZBF16SETUP): DX is n
+// rounded down to a multiple of 32, BX the element index.
 #define ZFUSEDBF16SETUP \
 	MOVQ pp+0(FP), DI; \
 	MOVQ gg+8(FP), SI; \
@@ -377,13 +377,7 @@ donef:
 	MOVQ vv+24(FP), R9; \
 	MOVQ n+32(FP), CX; \
 	MOVQ k+40(FP), AX; \
-	ZRNDCONSTS; \
-	ZSTEPCONSTS; \
-	VPBROADCASTD 484(AX), Z21; \
-	VPTESTMD Z13, Z13, K4; \
-	MOVQ CX, DX; \
-	ANDQ $-32, DX; \
-	XORQ BX, BX
+	ZBF16SETUP
 
 // ZFUSEDBF16PAIR computes the 32 elements at BX as two blocks of 16 lanes,
 // the even and the odd elements (ZLOADEO): new m in Z4 / Z27, new v in
