@@ -52,7 +52,7 @@ test-py-unix: setup build
 # object") even in a program without any AVX-512 code, an emulation fault; the tests need 18 MB.
 test-avx512: system-deps
 	CGO_ENABLED=0 $(GO) test -c -o build/emu/optimizer.test ./optimizer
-	scripts/emu-avx512 --timeout 900 --env GOGC=off build/emu/optimizer.test -test.run 'Assembly|ISA|TestMKLSqrt|NaNPayloads|DivideByRecip' -test.short -test.v \
+	scripts/emu-avx512 --timeout 900 --env GOGC=off build/emu/optimizer.test -test.run 'Assembly|ISA|TestMKLSqrt|NaNPayloads|DivideByRecip|EachCheck|TinyAndZero' -test.short -test.v \
 		-require-isa avx512
 
 test: lint test-go test-avx512 test-py test-py-unix

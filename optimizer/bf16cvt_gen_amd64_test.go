@@ -157,6 +157,11 @@ func TestBF16CVTGenerated(t *testing.T) {
 		}
 	}
 	got, err := os.ReadFile(bf16CVTFile)
+	if os.IsNotExist(err) {
+		// A test binary run away from the source tree (make test-avx512,
+		// scripts/gpu-check); in the tree the build needs the file.
+		t.Skipf("%s not here: not in the source tree", bf16CVTFile)
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
