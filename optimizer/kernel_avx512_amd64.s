@@ -881,7 +881,6 @@ slowq:
 	ADDQ $32, BX
 	ZBF16PAIR
 	ADDQ $32, BX
-	VPXORD Z13, Z13, Z13
 	JMP loopqw
 loopqd:
 	ZBF16RELOAD
