@@ -112,7 +112,7 @@ type HelloReply struct {
 	Workers  int    `msgpack:"workers"`
 	Sqrt     string `msgpack:"sqrt"` // this session's: "ieee" or "mkl:<library>"
 	// ISA is the vector instruction set of the CPU update kernels:
-	// "avx512bf16", "avx512", "avx2" or "go" (bitwise alike; a matter of
+	// "avx512vbmi", "avx512bf16", "avx512", "avx2" or "go" (bitwise alike; a matter of
 	// speed only).
 	ISA string `msgpack:"isa,omitempty"`
 	// CUDA describes the server's GPU ("NVIDIA H200, cc 9.0, compute_90, scalar loads"),

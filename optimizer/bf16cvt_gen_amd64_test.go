@@ -9,12 +9,13 @@ import (
 )
 
 // The macros ZBF16PAIRCVT and ZBF16QUADCVT (bf16cvt_amd64.h), the vector
-// loop of the AVX-512 BF16 bfloat16 step, are generated here: one pair's
-// instructions are written once (bf16PairSteps), the quad alternates two
-// pairs' on other registers, and every VCVTNE2PS2BF16, which Go's assembler
-// does not know, is encoded from its registers. TestBF16CVTGenerated fails
-// when the file differs from what this code writes; -update-bf16cvt
-// rewrites it.
+// loop of the AVX-512 BF16 bfloat16 step, and ZBF16PAIRTBL and
+// ZBF16QUADTBL, the same loop with the denominator's first two stages
+// looked up (VBMI), are generated here: one pair's instructions are written
+// once (bf16PairSteps), the quad alternates two pairs' on other registers,
+// and every VCVTNE2PS2BF16, which Go's assembler does not know, is encoded
+// from its registers. TestBF16CVTGenerated fails when the file differs from
+// what this code writes; -update-bf16cvt rewrites it.
 var updateBF16CVT = flag.Bool("update-bf16cvt", false, "rewrite bf16cvt_amd64.h from bf16PairSteps")
 
 const bf16CVTFile = "bf16cvt_amd64.h"
@@ -23,16 +24,17 @@ const bf16CVTFile = "bf16cvt_amd64.h"
 // t (the denominator's chain), p (parameter), a (exp_avg), their two blocks
 // each; u a temporary; r the VCVT2s' results; sm, sv the new exp_avg and
 // exp_avg_sq in memory order; off the pair's byte offset from BX's
-// elements; zk the mask its zero checks clear.
+// elements; zk the mask its checks clear; km the mask of the table
+// lookup's second half.
 type bf16Regs struct {
 	g0, g1, v0, v1, t0, t1, p0, p1, a0, a1, u, r, sm, sv int
 	off                                                  string
-	zk                                                   string
+	zk, km                                               string
 }
 
 var (
-	bf16RegsX = bf16Regs{g0: 0, g1: 5, v0: 2, v1: 7, t0: 3, t1: 22, p0: 1, p1: 6, a0: 4, a1: 23, u: 24, r: 29, sm: 30, sv: 31, zk: "K1"}
-	bf16RegsY = bf16Regs{g0: 8, g1: 9, v0: 10, v1: 11, t0: 12, t1: 14, p0: 17, p1: 18, a0: 20, a1: 21, u: 19, r: 15, sm: 27, sv: 16, off: "64", zk: "K2"}
+	bf16RegsX = bf16Regs{g0: 0, g1: 5, v0: 2, v1: 7, t0: 3, t1: 22, p0: 1, p1: 6, a0: 4, a1: 23, u: 24, r: 29, sm: 30, sv: 31, zk: "K1", km: "K5"}
+	bf16RegsY = bf16Regs{g0: 8, g1: 9, v0: 10, v1: 11, t0: 12, t1: 14, p0: 17, p1: 18, a0: 20, a1: 21, u: 19, r: 15, sm: 27, sv: 16, off: "64", zk: "K2", km: "K6"}
 )
 
 // vcvt2 encodes VCVTNE2PS2BF16 dst, src1, src2 (EVEX.512.F2.0F38.W0 72 /r):
@@ -53,8 +55,10 @@ func vcvt2(dst, src1, src2 int) string {
 // bf16PairSteps is one pair's instructions in program order (the order of
 // ZBF16PAIRCVT's comment in kernel_avx512_amd64.s): exp_avg_sq's chain
 // first, as it leads to the divider. first: this pair's NaN check starts
-// K3 (else it adds to it).
-func bf16PairSteps(r bf16Regs, first bool) []string {
+// K3 (else it adds to it). table: the rounded square root divided by
+// bias_correction2_sqrt and rounded comes from the step's table
+// (ZBF16PAIRTBL's comment) instead of VSQRTPS, VDIVPS and two roundings.
+func bf16PairSteps(r bf16Regs, first, table bool) []string {
 	z := func(n int) string { return fmt.Sprintf("Z%d", n) }
 	var s []string
 	add := func(f string, a ...any) { s = append(s, fmt.Sprintf(f, a...)) }
@@ -85,11 +89,31 @@ func bf16PairSteps(r bf16Regs, first bool) []string {
 	add("VMULPS.BCST 140(AX), %s, %s", z(r.g1), z(r.t1))
 	add("VFMADD231PS %s, %s, %s", z(r.g1), z(r.t1), z(r.v1)) // new exp_avg_sq
 	s = append(s, vcvt2(r.sv, r.v1, r.v0))
-	check(r.sv, false)
-	unpk(z(r.sv), r.v0, r.v1) // order 2
-	add("VSQRTPS %s, %s", z(r.v0), z(r.t0))
-	add("VSQRTPS %s, %s", z(r.v1), z(r.t1))
-	add("VPERMQ %s, Z25, %s", z(r.sv), z(r.sv))
+	if table {
+		// The new exp_avg_sq must be a positive normal number: a word w
+		// with w+0x80 > 0xFF as a signed 16-bit integer.
+		add("VPADDW bf16W0080<>(SB), %s, %s", z(r.sv), z(r.v0))
+		add("VPCMPW $6, bf16W00FF<>(SB), %s, %s, %s", z(r.v0), r.zk, r.zk)
+		add("VPERMQ %s, Z25, %s", z(r.sv), z(r.sv)) // memory order
+		// Byte i of the table for each word's low byte (the exponent's
+		// low bit and the mantissa), odd bytes zero (K7).
+		add("VMOVDQU64 612(AX), %s", z(r.t0))
+		add("VPERMT2B.Z 676(AX), %s, K7, %s", z(r.sv), z(r.t0))
+		add("VMOVDQU64 740(AX), %s", z(r.v0))
+		add("VPERMT2B.Z 804(AX), %s, K7, %s", z(r.sv), z(r.v0))
+		add("VPMOVB2M %s, %s", z(r.sv), r.km)
+		add("VPBLENDMB %s, %s, %s, %s", z(r.v0), z(r.t0), r.km, z(r.t0))
+		// The exponent: (w + 0x3F80 + 256*q) / 2, its low 7 bits cleared.
+		add("VPAVGW 868(AX), %s, %s", z(r.sv), z(r.v1))
+		add("VPANDD.BCST bf16WFF80<>(SB), %s, %s", z(r.v1), z(r.v1))
+		add("VPADDW %s, %s, %s", z(r.v1), z(r.t0), z(r.t0)) // the quotient rounded, memory order
+	} else {
+		check(r.sv, false)
+		unpk(z(r.sv), r.v0, r.v1) // order 2
+		add("VSQRTPS %s, %s", z(r.v0), z(r.t0))
+		add("VSQRTPS %s, %s", z(r.v1), z(r.t1))
+		add("VPERMQ %s, Z25, %s", z(r.sv), z(r.sv))
+	}
 	unpk(mem("DI"), r.p0, r.p1)                     // p, order 1
 	both("VMULPS.BCST 128(AX), %s, %s", r.p0, r.p1) // p*decay
 	s = append(s, vcvt2(r.r, r.p1, r.p0))
@@ -105,11 +129,16 @@ func bf16PairSteps(r bf16Regs, first bool) []string {
 	check(r.sm, false)
 	unpk(z(r.sm), r.a0, r.a1) // order 2
 	add("VPERMQ %s, Z25, %s", z(r.sm), z(r.sm))
-	s = append(s, vcvt2(r.r, r.t1, r.t0))
-	unpk(z(r.r), r.t0, r.t1)                        // the root rounded, order 0
-	both("VDIVPS.BCST 152(AX), %s, %s", r.t0, r.t1) // / bias_correction2_sqrt
-	s = append(s, vcvt2(r.r, r.t1, r.t0))
-	unpk(z(r.r), r.t0, r.t1)                        // order 1
+	if table {
+		add("VPUNPCKHWD %s, Z13, %s", z(r.t0), z(r.t1))
+		add("VPUNPCKLWD %s, Z13, %s", z(r.t0), z(r.t0)) // order 1
+	} else {
+		s = append(s, vcvt2(r.r, r.t1, r.t0))
+		unpk(z(r.r), r.t0, r.t1)                        // the root rounded, order 0
+		both("VDIVPS.BCST 152(AX), %s, %s", r.t0, r.t1) // / bias_correction2_sqrt
+		s = append(s, vcvt2(r.r, r.t1, r.t0))
+		unpk(z(r.r), r.t0, r.t1) // order 1
+	}
 	both("VADDPS.BCST 156(AX), %s, %s", r.t0, r.t1) // + eps
 	s = append(s, vcvt2(r.r, r.t1, r.t0))
 	unpk(z(r.r), r.t0, r.t1) // the denominator, order 2
@@ -135,18 +164,25 @@ func genBF16CVT() string {
 	macro := func(name string, lines []string) string {
 		return "#define " + name + " \\\n\t" + strings.Join(lines, "; \\\n\t") + "\n"
 	}
-	x, y := bf16PairSteps(bf16RegsX, true), bf16PairSteps(bf16RegsY, false)
-	var quad []string
-	for i := range x { // X's first NaN check comes before Y's
-		quad = append(quad, x[i], y[i])
+	text := "// Code generated by TestBF16CVTGenerated (bf16cvt_gen_amd64_test.go, go test\n" +
+		"// -run BF16CVTGenerated -update-bf16cvt); DO NOT EDIT.\n"
+	for _, table := range []bool{false, true} {
+		x, y := bf16PairSteps(bf16RegsX, true, table), bf16PairSteps(bf16RegsY, false, table)
+		var quad []string
+		for i := range x { // X's first NaN check comes before Y's
+			quad = append(quad, x[i], y[i])
+		}
+		kind := "CVT"
+		if table {
+			kind = "TBL"
+		}
+		text += "\n// ZBF16PAIR" + kind + " steps the 32 elements at BX (kernel_avx512_amd64.s).\n" +
+			macro("ZBF16PAIR"+kind, x) +
+			"\n// ZBF16QUAD" + kind + " steps the 64 elements at BX as two pairs whose instructions\n" +
+			"// alternate (kernel_avx512_amd64.s).\n" +
+			macro("ZBF16QUAD"+kind, quad)
 	}
-	return "// Code generated by TestBF16CVTGenerated (bf16cvt_gen_amd64_test.go, go test\n" +
-		"// -run BF16CVTGenerated -update-bf16cvt); DO NOT EDIT.\n\n" +
-		"// ZBF16PAIRCVT steps the 32 elements at BX (kernel_avx512_amd64.s).\n" +
-		macro("ZBF16PAIRCVT", x) +
-		"\n// ZBF16QUADCVT steps the 64 elements at BX as two pairs whose instructions\n" +
-		"// alternate (kernel_avx512_amd64.s).\n" +
-		macro("ZBF16QUADCVT", quad)
+	return text
 }
 
 func TestBF16CVTGenerated(t *testing.T) {

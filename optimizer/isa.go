@@ -20,9 +20,15 @@ const (
 	// VCVTNE2PS2BF16, which rounds as torch does for every value but NaN and
 	// subnormals; a block holding one of those is narrowed as on ISAAVX512.
 	ISAAVX512BF16
+	// ISAAVX512VBMI is ISAAVX512BF16 with AVX-512 VBMI (amd64): the bfloat16
+	// single-tensor step looks the rounded square root of exp_avg_sq, divided
+	// by bias_correction2_sqrt and rounded, up in a table of the step's 256
+	// values (VPERMT2B) instead of computing it (bf16table.go).
+	ISAAVX512VBMI
 )
 
-var isaNames = [...]string{ISAGo: "go", ISAAVX2: "avx2", ISAAVX512: "avx512", ISAAVX512BF16: "avx512bf16"}
+var isaNames = [...]string{ISAGo: "go", ISAAVX2: "avx2", ISAAVX512: "avx512", ISAAVX512BF16: "avx512bf16",
+	ISAAVX512VBMI: "avx512vbmi"}
 
 func (i ISA) String() string {
 	if i < 0 || int(i) >= len(isaNames) {
@@ -31,14 +37,15 @@ func (i ISA) String() string {
 	return isaNames[i]
 }
 
-// ParseISA returns the ISA named "go", "avx2", "avx512" or "avx512bf16".
+// ParseISA returns the ISA named "go", "avx2", "avx512", "avx512bf16" or
+// "avx512vbmi".
 func ParseISA(name string) (ISA, error) {
 	for i, n := range isaNames {
 		if n == name {
 			return ISA(i), nil
 		}
 	}
-	return 0, fmt.Errorf("optimizer: unknown instruction set %q (want go, avx2, avx512 or avx512bf16)", name)
+	return 0, fmt.Errorf("optimizer: unknown instruction set %q (want go, avx2, avx512, avx512bf16 or avx512vbmi)", name)
 }
 
 // cpuISA is the widest level this CPU (and its operating system) supports,

@@ -7,14 +7,17 @@ import (
 	"golang.org/x/sys/cpu"
 )
 
-// detectISA: AVX-512 with BF16 (and BW, DQ), AVX-512 Foundation where the
-// CPU and the operating system have it (x/sys/cpu checks both), AVX2 with
-// FMA, else the Go code.
+// detectISA: AVX-512 with BF16 (and BW, DQ) and VBMI, without VBMI,
+// AVX-512 Foundation where the CPU and the operating system have it
+// (x/sys/cpu checks both), AVX2 with FMA, else the Go code.
 func detectISA() ISA {
+	bf16 := cpu.X86.HasAVX512F && cpu.X86.HasAVX512BF16 && cpu.X86.HasAVX512BW && cpu.X86.HasAVX512DQ
 	switch {
 	case !cpu.X86.HasAVX2 || !cpu.X86.HasFMA:
 		return ISAGo
-	case cpu.X86.HasAVX512F && cpu.X86.HasAVX512BF16 && cpu.X86.HasAVX512BW && cpu.X86.HasAVX512DQ:
+	case bf16 && cpu.X86.HasAVX512VBMI:
+		return ISAAVX512VBMI
+	case bf16:
 		return ISAAVX512BF16
 	case cpu.X86.HasAVX512F:
 		return ISAAVX512
@@ -48,6 +51,7 @@ var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.wide)-164]
 var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.lsb)-484]
 var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.inf)-548]
 var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.rbc2s)-580]
+var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.bf16Table)-612]
 
 //go:noescape
 func pass1AVX2(pp, gg, mm, vv, out *float32, n int, k *pass1Consts)
@@ -270,6 +274,10 @@ type vecConsts struct {
 	// rbc2s is RN(1/bc2s), the reciprocal the kernels divide by bc2s with
 	// (divide_amd64.h). 580.
 	rbc2s [8]float32
+	// bf16Table is the step's table of the rounded square root divided by
+	// bc2s (bf16table.go): its 256 bytes at 612, the exponent's bias a word
+	// at 868 (stepBF16AVX512VBMI).
+	bf16Table
 }
 
 //go:noescape
@@ -280,6 +288,9 @@ func stepBF16AVX512(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 
 //go:noescape
 func stepBF16AVX512BF16(pp, gg, mm, vv *uint16, n int, k *vecConsts)
+
+//go:noescape
+func stepBF16AVX512VBMI(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 
 // stepBF16Vec runs the head of a bfloat16 step (a multiple of 8 elements)
 // in assembly and returns how many elements it did.
@@ -292,6 +303,8 @@ func stepBF16Vec(p, g, m, v []uint16, s Scalars, k f32, epsBF float32) int {
 	c.setRounding(0x7FC0)
 	c.setWide()
 	switch {
+	case w > 0 && vecISA >= ISAAVX512VBMI && c.bf16Table.fill(k.bc2s):
+		stepBF16AVX512VBMI(&p[0], &g[0], &m[0], &v[0], w, &c)
 	case w > 0 && vecISA >= ISAAVX512BF16:
 		stepBF16AVX512BF16(&p[0], &g[0], &m[0], &v[0], w, &c)
 	case w > 0:

@@ -833,11 +833,66 @@ GLOBL bf16Order2<>(SB), RODATA|NOPTR, $64
 	VPBROADCASTD 484(AX), Z21; \
 	VPXORD Z13, Z13, Z13
 
+// ZBF16STEPLOOP is the loop of stepBF16AVX512BF16 and stepBF16AVX512VBMI:
+// the elements at BX stepped by QUAD 64 at a time, then by PAIR 32 at a
+// time, then by ZBF16TAIL; a group whose checks fail is stepped again by
+// ZBF16PAIR. The rest of the arguments are its labels.
+#define ZBF16STEPLOOP(QUAD, PAIR, loopqw, loopqd, slowq, loopvw, loopvb, slowv, donevb) \
+loopqw: \
+	CMPQ BX, R11; \
+	JGE loopqd; \
+	PREFETCH4(2); \
+	PREFETCHT0 (PFDIST+64)(SI)(BX*2); \
+	PREFETCHT0 (PFDIST+64)(DI)(BX*2); \
+	PREFETCHT0 (PFDIST+64)(R8)(BX*2); \
+	PREFETCHT0 (PFDIST+64)(R9)(BX*2); \
+	QUAD; \
+	KANDD K1, K2, K1; \
+	KORTESTD K1, K1; \
+	JCC slowq; \
+	KORTESTW K3, K3; \
+	JCC slowq; \
+	VMOVDQU32 Z30, (R8)(BX*2); \
+	VMOVDQU32 Z27, 64(R8)(BX*2); \
+	VMOVDQU32 Z31, (R9)(BX*2); \
+	VMOVDQU32 Z16, 64(R9)(BX*2); \
+	VMOVDQU32 Z29, (DI)(BX*2); \
+	VMOVDQU32 Z15, 64(DI)(BX*2); \
+	ADDQ $64, BX; \
+	JMP loopqw; \
+slowq: \
+	ZBF16RELOAD; \
+	ZBF16PAIR; \
+	ADDQ $32, BX; \
+	ZBF16PAIR; \
+	ADDQ $32, BX; \
+	JMP loopqw; \
+loopqd: \
+	ZBF16RELOAD; \
+loopvw: \
+	CMPQ BX, DX; \
+	JGE loopvb; \
+	PREFETCH4(2); \
+	PAIR; \
+	KORTESTD K1, K1; \
+	JCC slowv; \
+	KORTESTW K3, K3; \
+	JCC slowv; \
+	VMOVDQU32 Z30, (R8)(BX*2); \
+	VMOVDQU32 Z31, (R9)(BX*2); \
+	VMOVDQU32 Z29, (DI)(BX*2); \
+	ADDQ $32, BX; \
+	JMP loopvw; \
+slowv: \
+	ZBF16PAIR; \
+	ADDQ $32, BX; \
+	JMP loopvw; \
+	ZBF16TAIL(loopvb, donevb)
+
 // func stepBF16AVX512BF16(pp, gg, mm, vv *uint16, n int, k *vecConsts)
 //
-// stepBF16AVX512 with the elements stepped by ZBF16QUADCVT 64 at a time,
-// then by ZBF16PAIRCVT 32 at a time, then by ZBF16TAIL; a group whose
-// checks fail is stepped again by ZBF16PAIR.
+// stepBF16AVX512 with the elements stepped by ZBF16QUADCVT and
+// ZBF16PAIRCVT (ZBF16STEPLOOP).
 TEXT ·stepBF16AVX512BF16(SB), NOSPLIT, $0-48
 	MOVQ pp+0(FP), DI
 	MOVQ gg+8(FP), SI
@@ -853,56 +908,68 @@ TEXT ·stepBF16AVX512BF16(SB), NOSPLIT, $0-48
 	VPBROADCASTD R10, Z28
 	MOVQ CX, R11
 	ANDQ $-64, R11
-loopqw:
-	CMPQ BX, R11
-	JGE loopqd
-	PREFETCH4(2)
-	PREFETCHT0 (PFDIST+64)(SI)(BX*2)
-	PREFETCHT0 (PFDIST+64)(DI)(BX*2)
-	PREFETCHT0 (PFDIST+64)(R8)(BX*2)
-	PREFETCHT0 (PFDIST+64)(R9)(BX*2)
-	ZBF16QUADCVT
-	KANDD K1, K2, K1
-	KORTESTD K1, K1
-	JCC slowq
-	KORTESTW K3, K3
-	JCC slowq
-	VMOVDQU32 Z30, (R8)(BX*2)
-	VMOVDQU32 Z27, 64(R8)(BX*2)
-	VMOVDQU32 Z31, (R9)(BX*2)
-	VMOVDQU32 Z16, 64(R9)(BX*2)
-	VMOVDQU32 Z29, (DI)(BX*2)
-	VMOVDQU32 Z15, 64(DI)(BX*2)
-	ADDQ $64, BX
-	JMP loopqw
-slowq:
-	ZBF16RELOAD
-	ZBF16PAIR
-	ADDQ $32, BX
-	ZBF16PAIR
-	ADDQ $32, BX
-	JMP loopqw
-loopqd:
-	ZBF16RELOAD
-loopvw:
-	CMPQ BX, DX
-	JGE loopvb
-	PREFETCH4(2)
-	ZBF16PAIRCVT
-	KORTESTD K1, K1
-	JCC slowv
-	KORTESTW K3, K3
-	JCC slowv
-	VMOVDQU32 Z30, (R8)(BX*2)
-	VMOVDQU32 Z31, (R9)(BX*2)
-	VMOVDQU32 Z29, (DI)(BX*2)
-	ADDQ $32, BX
-	JMP loopvw
-slowv:
-	ZBF16PAIR
-	ADDQ $32, BX
-	JMP loopvw
-	ZBF16TAIL(loopvb, donevb)
+	ZBF16STEPLOOP(ZBF16QUADCVT, ZBF16PAIRCVT, loopqw, loopqd, slowq, loopvw, loopvb, slowv, donevb)
+
+// The constants of ZBF16PAIRTBL's check and exponent: 0x0080 and 0x00FF a
+// word, 0xFF80 a word (a doubleword to broadcast).
+DATA bf16W0080<>+0(SB)/8, $0x0080008000800080
+DATA bf16W0080<>+8(SB)/8, $0x0080008000800080
+DATA bf16W0080<>+16(SB)/8, $0x0080008000800080
+DATA bf16W0080<>+24(SB)/8, $0x0080008000800080
+DATA bf16W0080<>+32(SB)/8, $0x0080008000800080
+DATA bf16W0080<>+40(SB)/8, $0x0080008000800080
+DATA bf16W0080<>+48(SB)/8, $0x0080008000800080
+DATA bf16W0080<>+56(SB)/8, $0x0080008000800080
+GLOBL bf16W0080<>(SB), RODATA|NOPTR, $64
+DATA bf16W00FF<>+0(SB)/8, $0x00FF00FF00FF00FF
+DATA bf16W00FF<>+8(SB)/8, $0x00FF00FF00FF00FF
+DATA bf16W00FF<>+16(SB)/8, $0x00FF00FF00FF00FF
+DATA bf16W00FF<>+24(SB)/8, $0x00FF00FF00FF00FF
+DATA bf16W00FF<>+32(SB)/8, $0x00FF00FF00FF00FF
+DATA bf16W00FF<>+40(SB)/8, $0x00FF00FF00FF00FF
+DATA bf16W00FF<>+48(SB)/8, $0x00FF00FF00FF00FF
+DATA bf16W00FF<>+56(SB)/8, $0x00FF00FF00FF00FF
+GLOBL bf16W00FF<>(SB), RODATA|NOPTR, $64
+DATA bf16WFF80<>+0(SB)/4, $0xFF80FF80
+GLOBL bf16WFF80<>(SB), RODATA|NOPTR, $4
+
+// func stepBF16AVX512VBMI(pp, gg, mm, vv *uint16, n int, k *vecConsts)
+//
+// stepBF16AVX512BF16 with the square root of the new exp_avg_sq divided by
+// bias_correction2_sqrt, both rounded, looked up in the step's table
+// (k.bf16Table, bf16table.go): ZBF16PAIRTBL and ZBF16QUADTBL. A pair's new
+// exp_avg_sq words, in memory order, index the table's 256 bytes by their
+// low byte (the exponent's low bit and the mantissa): VPERMT2B looks up 128
+// bytes at a time, by each byte's low 7 bits, VPMOVB2M and VPBLENDMB take
+// the half its bit 7 names, K7 (the even bytes) zeroes the odd bytes; the
+// exponent comes from VPAVGW with the table's bias. The quotient is then in
+// memory order, which the unpacks widen to order 1, as the computed one
+// was. In place of the zero check of the new exp_avg_sq, a check that it is
+// a positive normal number (VPADDW, VPCMPW): a zero, subnormal, infinite,
+// NaN or negative one would find a wrong entry, and its pair is stepped by
+// ZBF16PAIR. Only VPTESTMW's zero checks and VCMPPS's NaN check of the new
+// parameter remain as in stepBF16AVX512BF16: a NaN reaches the new
+// parameter through every value but exp_avg_sq's, whose own check sends it
+// to ZBF16PAIR. On one core of an AMD EPYC, 64K elements in L2: 0.45 ns an
+// element against 0.54 for stepBF16AVX512BF16 (2026-12-05).
+TEXT ·stepBF16AVX512VBMI(SB), NOSPLIT, $0-48
+	MOVQ pp+0(FP), DI
+	MOVQ gg+8(FP), SI
+	MOVQ mm+16(FP), R8
+	MOVQ vv+24(FP), R9
+	MOVQ n+32(FP), CX
+	MOVQ k+40(FP), AX
+	ZBF16SETUP
+	VPXORD Z13, Z13, Z13
+	VMOVDQU64 bf16Order0<>(SB), Z25
+	VMOVDQU64 bf16Order2<>(SB), Z26
+	MOVL $0x7FFF7FFF, R10
+	VPBROADCASTD R10, Z28
+	MOVQ $0x5555555555555555, R10
+	KMOVQ R10, K7
+	MOVQ CX, R11
+	ANDQ $-64, R11
+	ZBF16STEPLOOP(ZBF16QUADTBL, ZBF16PAIRTBL, loopqt, loopqdt, slowqt, loopvt, loopvbt, slowvt, donevbt)
 
 // MKL's SSE and AVX2 (FMA) vmsSqrt kernels (kernel_onepass_amd64.s: MKLSQRT,
 // MKLSQRTFMA) on 16 lanes. Their approximation is the CPU's VRSQRTPS, which

@@ -32,7 +32,7 @@ func withISA(l ISA, f func() [][]byte) [][]byte {
 }
 
 var requireISA = flag.String("require-isa", os.Getenv("SONAR_REQUIRE_ISA"),
-	"fail unless the kernels run at this level (avx512bf16, avx512, avx2, go); env SONAR_REQUIRE_ISA")
+	"fail unless the kernels run at this level (avx512vbmi, avx512bf16, avx512, avx2, go); env SONAR_REQUIRE_ISA")
 
 // TestRequiredISA fails where -require-isa (or SONAR_REQUIRE_ISA) names a
 // level this CPU lacks, so a run meant to check AVX-512 (make test-avx512,
@@ -435,9 +435,11 @@ func bf16Stages(p, g, m, v uint16, s Scalars) [5]float32 {
 
 // TestStepBF16EachCheck plants, in blocks of ordinary values, elements
 // whose first step makes exactly one of bf16Stages' values subnormal (and
-// none zero or NaN), or a NaN, so that each of the AVX-512 BF16 step's
-// checks alone must send its block to the exact rounding; then compares
-// three steps at every level with the Go code, bit for bit.
+// none zero or NaN), or a NaN, or an infinite or NaN exp_avg_sq (which
+// stepBF16AVX512VBMI's table has no entry for), so that each of the
+// AVX-512 BF16 steps' checks alone must send its block to the exact
+// rounding; then compares three steps at every level with the Go code, bit
+// for bit.
 func TestStepBF16EachCheck(t *testing.T) {
 	levels := asmLevels(t)
 	h := Hyper{LR: 1e-4, Beta1: 0.9, Beta2: 0.5, Eps: 1, WeightDecay: 0.01}
@@ -492,7 +494,10 @@ func TestStepBF16EachCheck(t *testing.T) {
 	// then 16 and 8 elements): an element is planted in the first block of
 	// every other pair and the second of the others, the partner block
 	// ordinary, so that no other block's check covers a missing one; a sixth
-	// kind is a NaN gradient, anywhere in its block.
+	// kind is a NaN gradient, anywhere in its block, a seventh and an eighth
+	// an infinite and a NaN exp_avg_sq (only exp_avg_sq's check sees them in
+	// stepBF16AVX512VBMI: an infinite denominator leaves the parameter
+	// finite, and the table's lookup turns a NaN into a number).
 	const n = 32*201 + 16 + 8 + 3
 	var in [4][]uint16
 	for a := range in {
@@ -509,13 +514,18 @@ func TestStepBF16EachCheck(t *testing.T) {
 			continue
 		}
 		i := 32*b + r.IntN(32)
-		if stage := (b / 4) % 6; stage < 5 {
+		switch stage := (b / 4) % 8; {
+		case stage < 5:
 			e := plant(stage)
 			for a := range in {
 				in[a][i] = e[a]
 			}
-		} else {
+		case stage == 5:
 			in[1][i] = 0x7FC0 | uint16(r.IntN(2))<<15
+		case stage == 6: // a parameter small enough that a wrong finite denominator shows
+			in[0][i], in[3][i] = tiny(-100, -95), 0x7F80
+		default:
+			in[3][i] = 0x7FC0 | uint16(r.IntN(64))
 		}
 	}
 	// chunk 0 steps the whole tensor in one call; 32 steps each block in a

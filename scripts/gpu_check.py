@@ -1243,7 +1243,9 @@ def cpu_isa() -> str:
         return "go"
     if "avx512f" not in flags:
         return "avx2"
-    return "avx512bf16" if {"avx512_bf16", "avx512bw", "avx512dq"} <= flags else "avx512"
+    if not {"avx512_bf16", "avx512bw", "avx512dq"} <= flags:
+        return "avx512"
+    return "avx512vbmi" if "avx512vbmi" in flags else "avx512bf16"
 
 
 def check_cpu_kernels(ctx: argparse.Namespace) -> None:
@@ -1254,7 +1256,7 @@ def check_cpu_kernels(ctx: argparse.Namespace) -> None:
         return
     isa = cpu_isa()
     env = {**os.environ, "SONAR_REQUIRE_ISA": isa}
-    run = subprocess.run([test, "-test.run", "Assembly|ISA|StepBF16|BF16Narrowing", "-test.short", "-test.v",
+    run = subprocess.run([test, "-test.run", "Assembly|ISA|StepBF16|BF16Narrowing|BF16Table", "-test.short", "-test.v",
                           "-test.count=1"], capture_output=True,
                          text=True, env=env, timeout=max(10.0, G.check_deadline - time.monotonic()))
     tail = (run.stdout + run.stderr).strip().splitlines()[-12:]

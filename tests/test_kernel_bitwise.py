@@ -58,7 +58,7 @@ def _widest_isa() -> str:
         return str(opt.stats()["server_isa"])
 
 
-ISAS = ["go", "avx2", "avx512", "avx512bf16"]
+ISAS = ["go", "avx2", "avx512", "avx512bf16", "avx512vbmi"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -84,7 +84,7 @@ func main() {
 	torchLib := flag.String("torch-lib", "", "libtorch_cpu.so whose MKL vmsSqrt to measure as well (float32)")
 	fused := flag.Bool("fused", false, "also measure the fused arithmetic (torch.optim.AdamW(fused=True))")
 	divider := flag.Bool("divider", false, "also measure the divider's floor: one square root and two divisions an element on one core")
-	isa := flag.String("isa", "", "cap the kernels' vector instruction set: avx512bf16, avx512, avx2 or go (default: the CPU's widest)")
+	isa := flag.String("isa", "", "cap the kernels' vector instruction set: avx512vbmi, avx512bf16, avx512, avx2 or go (default: the CPU's widest)")
 	echoAddr := flag.String("echo", "", "serve a bare ZeroMQ ROUTER echo on this address until killed (no kernels)")
 	unixEchoPath := flag.String("unix-echo", "", "serve a plain Unix seqpacket socket echo at this path until killed (no ZeroMQ)")
 	flag.Parse()

@@ -98,7 +98,7 @@ func run() int {
 	grace := fs.Duration("reconnect-grace", envDuration("SONAR_RECONNECT_GRACE", server.DefaultReconnectGrace), "keep a session this long after its connection closed, for its client to reconnect (env SONAR_RECONNECT_GRACE)")
 	heartbeat := fs.Duration("heartbeat-timeout", envDuration("SONAR_HEARTBEAT_TIMEOUT", 10*time.Second), "close a connection that answers no heartbeat (sent every second) for this long; its session is then released (env SONAR_HEARTBEAT_TIMEOUT)")
 	mklSqrt := fs.String("mkl-sqrt", envOr("SONAR_MKL_SQRT", "auto"), "how sonard reproduces the float32 sqrt of a client's MKL (vmsSqrt): auto (its own emulation of MKL's arithmetic where a check at load finds one bitwise equal to the library's on 52 million chosen inputs, else calls into the library) or call (always call the library) (env SONAR_MKL_SQRT)")
-	isa := fs.String("isa", os.Getenv("SONAR_ISA"), "widest vector instruction set of the CPU update kernels: avx512bf16, avx512, avx2 or go (all bitwise alike; default: the CPU's widest) (env SONAR_ISA)")
+	isa := fs.String("isa", os.Getenv("SONAR_ISA"), "widest vector instruction set of the CPU update kernels: avx512vbmi, avx512bf16, avx512, avx2 or go (all bitwise alike; default: the CPU's widest) (env SONAR_ISA)")
 	version := fs.Bool("version", false, "print the version and exit")
 	fs.SetOutput(os.Stdout)
 	fs.Usage = func() {
