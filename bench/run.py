@@ -90,7 +90,7 @@ def machine(env: dict[str, str]) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "nproc": os.cpu_count(), "cpu_model": common.cpu_model(),
-        "isa": " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags),
+        "isa": " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512vbmi", "amx_bf16") if f in flags),
         "mem_gib": round(common.mem_total_gib(), 1), "kernel": platform.release(),
         "python": platform.python_version(), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "capability": torch.backends.cpu.get_cpu_capability(),
