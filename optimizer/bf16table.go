@@ -39,8 +39,15 @@ type bf16TableFor struct {
 // (and every chunk of a tensor) has the same bc2s, so a step makes one.
 var lastBF16Table atomic.Pointer[bf16TableFor]
 
-// fill sets t to bc2s's table and reports whether there is one: bc2s in
-// [2^-32, 1], which every beta2 in [0, 1) gives (bc2s >= 2^-26.5).
+// divisorOK says whether the kernels' shortcuts for dividing by bc2s hold:
+// bc2s in [2^-32, 1], which every beta2 in [0, 1) gives (bc2s >= 2^-26.5).
+// There the kernels may divide through its reciprocal (divide_amd64.h), and
+// the quotient of a square root by it stays a normal float32, as the table
+// below needs; outside, the step runs in Go (or without the table).
+func divisorOK(bc2s float32) bool { return bc2s >= 0x1p-32 && bc2s <= 1 }
+
+// fill sets t to bc2s's table and reports whether there is one: where
+// divisorOK(bc2s).
 func (t *bf16Table) fill(bc2s float32) bool {
 	last := lastBF16Table.Load()
 	if last == nil || last.bc2s != bc2s {
@@ -61,7 +68,7 @@ func sqrtDivBF16(v uint16, bc2s float32) uint16 {
 
 // make computes bc2s's table; false if bc2s is out of range.
 func (t *bf16Table) make(bc2s float32) bool {
-	if !(bc2s >= 0x1p-32 && bc2s <= 1) {
+	if !divisorOK(bc2s) {
 		return false
 	}
 	var d [256]uint16

@@ -52,6 +52,7 @@ var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.lsb)-484]
 var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.inf)-548]
 var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.rbc2s)-580]
 var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.bf16Table)-612]
+var _ = [1]struct{}{}[unsafe.Offsetof(vecConsts{}.bf16Table)+unsafe.Offsetof(bf16Table{}.bias)-868]
 
 //go:noescape
 func pass1AVX2(pp, gg, mm, vv, out *float32, n int, k *pass1Consts)
@@ -344,11 +345,6 @@ func newFusedConsts(k fusedScalars) vecConsts {
 	c.setWide()
 	return c
 }
-
-// divisorOK says whether the kernels may divide by bc2s through its
-// reciprocal (divide_amd64.h): bc2s in [2^-32, 1], which every beta2 in
-// [0, 1) gives (bc2s >= 2^-26.5). Outside, the step runs in Go.
-func divisorOK(bc2s float32) bool { return bc2s >= 0x1p-32 && bc2s <= 1 }
 
 // setDivide fills the reciprocal of bc2s and +inf the division by bc2s
 // uses (divide_amd64.h).
