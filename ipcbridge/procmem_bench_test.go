@@ -13,12 +13,14 @@ import (
 // BenchmarkReadAtPieces reads 32 MiB of this process's memory through
 // ProcessMemory.ReadAt (process_vm_readv), which is how sonard reads a
 // zero-copy gradient, and copies it with copy() for comparison. The piece
-// size is the engine's read size (optimizer's readChunk is 32 KiB of
-// float32); "thp" puts the source on transparent huge pages (madvise), which
-// a trainer's allocator does not do by default. Measured 2026-12-01 on the
-// 2-core AMD EPYC VM: 2.7-3.3 GB/s for every piece size from 32 KiB to 1 MiB
-// (the cost is per page, not per call), 4.3-4.4 GB/s on huge pages, and
-// 8.5-9.9 GB/s for copy().
+// sizes bracket the engine's read size (optimizer's readBytes: 128 KiB since
+// 2026-12-05, 32 KiB of float32 before); "thp" puts the source on
+// transparent huge pages (madvise), which a trainer's allocator does not do
+// by default. Measured on the 2-core AMD EPYC VM: 2026-12-01, 2.7-3.3 GB/s
+// for every piece size from 32 KiB to 1 MiB, 4.3-4.4 GB/s on huge pages,
+// 8.5-9.9 GB/s for copy(); 2026-12-05 (three runs), 4.7-5.6 GB/s in 32 KiB
+// pieces, 5.5-6.5 in 128 KiB, 6.2-6.5 in 1 MiB, 18.7-20.5 for copy(): the
+// cost is mostly per page, and about 2 us per call.
 func BenchmarkReadAtPieces(b *testing.B) {
 	const n = 32 << 20
 	for _, thp := range []bool{false, true} {
@@ -72,8 +74,9 @@ func BenchmarkReadAtPieces(b *testing.B) {
 }
 
 // BenchmarkReadAtWorkers is the read a layer request makes: a 2 MiB
-// gradient (in cache, as backward left it), in 32 KiB pieces by one or two
-// goroutines, as sonard's workers take them, against copy(). Measured
+// gradient (in cache, as backward left it), in 32 KiB pieces (the engine's
+// read size until 2026-12-05) by one or two goroutines, as sonard's workers
+// take them, against copy(). Measured
 // 2026-12-04 on the 2-core AMD EPYC VM (two runs): process_vm_readv 7.4-8.5
 // GB/s on one goroutine, 10-14 on two; copy() 27-37 and 40-45. The cost is
 // per 4 KiB page (pinning and mapping it), about 0.4 us a page.

@@ -44,8 +44,12 @@ func readerCase(n int) (Hyper, []byte, []byte) {
 // every arithmetic (single-tensor, fused), both dtypes, amsgrad, sizes
 // around the read pieces and the workers' chunks, and with accumulation.
 func TestApplyFromMatchesApply(t *testing.T) {
-	sizes := []int{1, 7, 63, 65, readChunk - 1, readChunk, readChunk + 1, 3*readChunk + 17, 100003}
 	for _, d := range []DType{Float32, BFloat16} {
+		piece := readPiece(d)
+		if piece%64 != 0 {
+			t.Fatalf("%v: pieces of %d elements, not whole 64-element blocks", d, piece)
+		}
+		sizes := []int{1, 7, 63, 65, piece - 1, piece, piece + 1, 3*piece + 17, 100003}
 		for _, fused := range []bool{false, true} {
 			for _, ams := range []bool{false, true} {
 				h := Hyper{LR: 1e-2, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 1e-2, Amsgrad: ams}
@@ -72,7 +76,7 @@ func TestApplyFromMatchesApply(t *testing.T) {
 							if err := e.ApplyFrom(got, rd, sc(got)); err != nil {
 								t.Fatal(err)
 							}
-							if pieces := (n + readChunk - 1) / readChunk; rd.reads.Load() < int64(pieces) {
+							if pieces := (n + piece - 1) / piece; rd.reads.Load() < int64(pieces) {
 								t.Fatalf("%s: %d reads, want at least %d", name, rd.reads.Load(), pieces)
 							}
 						}
@@ -105,10 +109,11 @@ func TestApplyFromMatchesApply(t *testing.T) {
 // changes nothing; one that fails part way through an update marks the
 // tensor damaged (it refuses updates until its state is imported).
 func TestApplyFromReadFailure(t *testing.T) {
-	const n = 5*readChunk + 3
+	piece := readPiece(Float32)
+	n := 5*piece + 3
 	h, param, g := readerCase(n)
 	e := &Engine{Workers: 1, MinChunk: 64}
-	bad := &sliceReader{b: g, failAt: 4 * readChunk * 4} // the fifth piece
+	bad := &sliceReader{b: g, failAt: 4 * piece * 4} // the fifth piece
 
 	for _, tc := range []struct {
 		name    string
@@ -154,7 +159,8 @@ func TestApplyFromReadFailure(t *testing.T) {
 func TestApplyFromScaledMatchesApplyScaled(t *testing.T) {
 	for _, d := range []DType{Float32, BFloat16} {
 		for _, prep := range []GradPrep{{Scale: 0.37, Norm: true}, {Scale: 1, Norm: true}, {Scale: 2.5}} {
-			for _, n := range []int{5, readChunk + 3, 4*readChunk + 100} {
+			piece := readPiece(d)
+			for _, n := range []int{5, piece + 3, 4*piece + 100} {
 				name := fmt.Sprintf("%v/%+v/n=%d", d, prep, n)
 				h := Hyper{LR: 1e-2, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 1e-2}
 				r := rand.New(rand.NewPCG(uint64(n), 51))
@@ -190,7 +196,7 @@ func TestApplyFromScaledMatchesApplyScaled(t *testing.T) {
 // on the reader path) and of the arithmetic (both paths); without Phases it
 // times nothing and updates alike.
 func TestPhases(t *testing.T) {
-	const n = 3*readChunk + 5
+	n := 3*readPiece(Float32) + 5
 	h, param, g := readerCase(n)
 	for _, tc := range []struct {
 		name       string
