@@ -212,6 +212,7 @@ func (t *Transport) Serve(ctx context.Context, h Handler) error {
 	ticker, _ := h.(Ticker)
 	lastTick := time.Now()
 	var act activity
+	handled := false // the last round handled a message
 	for ctx.Err() == nil {
 		if now := time.Now(); ticker != nil && now.Sub(lastTick) >= time.Second {
 			ticker.Tick(now)
@@ -221,7 +222,8 @@ func (t *Transport) Serve(ctx context.Context, h Handler) error {
 		if t.flush(h) {
 			wait = 2 * time.Millisecond // replies wait for room, or parked requests for their turn
 		}
-		ready, err := poller.Poll(act.before(wait)) // activity.go: short waits while clients are active
+		ready, err := poller.Poll(act.before(wait, handled)) // activity.go: short waits while clients are active
+		handled = false
 		if err != nil {
 			if errors.Is(err, zmq.Errno(4)) { // EINTR
 				continue
@@ -251,6 +253,7 @@ func (t *Transport) Serve(ctx context.Context, h Handler) error {
 		// the close of an earlier connection on the same descriptor).
 		t.events(h)
 		t.receive(h, frames, fd)
+		handled = true
 	}
 	return nil
 }
