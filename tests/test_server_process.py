@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +15,10 @@ import torch
 
 import sonar_moe
 import tiny_moe as tm
-from conftest import shm_names, sonard_command
+from conftest import ROOT, shm_names, sonard_command
+
+sys.path.insert(0, str(ROOT / "bench"))
+from common import proc_switches  # noqa: E402  (bench/common.py: the benchmarks count sonard's switches so)
 
 
 def test_version_flag(sonard_binary: str) -> None:
@@ -169,18 +173,6 @@ def test_ping_is_a_bare_round_trip() -> None:
         conn.shutdown()
 
 
-def _switches(pid: int) -> int:
-    """Context switches (voluntary and not) all threads of process pid have made so far."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/status") as f:
-                total += sum(int(line.split()[-1]) for line in f if "ctxt_switches:" in line)
-        except OSError:  # the thread exited
-            pass
-    return total
-
-
 def test_few_wakeups_while_a_client_is_active(sonard_binary: str, tmp_path: Path) -> None:
     """While a client sends a request every 40 ms (active, as a trainer is), sonard's loop keeps
     Go's runtime monitor from waking every 20 us (ipc/activity.go): its threads switch a few
@@ -200,13 +192,15 @@ def test_few_wakeups_while_a_client_is_active(sonard_binary: str, tmp_path: Path
         try:
             conn.call("ping", {})
             time.sleep(0.3)
-            n0, t0 = _switches(proc.pid), time.monotonic()
+            n0, t0 = proc_switches(proc.pid), time.monotonic()
             while time.monotonic() - t0 < 2.0:
                 conn.call("ping", {})
                 time.sleep(0.04)
-            rate = (_switches(proc.pid) - n0) / (time.monotonic() - t0)
+            n1 = proc_switches(proc.pid)
+            rate = (n1 - n0) / (time.monotonic() - t0)
         finally:
             conn.close()
+        assert n0 >= 0 and n1 >= 0, "sonard's /proc entries are unreadable"
         assert rate < 1400, f"sonard's threads switched {rate:.0f} times a second while its client was active"
     finally:
         proc.terminate()
