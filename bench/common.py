@@ -115,9 +115,12 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def proc_switches(pid: int) -> int:
+def proc_switches(pid: int, voluntary_only: bool = False) -> int:
     """Context switches (voluntary and not) a process's threads have made so far, -1 where unreadable.
-    On these virtual machines each is a wake-up, and where a virtual CPU had halted, a dear one."""
+    On these virtual machines each is a wake-up, and where a virtual CPU had halted, a dear one.
+    voluntary_only: only the threads' own sleeps, not their preemptions (which other processes'
+    load adds)."""
+    fields = ("voluntary_ctxt_switches:",) + (() if voluntary_only else ("nonvoluntary_ctxt_switches:",))
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -126,7 +129,7 @@ def proc_switches(pid: int) -> int:
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/status") as f:
-                total += sum(int(line.split()[-1]) for line in f if "ctxt_switches:" in line)
+                total += sum(int(line.split()[-1]) for line in f if line.startswith(fields))
         except OSError:  # the thread exited
             pass
     return total

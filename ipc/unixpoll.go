@@ -56,8 +56,9 @@ func (r *pollRule) ended(start time.Time) {
 // the connection's reading side (stop's CloseRead) ends a poll at once: the
 // read finds the end of the stream.
 type pollingReader struct {
-	raw  syscall.RawConn
-	rule pollRule
+	raw   syscall.RawConn
+	rule  pollRule
+	empty int // reads that found nothing: one a sleeping wait, many a poll
 }
 
 // newPollingReader reads c, polling for up to poll while requests come that
@@ -104,6 +105,9 @@ func (r *pollingReader) Read(p []byte) (int, error) {
 				continue
 			case rerr != unix.EAGAIN:
 				return true
+			}
+			r.empty++
+			switch {
 			case !until.IsZero() && time.Now().Before(until):
 				// Give the CPU to any thread waiting for it (the client's,
 				// if it shares this CPU) before the next read.

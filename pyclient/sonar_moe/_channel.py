@@ -243,6 +243,7 @@ class UnixChannel:
         self._stat = f"/proc/{pid}/stat"
         self._checked = 0.0  # when /proc was last read
         self._stopped_since: float | None = None
+        self.empty_polls = 0  # reads of a poll that found nothing (a count for tests and stats)
 
     def _connect(self, timeout: float, server_gone: Callable[[], None]) -> None:
         """Connect, waiting (up to timeout) for a server that has not bound its socket yet
@@ -367,6 +368,7 @@ class UnixChannel:
             elif self._eof or time.perf_counter() >= until:
                 return None
             else:
+                self.empty_polls += 1
                 os.sched_yield()
 
     def _wait_for_frame(self, timeout: float) -> bytes | None:
