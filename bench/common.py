@@ -39,6 +39,22 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def last_level_cache_mib() -> float | None:
+    """The size of CPU 0's last-level cache in MiB, as the (virtual) machine reports it, or None."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        sizes = []
+        for d in sorted(os.listdir(base)):
+            if d.startswith("index"):
+                with open(f"{base}/{d}/size") as f:
+                    text = f.read().strip()
+                unit = {"K": 1 / 1024, "M": 1.0, "G": 1024.0}.get(text[-1:], 1 / 2**20)
+                sizes.append(float(text.rstrip("KMG")) * unit)
+        return max(sizes) if sizes else None
+    except (OSError, ValueError):
+        return None
+
+
 @contextlib.contextmanager
 def environ(changes: dict[str, str]) -> Iterator[None]:
     """os.environ with changes for the duration (what a private sonard or SonarAdamW reads when
@@ -70,6 +86,25 @@ def cpu_idle() -> dict:
     out = {"driver": _read("/sys/devices/system/cpu/cpuidle/current_driver"),
            "guest_halt_poll_ns": _read("/sys/module/haltpoll/parameters/guest_halt_poll_ns")}
     return {k: v for k, v in out.items() if v is not None}
+
+
+def halt_polling_applies(idle: dict) -> bool:
+    """Whether guest_halt_poll_ns decides how an idle CPU waits: only under the haltpoll cpuidle
+    driver. With no driver (`none`) the kernel's default idle halts the CPU at once whatever the
+    parameter says (the haltpoll module may still be loaded and show it)."""
+    return idle.get("driver") == "haltpoll" and "guest_halt_poll_ns" in idle
+
+
+def idle_wait_phrase(idle: dict) -> str | None:
+    """How an idle (virtual) CPU of this machine waits, in words, or None where unknown."""
+    if halt_polling_applies(idle):
+        ns = int(idle["guest_halt_poll_ns"])
+        if ns == 0:
+            return "an idle virtual CPU here halts at once (`guest_halt_poll_ns` 0)"
+        return f"an idle virtual CPU here polls {ns / 1000:.0f} us before it halts (`guest_halt_poll_ns` {ns})"
+    if idle.get("driver") == "none":
+        return "an idle CPU here halts at once (no cpuidle driver: the kernel's default idle)"
+    return None
 
 
 def cpu_flags() -> set[str]:

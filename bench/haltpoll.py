@@ -88,6 +88,10 @@ def main() -> None:
     a = ap.parse_args()
     if not PARAM.exists():
         sys.exit(f"haltpoll: {PARAM} missing: this machine's idle CPUs do not use the haltpoll driver")
+    idle = common.cpu_idle()
+    if not common.halt_polling_applies(idle):
+        sys.exit(f"haltpoll: the cpuidle driver here is {idle.get('driver', 'unknown')!r}, not 'haltpoll': "
+                 f"{PARAM.name} has no effect on how an idle CPU waits, so there is nothing to compare")
     if not os.access(PARAM, os.W_OK):
         sys.exit(f"haltpoll: {PARAM} is not writable: run as root")
     out = measure(a.poll_ns, a.rounds, a.pings, a.go_bench)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from common import idle_wait_phrase
+
 MiB = 2**20
 ORDER = ["torch-single", "torch-foreach", "torch-fused", "go-ieee", "go-mkl", "go-mkl-emulated", "go-fused",
          "sonard-e2e", "sonard-e2e-fused"]
@@ -828,8 +830,7 @@ def placement_section(res: dict) -> list[str]:
                  f"the software (ZeroMQ, msgpack, sonard's handler, the Python client) fits the 50 us target. Across "
                  f"two CPUs the same Unix echo takes {us(b['unix_cross']['p50_s'])} us, about {us(cross)} us more "
                  f"per hand-over"
-                 + (f": an idle virtual CPU here halts at once (`guest_halt_poll_ns` {idle['guest_halt_poll_ns']}), "
-                    "and waking it goes through the host" if "guest_halt_poll_ns" in idle else "")
+                 + (f": {phrase}, and waking it goes through the host" if (phrase := idle_wait_phrase(idle)) else "")
                  + ". As scheduled, the plain Unix echo is fast only because the kernel's synchronous wake-up "
                  "(a socket's reader woken by its writer) runs the reader on the writer's CPU; libzmq's hand-overs "
                  "between a socket's caller and its I/O thread are eventfd wake-ups without that hint, so the "
@@ -859,7 +860,11 @@ def haltpoll_lines(h: dict | None) -> list[str]:
     for k, name in names:
         if k in mach and k in poll:
             L.append(f"| {name} | {_us(mach[k])} | {_us(poll[k])} | {poll[k] / mach[k]:.2f} |")
-    if "client" in mach and "client" in poll:
+    if "client" in mach and "client" in poll and poll["client"] >= mach["client"]:
+        L.append(f"\nWith nothing else changed, Sonar's ZeroMQ round trip took {_us(mach['client'])} us as the "
+                 f"machine has it and {_us(poll['client'])} us polling: on this machine halt polling did not "
+                 "make it faster.\n")
+    elif "client" in mach and "client" in poll:
         saved = mach["client"] - poll["client"]
         L.append(f"\nWith nothing else changed, Sonar's ZeroMQ round trip goes from {_us(mach['client'])} to "
                  f"{_us(poll['client'])} us (the bare ZeroMQ echo {_us(mach.get('echo'))} to {_us(poll.get('echo'))}): "
@@ -1379,9 +1384,17 @@ def analysis(res: dict) -> list[str]:
                f"{f['median_s'] / g['median_s']:.2f}x torch fused and {pct(g['gb_per_s'] / (g.get('case_copy') or copy_bw))} "
                "of the copy bandwidth measured around it. ")
         if small and small["numel"] < big:
-            txt += (f"Its rate on a {size_name(small['numel'])} tensor (working set in cache) is "
-                    f"{small['elements_per_s'] / 1e9:.2f} G elem/s against {g['elements_per_s'] / 1e9:.2f} at "
-                    f"{size_name(big)}, so at large sizes memory, not arithmetic, sets its speed. ")
+            ss, sb = small.get("case_stream"), g.get("case_stream")
+            if small["elements_per_s"] > 1.2 * g["elements_per_s"]:
+                bound = "so at large sizes memory, not arithmetic, sets its speed"
+            elif ss and sb and ss < 1.2 * sb:
+                bound = (f"about the same, as the stream kernel's is ({ss:.1f} and {sb:.1f} GB/s): on this machine "
+                         "that working set streams from the last-level cache no faster than from memory")
+            else:
+                bound = "about the same: on this CPU its arithmetic (the divider's floor above) sets its speed"
+            txt += (f"Its rate on a {size_name(small['numel'])} tensor (a {16 * small['numel'] >> 20} MiB working "
+                    f"set) is {small['elements_per_s'] / 1e9:.2f} G elem/s against {g['elements_per_s'] / 1e9:.2f} "
+                    f"at {size_name(big)}, {bound}. ")
         txt += ("The single-tensor kernel makes one pass over each element (the IEEE root and MKL's emulated "
                 "ones; a root that is a call into MKL takes two passes per block) and, since 2026-12-02, divides "
                 "by bias_correction2_sqrt with fused multiply-adds instead of the divider (exact: "
@@ -1393,8 +1406,11 @@ def analysis(res: dict) -> list[str]:
                     f"{size_name(big)}. ")
         gcb = g.get("case_copy") or copy_bw
         if g["gb_per_s"] > gcb:
+            llc = res["machine"].get("llc_mib")
             txt += (f"The copy reference is weak on this VM: even at {size_name(big)} (a {16 * big >> 20} MiB float32 "
-                    "working set, above the 480 MiB L3 the VM reports) AdamW moves more counted bytes per second "
+                    "working set, above the "
+                    + (f"{llc:.0f} MiB last-level cache" if llc else "last-level cache")
+                    + " the VM reports) AdamW moves more counted bytes per second "
                     f"than a 256 MiB copy ({g['gb_per_s']:.1f} and fused {f['gb_per_s']:.1f} vs {gcb:.1f} GB/s). A copy "
                     "has one read and one write stream per core, AdamW four and three; the likely reason (not "
                     "verified) is per-core bandwidth limited by how many cache misses a core keeps in flight, "
@@ -1443,7 +1459,7 @@ def analysis(res: dict) -> list[str]:
                  "met a subnormal (a zero word) and the new parameter is no NaN, else stepped again with the "
                  "integer roundings (`TestStepBF16EachCheck` makes each check alone decide a block); two pairs "
                  "an iteration, their instructions alternating, so that the chains from exp_avg_sq to the "
-                 "divider overlap. On one core of this AMD EPYC in L2: 0.85 -> 0.54 ns an element. It keeps both "
+                 "divider overlap. On one core of an AMD EPYC (Zen 4) in L2, 2026-12-05: 0.85 -> 0.54 ns an element. It keeps both "
                  "divisions on the divider: dividing by bias_correction2_sqrt with multiply-adds slowed it "
                  "(the divider holds the multiply pipes part of the time here; docs/results-history.md). "
                  "Also since 2026-12-05, where the CPU also has AVX-512 VBMI (level `avx512vbmi`, which this "
@@ -1481,11 +1497,11 @@ def analysis(res: dict) -> list[str]:
         emu = (f", emulated {me['gb_per_s']:.1f} GB/s" if me else "")
         L.append(f"- **MKL sqrt** ({size_name(big)}: called {mk['gb_per_s']:.1f} GB/s{emu}, IEEE {g['gb_per_s']:.1f} "
                  "GB/s). torch's float32 `sqrt` is MKL's `vmsSqrt`, which differs from the IEEE root (one ulp, on a "
-                 "share of inputs that depends on the CPU: on this machine's AVX2 path 17.1% of the 2,139,095,041 "
+                 "share of inputs that depends on the CPU: on an AMD EPYC's AVX2 path 17.1% of the 2,139,095,041 "
                  "non-negative float32 values up to +inf, checked one by one against the correctly rounded root "
                  "by `bench/mkl_sqrt.py` on 2026-12-01), so bit-for-bit equality needs the very same function. "
                  "Called through purego once per 4096-element block, between the two passes of the engine's own "
-                 "arithmetic, it costs 0.8 ns an element on one core here. Since 2026-12-01 the engine computes "
+                 "arithmetic, it cost 0.8 ns an element on one core of that machine. Since 2026-12-01 the engine computes "
                  "MKL's arithmetic itself (the SSE kernel MKL runs on AMD CPUs, its Intel AVX2 kernel or its "
                  "AVX-512 kernel: the CPU's approximate reciprocal square root and one Newton step in single "
                  "precision) inside a one-pass kernel, once a check at load finds it bitwise equal to the "
@@ -1493,7 +1509,7 @@ def analysis(res: dict) -> list[str]:
                  "this machine runs); where none matches, the engine calls the library. Since 2026-12-05 the SSE "
                  "and AVX2 kernels' arithmetic runs 16 lanes at a time on a CPU with AVX-512 (the approximation "
                  "taken on each 256-bit half, as `VRSQRTPS` has no 512-bit form; equal to the 8-lane code on all "
-                 "2^32 inputs): 0.62 -> 0.56 ns an element on one core in L2 on this AMD EPYC.")
+                 "2^32 inputs): 0.62 -> 0.56 ns an element on one core in L2 on an AMD EPYC (Zen 4), 2026-12-05.")
     mem_lines, time_lines, rss_note = [], [], []
     for r in res["train"] + res.get("depth", []):
         ms = r["methods"]
@@ -1576,8 +1592,9 @@ def analysis(res: dict) -> list[str]:
         L.append(f"- **{title}.** Updating during backward on the cores backward runs on "
                  "costs torch itself: its own optimizer-in-backward (c) took " + ", ".join(cb) + " (b)'s step time "
                  "and " + ", ".join(cb_cpu) + " (b)'s CPU a step "
-                 "in this run, with no process, request or copy in between (on GraniteMoe its CPU was 1.09x-1.15x "
-                 "(b)'s in each of the fourteen runs from 2026-12-02 to 2026-12-05; likely, not measured: each update's data "
+                 "in this run, with no process, request or copy in between (on GraniteMoe its CPU was 1.08x-1.15x "
+                 "(b)'s in each of the fifteen runs from 2026-12-02 to 2026-12-05, fourteen on AMD EPYC machines "
+                 "and one on an Intel Xeon; likely, not measured: each update's data "
                  "passes through the caches backward is using, and the hooks run one after another in backward's "
                  "thread). " + q_sentence(res) + "The "
                  "table of request segments in section 4 shows what Sonar adds: "

@@ -95,7 +95,7 @@ def machine(env: dict[str, str]) -> dict:
         "python": platform.python_version(), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "capability": torch.backends.cpu.get_cpu_capability(),
         "go": go, "commit": git.stdout.strip() or "unknown", "load_start": common.load_avg(),
-        "cpu_idle": common.cpu_idle(),
+        "cpu_idle": common.cpu_idle(), "llc_mib": common.last_level_cache_mib(),
     }
 
 
