@@ -34,6 +34,10 @@ PY = sys.executable
 # Training methods of the main configs (bench/train.py's letters), and of the spare-core runs:
 # torch limited to fewer threads than cores, so sonard has a core of its own.
 METHODS, SPARE_METHODS = "abcdqefgsohuknxywr", "nbcdgso"
+# The methods the step targets compare, trained again in runs of their own ("repeats"): one run's
+# ratio moves by several percent on these shared machines (docs/results-history.md, 2026-12-05,
+# "GraniteMoe on an Intel Xeon"), so the targets take the median over the main run and these.
+REPEAT_METHODS = "abcdq"
 # The same configs with libgomp's spin-wait shortened (GOMP_SPINCOUNT, read when torch loads
 # libgomp): torch's idle OpenMP threads then sleep instead of spinning while a hook waits for sonard.
 SPIN_METHODS, SPIN_COUNT = "bcdo", "10000"
@@ -41,12 +45,12 @@ FULL = dict(sizes="1M,16M,64M", contended="16M", reps=9, pings=2000, layers=8, h
             models=[("olmoe", "eager"), ("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
             spare=[("olmoe", "grouped_mm", 1), ("granite", "grouped_mm", 1)],
             spin=[("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
-            depth=[("olmoe", "grouped_mm", 16), ("granite", "grouped_mm", 32)], park_rounds=40)
+            depth=[("olmoe", "grouped_mm", 16), ("granite", "grouped_mm", 32)], park_rounds=40, repeats=4)
 QUICK = dict(sizes="1M,16M", contended="1M", reps=3, pings=500, layers=4, hidden=128, batch=4, seq=64, warmup=1, steps=5,
              models=[("olmoe", "eager"), ("olmoe", "grouped_mm"), ("granite", "grouped_mm")],
              spare=[("olmoe", "grouped_mm", 1)],
              spin=[("granite", "grouped_mm")],
-             depth=[("olmoe", "grouped_mm", 8)], park_rounds=10)
+             depth=[("olmoe", "grouped_mm", 8)], park_rounds=10, repeats=1)
 
 
 BUILD = ["scripts/build-go", "sonard", "sonar-bench"]  # the one build entry point, into bin/
@@ -133,6 +137,12 @@ def run_all(cfg: dict, quick: bool, env: dict[str, str], before: str | None = No
     for model, impl in cfg["models"]:
         print(f"training: {model} / {impl}", file=sys.stderr, flush=True)
         res["train"].append(train(model, impl, methods, run_env=train_env, prefix=prefix))
+    res["repeats"] = []
+    for i in range(cfg["repeats"]):  # round by round over the configs, so a slow spell hits them alike
+        for model, impl in cfg["models"]:
+            print(f"training again, {REPEAT_METHODS} only ({i + 1} of {cfg['repeats']}): {model} / {impl}",
+                  file=sys.stderr, flush=True)
+            res["repeats"].append(train(model, impl, REPEAT_METHODS, extra=("--timeline", "")))
     res["spare"] = []
     for model, impl, threads in cfg["spare"]:
         print(f"training with a spare core: {model} / {impl}, torch at {threads} thread(s)", file=sys.stderr, flush=True)
