@@ -149,7 +149,7 @@ class ZmqChannel:
     """One ZeroMQ DEALER socket, with heartbeats and a monitor (``_liveness``)."""
 
     def __init__(self, address: str) -> None:
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTING_ID, client_id())
         configure(self._sock)
@@ -204,7 +204,7 @@ class ZmqChannel:
             return None
 
     def ready(self) -> bool:
-        return bool(self._sock.getsockopt(_EVENTS) & _POLLIN)
+        return bool(int(self._sock.getsockopt(_EVENTS)) & _POLLIN)  # EVENTS is an int option
 
     def lost(self, in_flight: int) -> str | None:
         return self._link.lost(in_flight)

@@ -52,7 +52,7 @@ class Link:
 
     def update(self, in_flight: int) -> None:
         """Take the monitor's events that arrived."""
-        while self._mon.getsockopt(_EVENTS) & _POLLIN:
+        while int(self._mon.getsockopt(_EVENTS)) & _POLLIN:  # EVENTS is an int option
             ev = recv_monitor_message(self._mon, zmq.NOBLOCK)["event"]
             if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.up = True

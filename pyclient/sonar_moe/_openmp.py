@@ -72,8 +72,13 @@ def default_spin_runtime(environ: Mapping[str, str] = os.environ, maps_path: str
 class Waiter(Protocol):
     """How a connection waits for a reply."""
 
-    parks: int  # waits that parked torch's threads
-    steered: int  # parks whose threads were kept off the waiting thread's CPU while woken
+    @property
+    def parks(self) -> int:
+        """Waits that parked torch's threads."""
+
+    @property
+    def steered(self) -> int:
+        """Parks whose threads were kept off the waiting thread's CPU while woken."""
 
     def receive(self, recv: Receive, timeout: float) -> bytes | None:
         """recv(timeout), however this waiter waits."""

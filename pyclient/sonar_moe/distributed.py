@@ -46,7 +46,7 @@ log = logging.getLogger("sonar_moe")
 __all__ = ["DDPExpertHook", "DDPWatch", "NodeServer", "check_local_gradients", "ignore_experts_in_ddp",
            "reduces_experts", "register_ddp_comm_hook", "unwatch", "watch_for_ddp"]
 
-_engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+_engine = torch.autograd.Variable._execution_engine
 
 
 # --------------------------------------------------------------------------- DDP

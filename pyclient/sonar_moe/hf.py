@@ -47,7 +47,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from safetensors import safe_open
@@ -97,6 +97,8 @@ class SonarTrainer(Trainer):
                 raise ValueError(f"SonarTrainer does not take TrainingArguments.optim_args ({a.optim_args!r}): "
                                  "pass SonarAdamW options through sonar_kwargs=")
             target = model if model is not None else self.model
+            if target is None:
+                raise ValueError("SonarTrainer.create_optimizer needs a model: Trainer was built without one")
             decay = set(self.get_decay_parameter_names(target))
             named = [(n, p) for n, p in target.named_parameters() if p.requires_grad]
             groups = [  # as Trainer.create_optimizer groups them
@@ -145,7 +147,9 @@ class SonarTrainer(Trainer):
                 logs["dense_grad_norm"] = self._unclipped_dense_norm
             if opt.last_global_grad_norm is not None:  # expert_clipping: the server measured the experts' norms
                 logs["grad_norm"] = opt.last_global_grad_norm
-                logs["expert_grad_scale"] = opt.last_expert_grad_scale
+                scale = opt.last_expert_grad_scale
+                if scale is not None:
+                    logs["expert_grad_scale"] = scale
             st = opt.stats(server=False)
             logs["sonar_peak_expert_grad_bytes"] = st["peak_expert_grad_bytes"]
             logs["sonar_update_ms_p50"] = round(st["latency_ms_p50"], 3)
@@ -172,7 +176,7 @@ class SonarTrainer(Trainer):
         log.info("loading the best model from %s (score %s)", best, self.state.best_metric)
         report_load(load_weights_in_place(self.model, best), best)
 
-    def _loads_in_place(self, model: torch.nn.Module, checkpoint: str) -> bool:
+    def _loads_in_place(self, model: torch.nn.Module | None, checkpoint: str) -> TypeGuard[PreTrainedModel]:
         """Whether SonarTrainer loads this checkpoint itself: a plain (not PEFT-wrapped)
         PreTrainedModel, neither FSDP nor DeepSpeed, and a checkpoint of one safetensors file,
         sharded safetensors or one pytorch_model.bin. Other cases keep Trainer's loader."""

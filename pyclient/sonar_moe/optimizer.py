@@ -254,7 +254,7 @@ def _check_expert(name: str, p: torch.Tensor) -> None:
         raise ValueError(f"expert tensor {name} is not a leaf tensor")
 
 
-class ExpertState(dict):  # type: ignore[type-arg]
+class ExpertState(dict):
     """``opt.state[p]`` of an expert tensor: its ``step`` lives here, its moments on the
     server. It lists torch's keys; reading ``exp_avg`` (``exp_avg_sq``, ``max_exp_avg_sq``
     with amsgrad) fetches a copy from the server."""
@@ -275,7 +275,7 @@ class ExpertState(dict):  # type: ignore[type-arg]
     def __contains__(self, key: object) -> bool:
         return dict.__contains__(self, key) or key in self._moments
 
-    def __iter__(self) -> Iterator[str]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[str]:
         return iter(self._keys())
 
     def __len__(self) -> int:
@@ -290,7 +290,7 @@ class ExpertState(dict):  # type: ignore[type-arg]
     def values(self) -> list[Any]:  # type: ignore[override]
         return [self[k] for k in self._keys()]
 
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: str, default: Any = None) -> Any:
         return self[key] if key in self else default
 
 
@@ -746,12 +746,13 @@ class SonarAdamW(torch.optim.AdamW):
                 self._clipper.skip_step()
             return
         with_grad = [p for p in dense if p.grad is not None]
+        dense_grads = [g for g in (p.grad for p in with_grad) if g is not None]
         if grad_scale is not None and not any(g["fused"] for g in self.param_groups):
             inv_scale = grad_scale.double().reciprocal().float()
-            for p in with_grad:
-                p.grad.mul_(inv_scale.to(p.grad.device))
+            for g in dense_grads:
+                g.mul_(inv_scale.to(g.device))
             grad_scale = found_inf = None
-        if self.nonfinite == "skip" and not all(bool(torch.isfinite(p.grad).all()) for p in with_grad):
+        if self.nonfinite == "skip" and not all(bool(torch.isfinite(g).all()) for g in dense_grads):
             self._skipped_nonfinite += 1
             log.warning("skipping the dense step: a dense gradient is not finite")
             if self._clipper is not None:
@@ -785,7 +786,8 @@ class SonarAdamW(torch.optim.AdamW):
         norm); the dense gradients are clipped by it as clip_grad_norm_(all params) would, and
         it fixes the factor of the next step's expert gradients."""
         assert self._clipper is not None and self.max_grad_norm is not None
-        dense_norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad]) if with_grad else torch.tensor(0.0)
+        grads = [g for g in (p.grad for p in with_grad) if g is not None]
+        dense_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
         self.last_dense_grad_norm = dense_norm
         global_norm = self._clipper.finish_step(float(dense_norm) ** 2)
         if with_grad:
