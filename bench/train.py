@@ -1,8 +1,9 @@
 """Training benchmark of one small MoE config: five optimizer methods trained side by side on
 the same batches, one step of each in turn (round-robin, so drift of the machine's load
-hits every method alike), in an order shuffled anew each step (seeded): a step runs slower
-right after some methods' steps (after optimizer-in-backward (c) about 5% on GraniteMoe,
-measured 2026-12-05), so a fixed order would charge that to whichever method follows them.
+hits every method alike), in an order shuffled anew each step (seeded), so that no method
+always follows the same one: an effect of one method's step on the next (separate runs of
+2026-12-05 suggested one after optimizer-in-backward (c); alternating the orders within one
+run on 2026-12-06 found none, docs/results-history.md) would otherwise fall on one method.
 Prints one JSON document.
 
 Methods:
