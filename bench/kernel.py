@@ -13,12 +13,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import common
 import torch
 from torch import nn
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "single": dict(foreach=False),  # the CPU default: _single_tensor_adam
     "foreach": dict(foreach=True),
     "fused": dict(fused=True),
@@ -66,7 +67,7 @@ def make(n: int, dtype: torch.dtype, seed: int) -> tuple[nn.Parameter, torch.Ten
 
 def torch_adamw(n: int, dtype: torch.dtype, reps: int, variants: tuple[str, ...] = tuple(VARIANTS)) -> list[dict]:
     """The variants on equal tensors, timed round-robin (so load drift hits all alike)."""
-    runs = {}
+    runs: dict[str, tuple[torch.optim.AdamW, list[float]]] = {}
     for name in variants:
         kw = VARIANTS[name]
         p, grad = make(n, dtype, 1)
@@ -169,7 +170,7 @@ def ipc_ping(n: int, go_bench: str | None = None, cross_cpu: int | None = None) 
     conn = start_private_server(timeout=10.0, transport="zmq")  # as SonarAdamW starts one
     # The same client code over sonard's own Unix socket (unix://): no ZeroMQ I/O threads.
     conn_unix = start_private_server(timeout=10.0, transport="unix")
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(conn.address)
@@ -179,9 +180,11 @@ def ipc_ping(n: int, go_bench: str | None = None, cross_cpu: int | None = None) 
 
     def serve(flag: str, where: str, cpu: int | None = None) -> None:
         """Start a sonar-bench echo (on one CPU if told) and wait until it listens."""
+        assert go_bench is not None  # called only when the Go benchmark binary was built
         pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
         proc = subprocess.Popen([go_bench, flag, where], stdout=subprocess.PIPE, text=True, preexec_fn=pin)
         servers.append(proc)
+        assert proc.stdout is not None
         proc.stdout.readline()  # "ready"
 
     def unix_echo(path: str, cpu: int | None = None) -> socket.socket:
@@ -214,6 +217,7 @@ def ipc_ping(n: int, go_bench: str | None = None, cross_cpu: int | None = None) 
         msgpack.unpackb(raw.recv(), raw=False)
 
     def via_echo() -> None:
+        assert echo is not None
         echo.send(req)
         msgpack.unpackb(echo.recv(), raw=False)
 

@@ -5,12 +5,13 @@ byte-level configs whose expert share of parameters matches them."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GraniteMoeConfig, OlmoeConfig
+from transformers import AutoModelForCausalLM, GraniteMoeConfig, OlmoeConfig, PreTrainedModel
 
 # Published shapes (config.json of allenai/OLMoE-1B-7B-0924 and ibm-granite/granite-3.1-3b-a800m-base).
-REAL = {
+REAL: dict[str, dict[str, Any]] = {
     "olmoe": dict(name="OLMoE-1B-7B", vocab=50304, hidden=2048, intermediate=1024, layers=16, heads=16,
                   kv_heads=16, experts=64, top_k=8, tie=False),
     "granite": dict(name="Granite-3.1-3B-A800M", vocab=49155, hidden=1536, intermediate=512, layers=32, heads=24,
@@ -32,8 +33,8 @@ class Shape:
     tie: bool
     max_positions: int = 512
 
-    def config(self):
-        common = dict(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
+    def config(self) -> OlmoeConfig | GraniteMoeConfig:
+        common: dict[str, Any] = dict(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
                       num_hidden_layers=self.layers, num_attention_heads=self.heads,
                       num_key_value_heads=self.kv_heads, num_experts_per_tok=self.top_k,
                       max_position_embeddings=self.max_positions, tie_word_embeddings=self.tie,
@@ -42,7 +43,7 @@ class Shape:
             return OlmoeConfig(**common, num_experts=self.experts)
         return GraniteMoeConfig(**common, num_local_experts=self.experts)
 
-    def build(self, experts_implementation: str, dtype: torch.dtype, seed: int):
+    def build(self, experts_implementation: str, dtype: torch.dtype, seed: int) -> PreTrainedModel:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             m = AutoModelForCausalLM.from_config(self.config(), experts_implementation=experts_implementation,
@@ -86,11 +87,12 @@ def small_shape(kind: str, hidden: int, layers: int) -> tuple[Shape, dict, dict]
     real = real_shape(kind)
     target = real.counts()
     heads, kv = (4, 4) if kind == "olmoe" else (4, 2)  # OLMoE: MHA; Granite: GQA
-    best = None
+    best: tuple[float, Shape, dict] | None = None
     for inter in range(8, 4 * hidden + 1, 8):
         s = Shape(kind, 256, hidden, inter, layers, heads, kv, real.experts, real.top_k, kind == "granite")
         c = s.counts()
         d = abs(c["share"] - target["share"])
         if best is None or d < best[0]:
             best = (d, s, c)
+    assert best is not None  # the range holds at least one size
     return best[1], best[2], target

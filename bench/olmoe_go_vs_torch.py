@@ -25,6 +25,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +38,7 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def torch_run(ck: Path, ids, batch: int, seq: int, steps: int, threads: int, impl: str, bf16: bool = False) -> dict:
+def torch_run(ck: Path, ids: torch.Tensor, batch: int, seq: int, steps: int, threads: int, impl: str, bf16: bool = False) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 

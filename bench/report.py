@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from common import idle_wait_phrase
 
@@ -57,11 +59,11 @@ def kernel_rows(res: dict) -> tuple[list[dict], float, dict]:
         "torch copy_, start": res["torch"]["copy"][0]["gb_per_s_read_write"],
         "torch copy_, end": res["torch"]["copy"][-1]["gb_per_s_read_write"],
     }
-    case_copy = {}
+    case_copy: dict[tuple[str, int], float] = {}
     for k in res["torch"]["go_kernels"]:
         if "copy_gbps" in k:
             case_copy.setdefault((k["dtype"], k["numel"]), k["copy_gbps"])
-    case_stream = {}
+    case_stream: dict[tuple[str, int], float] = {}
     for k in res["torch"]["go_kernels"]:
         if k.get("stream_gbps"):
             case_stream.setdefault((k["dtype"], k["numel"]), k["stream_gbps"])
@@ -94,7 +96,7 @@ def contended_section(c: dict | None) -> list[str]:
          "/ one chunk | Go fused speed vs torch fused |",
          "|---|---|---|---|---|---|---|---|---|"]
     for dt in ("float32", "bfloat16"):
-        cells = [rows.get(k) for k in (("torch-single", dt, 0), ("torch-fused", dt, 0), ("go-single", dt, 1),
+        cells: list[Any] = [rows.get(k) for k in (("torch-single", dt, 0), ("torch-fused", dt, 0), ("go-single", dt, 1),
                                        ("go-single", dt, 0), ("go-fused", dt, 1), ("go-fused", dt, 0))]
         if any(x is None for x in cells):
             continue
@@ -108,6 +110,7 @@ def kernel_section(res: dict) -> tuple[list[str], list[dict]]:
     rows, copy_bw, copies = kernel_rows(res)
     L: list[str] = []
     targets: list[dict] = []
+    r: dict | None  # a row of the kernel table, or None where a case was not run
     L.append("## 1. AdamW kernel: Go engine vs torch CPU AdamW\n")
     reps = len(res["torch"]["kernels"][0]["times_s"])
     rounds = res["torch"].get("rounds")
@@ -468,7 +471,7 @@ def repeats_section(res: dict) -> list[str]:
     return L
 
 
-def step_targets(runs: list[dict], variant) -> list[dict]:
+def step_targets(runs: list[dict], variant: Callable[[dict], str]) -> list[dict]:
     """(d)'s step time against (b) and (c) in extra runs of a config (variant(run) names the run)."""
     out = []
     for r in runs:
@@ -1278,7 +1281,7 @@ def plot_ipc(res: dict, out: Path) -> str | None:
         return None
     bins = np.logspace(np.log10(min(allv) * 1e6), np.log10(max(allv) * 1e6), 60)
     for label, s in series:
-        ax.hist([v * 1e6 for v in s], bins=bins, histtype="step", label=f"{label} (n={len(s)})",
+        ax.hist([v * 1e6 for v in s], bins=bins.tolist(), histtype="step", label=f"{label} (n={len(s)})",
                 weights=np.full(len(s), 1.0 / len(s)))
     ax.set_xscale("log")
     ax.set_xlabel("request latency (us), send to reply handled")
@@ -1548,7 +1551,9 @@ def analysis(res: dict) -> list[str]:
                  "and AVX2 kernels' arithmetic runs 16 lanes at a time on a CPU with AVX-512 (the approximation "
                  "taken on each 256-bit half, as `VRSQRTPS` has no 512-bit form; equal to the 8-lane code on all "
                  "2^32 inputs): 0.62 -> 0.56 ns an element on one core in L2 on an AMD EPYC (Zen 4), 2026-12-05.")
-    mem_lines, time_lines, rss_note = [], [], []
+    mem_lines: list[str] = []
+    time_lines: list[str] = []
+    rss_note: list[str] = []
     for r in res["train"] + res.get("depth", []):
         ms = r["methods"]
         a, c, d, e = ms.get("a"), ms.get("c"), ms.get("d"), ms.get("e")

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import common
 from common import ROOT
@@ -130,7 +131,8 @@ def run_all(cfg: dict, quick: bool, env: dict[str, str], before: str | None = No
         return common.run_json(cmd, run_env or env)
 
     res["train"] = []
-    methods, train_env, prefix = METHODS, env, ()
+    methods, train_env = METHODS, env
+    prefix: tuple[str, ...] = ()
     if before:  # (v): (d) with sonard as built at the BEFORE commit, in the same runs
         methods, train_env = METHODS + "v", {**env, "SONAR_BENCH_BEFORE_SONARD": str(ROOT / BEFORE_SONARD)}
         prefix = (f"SONAR_BENCH_BEFORE_SONARD={BEFORE_SONARD}",)
@@ -168,7 +170,7 @@ def run_all(cfg: dict, quick: bool, env: dict[str, str], before: str | None = No
     return res
 
 
-def scrub(obj, env: dict[str, str]):
+def scrub(obj: Any, env: dict[str, str]) -> Any:
     """Replace this machine's paths (repo, venv, torch library) in the saved results."""
     subs = sorted({(str(ROOT), "."), (sys.prefix, "$VENV"), (common.torch_lib(), "$TORCH_LIB"),
                    (env.get("SONARD", ""), "$SONARD")} - {("", "$SONARD")}, key=lambda kv: -len(kv[0]))

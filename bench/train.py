@@ -117,7 +117,7 @@ class Method:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sonar: sonar_moe.SonarAdamW | None = None
         self.opt: Any = None
-        self.per_param: dict[nn.Parameter, torch.optim.Optimizer] = {}
+        self.per_param: dict[torch.Tensor, torch.optim.Optimizer] = {}
         if key in ("a", "b"):
             self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WD)
         elif key == "n":
@@ -150,6 +150,9 @@ class Method:
         self.cpu_s: list[float] = []  # trainer process (all threads) + its sonard, per timed step
         self.server_cpu_s: list[float] = []
         self.server_switches: list[int] = []  # the private sonard's context switches per timed step
+        # Where the timed steps begin in SonarAdamW's records (set when the warm-up ends).
+        self.lat0 = self.trace0 = self.req0 = 0
+        self.phases0: dict[str, float] = {}
 
     def _in_backward(self, p: torch.Tensor) -> None:
         o = self.per_param[p]
@@ -338,12 +341,12 @@ def main() -> None:
     state = copy.deepcopy(base_model.state_dict())
     methods: list[Method] = []
     for k in a.methods:
-        m = shape.build(a.impl, dtype, a.seed)
-        m.load_state_dict(state)
+        model = shape.build(a.impl, dtype, a.seed)
+        model.load_state_dict(state)
         if not a.no_checkpointing:
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            m.config.use_cache = False
-        methods.append(Method(k, m))
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        methods.append(Method(k, model))
     del base_model, state
     gc.collect()
 
@@ -363,7 +366,7 @@ def main() -> None:
         for m in order:
             m.timed_step(train[i], record=i >= a.warmup)
     train_s = time.perf_counter() - t_start
-    res_methods = {}
+    res_methods: dict[str, dict[str, Any]] = {}
     for m in methods:
         r: dict[str, Any] = {"label": METHODS[m.key], "median_step_s": common.median(m.times),
                              "step_times_s": m.times, "losses": m.losses,
@@ -376,13 +379,13 @@ def main() -> None:
             st = m.sonar.stats()
             r["sonar"] = {k: v for k, v in st.items() if k != "server"}
             r["server"] = st["server"]
-            lat = sorted(m.sonar.request_latencies[getattr(m, "lat0", 0):n_lat])
+            lat = sorted(m.sonar.request_latencies[m.lat0:n_lat])
             r["latencies_s"] = lat
             r["latency_ms_p50"] = 1e3 * lat[len(lat) // 2] if lat else float("nan")
             r["latency_ms_p99"] = 1e3 * lat[min(len(lat) - 1, len(lat) * 99 // 100)] if lat else float("nan")
-            r["requests_per_step"] = (st["step_requests"] - getattr(m, "req0", 0)) / max(a.steps, 1)
+            r["requests_per_step"] = (st["step_requests"] - m.req0) / max(a.steps, 1)
             # Where a step request's round trip went (client and server readings of one clock), p50 us.
-            traces = [t for t in m.sonar.request_traces[getattr(m, "trace0", 0):] if t.op == "step"]
+            traces = [t for t in m.sonar.request_traces[m.trace0:] if t.op == "step"]
             if traces:
                 # The end of the client's wait (from the reply's bytes to the wait's return: torch's
                 # parked threads woken and the parallel region closed), every request: its tail.
@@ -391,7 +394,7 @@ def main() -> None:
                 r["step_trace_p50_us"]["server_step"] = common.median([float(t.server_us) for t in traces])
                 r["step_trace_count"] = len(traces)
             # Where sonard's time went, per timed step (wall time added over its workers).
-            p0, p1 = getattr(m, "phases0", {}), server_phases(st["server"])
+            p0, p1 = m.phases0, server_phases(st["server"])
             r["server_phase_s_per_step"] = {k: (v - p0.get(k, 0.0)) / max(a.steps, 1) for k, v in p1.items()}
             r["hook_s_median"] = common.median(m.hook_s)
             r["drain_s_median"] = common.median(m.drain_s)

@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,14 +39,15 @@ class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` along dim 0 with uneven splits; backward sends gradients back."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):  # type: ignore[no-untyped-def, override]
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
         dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
@@ -151,8 +153,10 @@ class EPMoE(nn.Module):
 def build_ep(cfg: tm.MoEConfig, seed: int, group: dist.ProcessGroup | None = None) -> tm.TinyMoE:
     """``tiny_moe.build(cfg, seed)`` with every MoE layer replaced by this rank's expert shard."""
     model = tm.build(cfg, seed)
-    for block in model.layers:  # type: ignore[union-attr]
-        block.moe = EPMoE.from_moe(block.moe, group)
+    for block in model.layers:
+        moe = block.moe
+        assert isinstance(moe, tm.MoE)
+        block.moe = EPMoE.from_moe(moe, group)
     return model
 
 
@@ -166,6 +170,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ["SONAR_NODE_ID"] = f"node{rank // args.ranks_per_node}"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     ep_group = dist.new_group(backend="gloo")  # all-to-alls apart from DDP's all-reduces
+    assert isinstance(ep_group, dist.ProcessGroup)  # this rank is in the group
     cfg = tm.MoEConfig(num_layers=2, num_experts=4 * world, hidden=32, intermediate=48, seq_len=32)
     gen = torch.Generator().manual_seed(1000 + rank)
     data = tm.batches(tm.load_corpus(200_000), 4, 32, gen)
@@ -173,19 +178,20 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         model = build_ep(cfg, 0, ep_group)
         ignore_experts_in_ddp(model)
         ddp = DDP(model)
-        ref = ropt = None
+        ref: tuple[DDP, torch.optim.AdamW, list[nn.Parameter]] | None = None
         if args.check:
-            ref = build_ep(cfg, 0, ep_group)
-            ignore_experts_in_ddp(ref)
-            ref = DDP(ref)
-            ropt = torch.optim.AdamW(ref.parameters(), lr=2e-3)
-            dense = [p for n, p in ref.module.named_parameters() if n not in ref.parameters_to_ignore]
+            ref_model = build_ep(cfg, 0, ep_group)
+            ignored = set(ignore_experts_in_ddp(ref_model))
+            ref_ddp = DDP(ref_model)
+            dense = [p for n, p in ref_model.named_parameters() if n not in ignored]
+            ref = (ref_ddp, torch.optim.AdamW(ref_ddp.parameters(), lr=2e-3), dense)
         opt = sonar_moe.SonarAdamW(ddp, lr=2e-3, max_grad_norm=1.0, **node.optimizer_kwargs())
         t0 = time.perf_counter()
         for step in range(args.steps):
             x = next(data)
             if ref is not None:
-                loss, _ = ref(x, labels=x)
+                ref_ddp, ropt, dense = ref
+                loss, _ = ref_ddp(x, labels=x)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(dense, 1.0)
                 ropt.step()
@@ -197,7 +203,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             if ref is not None:
-                same = all(torch.equal(a, b) for a, b in zip(ref.parameters(), ddp.parameters()))
+                same = all(torch.equal(a, b) for a, b in zip(ref[0].parameters(), ddp.parameters()))
                 if not same:
                     raise SystemExit(f"rank {rank}: parameters differ from torch.optim.AdamW at step {step + 1}")
             if rank == 0 and (step % 10 == 0 or step == args.steps - 1):

@@ -63,6 +63,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         num_experts_per_tok=args.top_k, max_position_embeddings=max(256, args.seq_len),
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
+    cfg: OlmoeConfig | GraniteMoeConfig
     if args.model == "olmoe":
         cfg = OlmoeConfig(**common, num_experts=args.experts)
     else:
@@ -72,6 +73,9 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     # grouped GEMM per projection), "eager" (a loop over experts) or "batched_mm".
     model = AutoModelForCausalLM.from_config(
         cfg, experts_implementation=args.experts_implementation, dtype=DTYPES[args.dtype])
+    if model.config._experts_implementation != args.experts_implementation:  # transformers fell back
+        raise SystemExit(f"transformers built {model.config._experts_implementation!r} experts, "
+                         f"not {args.experts_implementation!r}")
     return model.train()
 
 
@@ -140,7 +144,7 @@ class ByteWindows(torch.utils.data.Dataset):
 def train_trainer(model: torch.nn.Module, train_data: bytes, args: argparse.Namespace) -> dict:
     from transformers import TrainingArguments
 
-    from sonar_moe.hf import SonarTrainer
+    from sonar_moe.hf import SonarTrainer, unwrap_sonar
 
     dataset = ByteWindows(train_data, args.seq_len, args.steps * args.batch_size * args.grad_accum, args.seed)
     with tempfile.TemporaryDirectory(prefix="sonar-hf-") as out:
@@ -160,11 +164,9 @@ def train_trainer(model: torch.nn.Module, train_data: bytes, args: argparse.Name
         start = time.perf_counter()
         trainer.train()
         elapsed = time.perf_counter() - start
-        opt = trainer.optimizer
-        while not isinstance(opt, sonar_moe.SonarAdamW) and hasattr(opt, "optimizer"):
-            opt = opt.optimizer  # accelerate wraps the optimizer
-        if not isinstance(opt, sonar_moe.SonarAdamW):
-            raise TypeError(f"SonarTrainer's optimizer is a {type(opt).__name__}, not SonarAdamW")
+        opt = unwrap_sonar(trainer.optimizer)  # accelerate wraps the optimizer
+        if opt is None:
+            raise TypeError(f"SonarTrainer's optimizer is a {type(trainer.optimizer).__name__}, not SonarAdamW")
         stats = opt.stats()
         logged = [h["dense_grad_norm"] for h in trainer.state.log_history if "dense_grad_norm" in h]
         if logged:
@@ -218,7 +220,7 @@ def main() -> int:
     n_expert = sum(p.numel() for _, p in experts)
     expert_grad_bytes = sum(p.numel() * p.element_size() for _, p in experts)
     print(f"corpus: {len(train_data):,} train / {len(held_out):,} held-out bytes of Python stdlib sources")
-    print(f"model: {type(model).__name__} ({model.config._experts_implementation}), {args.dtype}, "
+    print(f"model: {type(model).__name__} ({args.experts_implementation}), {args.dtype}, "
           f"{args.layers} layers x {args.experts} experts (top-{args.top_k}), {n_params:,} params, "
           f"{100 * n_expert / n_params:.0f}% in {len(experts)} expert tensors")
     before = evaluate(model, eval_batches)

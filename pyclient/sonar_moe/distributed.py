@@ -28,7 +28,7 @@ import os
 import socket
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -382,6 +382,13 @@ def ignore_experts_in_ddp(module: nn.Module,
 
 
 # ---------------------------------------------------------- one sonard per node
+class NodeOptimizerKwargs(TypedDict):
+    """``NodeServer.optimizer_kwargs()``: the SonarAdamW arguments that point it at the node's server."""
+
+    server: str
+    namespace: str
+
+
 class NodeServer:
     """One ``sonard`` per node, shared by the node's ranks (a collective over ``group``).
 
@@ -427,7 +434,7 @@ class NodeServer:
         self._closed = False
         log.info("rank %d uses node %s's sonard at %s", self.rank, self.node_id, self.address)
 
-    def optimizer_kwargs(self) -> dict[str, str]:
+    def optimizer_kwargs(self) -> NodeOptimizerKwargs:
         """``server=`` and ``namespace=`` for SonarAdamW."""
         return {"server": self.address, "namespace": self.namespace}
 
