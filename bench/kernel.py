@@ -164,8 +164,7 @@ def ipc_ping(n: int, go_bench: str | None = None, cross_cpu: int | None = None) 
 
     import msgpack
     import zmq
-    from sonar_moe import start_private_server
-    from sonar_moe._connection import PROTOCOL_VERSION
+    from sonar_moe import PROTOCOL_VERSION, start_private_server
 
     conn = start_private_server(timeout=10.0, transport="zmq")  # as SonarAdamW starts one
     # The same client code over sonard's own Unix socket (unix://): no ZeroMQ I/O threads.
