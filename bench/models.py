@@ -34,11 +34,12 @@ class Shape:
     max_positions: int = 512
 
     def config(self) -> OlmoeConfig | GraniteMoeConfig:
-        common: dict[str, Any] = dict(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
-                      num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                      num_key_value_heads=self.kv_heads, num_experts_per_tok=self.top_k,
-                      max_position_embeddings=self.max_positions, tie_word_embeddings=self.tie,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        common: dict[str, Any] = dict(
+            vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers, num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads, num_experts_per_tok=self.top_k,
+            max_position_embeddings=self.max_positions, tie_word_embeddings=self.tie,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)
         if self.kind == "olmoe":
             return OlmoeConfig(**common, num_experts=self.experts)
         return GraniteMoeConfig(**common, num_local_experts=self.experts)

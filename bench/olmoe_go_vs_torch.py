@@ -38,7 +38,8 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def torch_run(ck: Path, ids: torch.Tensor, batch: int, seq: int, steps: int, threads: int, impl: str, bf16: bool = False) -> dict:
+def torch_run(ck: Path, ids: torch.Tensor, batch: int, seq: int, steps: int, threads: int, impl: str,
+              bf16: bool = False) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -96,8 +96,9 @@ def contended_section(c: dict | None) -> list[str]:
          "/ one chunk | Go fused speed vs torch fused |",
          "|---|---|---|---|---|---|---|---|---|"]
     for dt in ("float32", "bfloat16"):
-        cells: list[Any] = [rows.get(k) for k in (("torch-single", dt, 0), ("torch-fused", dt, 0), ("go-single", dt, 1),
-                                       ("go-single", dt, 0), ("go-fused", dt, 1), ("go-fused", dt, 0))]
+        keys = (("torch-single", dt, 0), ("torch-fused", dt, 0), ("go-single", dt, 1),
+                ("go-single", dt, 0), ("go-fused", dt, 1), ("go-fused", dt, 0))
+        cells: list[Any] = [rows.get(k) for k in keys]
         if any(x is None for x in cells):
             continue
         ms = [f"{1e3 * x['median_s']:.2f}" for x in cells]

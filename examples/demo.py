@@ -62,9 +62,10 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     from transformers import OlmoeConfig, OlmoeForCausalLM
 
     hf_cfg = OlmoeConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
-                      num_experts=args.experts, num_experts_per_tok=2, max_position_embeddings=max(256, args.seq_len),
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+                         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
+                         num_experts=args.experts, num_experts_per_tok=2,
+                         max_position_embeddings=max(256, args.seq_len), pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2)
     torch.manual_seed(args.seed)
     model: torch.nn.Module = OlmoeForCausalLM(hf_cfg)
     return model.to(dtype)
