@@ -150,7 +150,7 @@ class Method:
         self.cpu_s: list[float] = []  # trainer process (all threads) + its sonard, per timed step
         self.server_cpu_s: list[float] = []
         self.server_switches: list[int] = []  # the private sonard's context switches per timed step
-        # Where the timed steps begin in SonarAdamW's records (set when the warm-up ends).
+        # Where the timed steps begin in SonarAdamW's records (start_timing, when the warm-up ends).
         self.lat0 = self.trace0 = self.req0 = 0
         self.phases0: dict[str, float] = {}
 
@@ -174,6 +174,16 @@ class Method:
             self.opt.zero_grad(set_to_none=True)
         elif self.key == "n":
             self.model.zero_grad(set_to_none=True)
+
+    def start_timing(self) -> None:
+        """Mark where the timed steps begin in SonarAdamW's records (latencies, traces, request
+        count, sonard's phase times), so the results count the timed steps only."""
+        if self.sonar is None:
+            return
+        self.lat0 = len(self.sonar.request_latencies)
+        self.trace0 = len(self.sonar.request_traces)
+        self.req0 = self.sonar.stats(server=False)["step_requests"]
+        self.phases0 = server_phases(self.sonar.stats()["server"])
 
     def timed_step(self, batch: dict[str, torch.Tensor], record: bool) -> None:
         h0, d0, r0 = sonar_seconds(self.sonar)
@@ -356,11 +366,7 @@ def main() -> None:
     for i in range(a.warmup + a.steps):
         if i == a.warmup:
             for m in methods:  # latencies and request counts of the timed steps only
-                if m.sonar is not None:
-                    m.lat0 = len(m.sonar.request_latencies)
-                    m.trace0 = len(m.sonar.request_traces)
-                    m.req0 = m.sonar.stats(server=False)["step_requests"]
-                    m.phases0 = server_phases(m.sonar.stats()["server"])
+                m.start_timing()
         order = methods[:]
         random.Random(a.seed * 100_003 + i).shuffle(order)
         for m in order:
