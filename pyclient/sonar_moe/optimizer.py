@@ -745,8 +745,7 @@ class SonarAdamW(torch.optim.AdamW):
             if self._clipper is not None:
                 self._clipper.skip_step()
             return
-        with_grad = [p for p in dense if p.grad is not None]
-        dense_grads = [g for g in (p.grad for p in with_grad) if g is not None]
+        dense_grads = [g for g in (p.grad for p in dense) if g is not None]
         if grad_scale is not None and not any(g["fused"] for g in self.param_groups):
             inv_scale = grad_scale.double().reciprocal().float()
             for g in dense_grads:
@@ -759,8 +758,8 @@ class SonarAdamW(torch.optim.AdamW):
                 self._clipper.skip_step()
             return
         if self._clipper is not None:
-            self._clip_globally(dense, with_grad)
-        elif self.max_grad_norm is not None and with_grad:
+            self._clip_globally(dense, dense_grads)
+        elif self.max_grad_norm is not None and dense_grads:
             self.last_dense_grad_norm = torch.nn.utils.clip_grad_norm_(dense, self.max_grad_norm)
         for group in self.param_groups:
             sub = dict(group, params=[p for p in group["params"] if id(p) not in self._experts])
@@ -781,16 +780,15 @@ class SonarAdamW(torch.optim.AdamW):
                  found_inf=found_inf if group["fused"] else None,
                  decoupled_weight_decay=group["decoupled_weight_decay"])
 
-    def _clip_globally(self, dense: list[nn.Parameter], with_grad: list[nn.Parameter]) -> None:
+    def _clip_globally(self, dense: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
         """expert_clipping: this step's global norm (the server's expert norms and the dense
         norm); the dense gradients are clipped by it as clip_grad_norm_(all params) would, and
         it fixes the factor of the next step's expert gradients."""
         assert self._clipper is not None and self.max_grad_norm is not None
-        grads = [g for g in (p.grad for p in with_grad) if g is not None]
         dense_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
         self.last_dense_grad_norm = dense_norm
         global_norm = self._clipper.finish_step(float(dense_norm) ** 2)
-        if with_grad:
+        if grads:
             torch.nn.utils.clip_grads_with_norm_(dense, self.max_grad_norm,
                                                  torch.tensor(global_norm, dtype=torch.float32))
 
