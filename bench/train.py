@@ -180,10 +180,11 @@ class Method:
         count, sonard's phase times), so the results count the timed steps only."""
         if self.sonar is None:
             return
-        self.lat0 = len(self.sonar.request_latencies)
-        self.trace0 = len(self.sonar.request_traces)
         self.req0 = self.sonar.stats(server=False)["step_requests"]
         self.phases0 = server_phases(self.sonar.stats()["server"])
+        # After stats(), whose own round trip is not one of the timed steps' requests.
+        self.lat0 = len(self.sonar.request_latencies)
+        self.trace0 = len(self.sonar.request_traces)
 
     def timed_step(self, batch: dict[str, torch.Tensor], record: bool) -> None:
         h0, d0, r0 = sonar_seconds(self.sonar)
