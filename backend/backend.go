@@ -160,10 +160,33 @@ type Stats struct {
 	CheckSeconds, ReadSeconds, KernelSeconds float64
 }
 
+// Memory is where a backend's segments and tensor state lie, which decides
+// what bounds them: the server's accounting asks this instead of a
+// backend's name.
+type Memory int
+
+const (
+	// Host is the machine's memory: shared-memory segments and state in
+	// the server's heap, which the server's state budgets
+	// (Server.MaxStateBytes, MaxSessionStateBytes) bound.
+	Host Memory = iota
+	// Device is a GPU's memory, which the device's own allocator bounds.
+	Device
+)
+
+func (m Memory) String() string {
+	if m == Device {
+		return "device"
+	}
+	return "host"
+}
+
 // Backend is one kind of memory the server updates.
 type Backend interface {
 	// Name is the backend's name in logs and stats ("cpu", "cuda").
 	Name() string
+	// Memory says where its segments and tensor state lie.
+	Memory() Memory
 	// Describe says what runs the updates (hello's "cuda" field).
 	Describe() string
 	// Open starts a client's session.

@@ -290,3 +290,38 @@ func TestCUDAPathOnStandInDriver(t *testing.T) {
 		t.Errorf("IPC closes %d: the cache keeps at most 1 idle allocation", w.f.State(cudatest.IPCClosed)-closed)
 	}
 }
+
+// TestStateBudgetCountsHostMemoryOnly: the server's state budgets bound the
+// host memory it holds; state and accumulation buffers on a device are the
+// device allocator's to refuse. With a budget smaller than the device
+// tensors' state, they register and accumulate, and the stats report them
+// as device memory; host tensors of the same server are still refused.
+func TestStateBudgetCountsHostMemoryOnly(t *testing.T) {
+	w := newCUDAWorld(t)
+	const budget = 1024 // bytes: less than the device tensor's 2 KiB of state and its 1 KiB accumulation buffer
+	w.s.MaxStateBytes, w.s.MaxSessionStateBytes = budget, budget
+	const c = "client"
+	w.must(c, ipc.OpHello, ipc.Hello{Client: "test", PID: 0})
+	pSeg, gSeg := w.attachCUDA(c, w.params), w.attachCUDA(c, w.grads)
+	hyper := ipc.HyperMsg{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8}
+	reg := w.must(c, ipc.OpRegister, ipc.Register{Tensors: []ipc.TensorSpec{
+		{Name: "dev", Shape: []int64{256}, DType: "float32", Param: ipc.MemRef{Seg: pSeg, Offset: 0, Bytes: 1024}, Hyper: hyper},
+	}}).(ipc.RegisterReply)
+	w.must(c, ipc.OpStep, ipc.Step{Items: []ipc.StepItem{
+		{Tensor: reg.IDs[0], Grad: ipc.MemRef{Seg: gSeg, Offset: 0, Bytes: 1024}}}}) // a first micro-batch
+	if st := w.s.Stats(); st.DeviceStateBytes != 3*1024 || st.StateBytes != 0 || st.Segments != 0 || st.DeviceSegments != 2 {
+		t.Errorf("stats with a device tensor accumulating: %+v", st)
+	}
+
+	host := w.newSegment("sonar-host", 8192)
+	w.attach(c, host)
+	_, err := w.call(c, ipc.OpRegister, ipc.Register{Tensors: []ipc.TensorSpec{
+		{Name: "host", Shape: []int64{512}, DType: "float32", Param: ipc.MemRef{Seg: host.id, Offset: 0, Bytes: 2048}, Hyper: hyper},
+	}})
+	if err == nil || !strings.Contains(err.Error(), "over the memory budget") || !strings.Contains(err.Error(), "holds 0 B") {
+		t.Errorf("host tensor whose 4 KiB of state pass a 1 KiB budget: %v", err)
+	}
+	if st := w.s.Stats(); st.Tensors != 1 || st.StateBytes != 0 || st.Segments != 1 || st.SegmentBytes != 8192 {
+		t.Errorf("stats after the refused host register: %+v", st)
+	}
+}

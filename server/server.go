@@ -39,6 +39,7 @@ var opBackend = map[string]string{ipc.OpAttach: "cpu", ipc.OpAttachProcess: "cpu
 type segment struct {
 	id      uint32
 	backend string
+	mem     backend.Memory // where the backend keeps it (and the state of tensors in it)
 	seg     backend.Segment
 }
 
@@ -53,6 +54,7 @@ type tensor struct {
 	param   backend.Ref
 	state   backend.Tensor
 	backend string
+	mem     backend.Memory
 }
 
 func (t *tensor) bytes() int64 { return t.numel * int64(t.dtype.Size()) }
@@ -303,7 +305,7 @@ func (s *Server) attach(ss *session, op string, handle []byte, size int64) (any,
 		return nil, fmt.Errorf("%s: %w", op, err)
 	}
 	s.nextID++
-	ss.segments[s.nextID] = &segment{id: s.nextID, backend: name, seg: seg}
+	ss.segments[s.nextID] = &segment{id: s.nextID, backend: name, mem: s.backends[name].Memory(), seg: seg}
 	s.log.Debug("segment attached", zap.String("client", ss.client), zap.String("backend", name), zap.String("name", seg.Name()),
 		zap.Int64("size", seg.Size()), zap.Uint32("seg", s.nextID))
 	return ipc.AttachReply{Seg: s.nextID}, nil
@@ -333,7 +335,8 @@ func (s *Server) attachProcess(ss *session, a ipc.AttachProcess) (any, error) {
 		return nil, fmt.Errorf("attach_process: %w", err)
 	}
 	s.nextID++
-	ss.segments[s.nextID] = &segment{id: s.nextID, backend: opBackend[ipc.OpAttachProcess], seg: seg}
+	name := opBackend[ipc.OpAttachProcess]
+	ss.segments[s.nextID] = &segment{id: s.nextID, backend: name, mem: s.backends[name].Memory(), seg: seg}
 	s.log.Debug("client memory attached", zap.String("client", ss.client), zap.Int("pid", pid), zap.Uint32("seg", s.nextID))
 	return ipc.AttachReply{Seg: s.nextID}, nil
 }
@@ -422,7 +425,7 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 		if err != nil {
 			return nil, fmt.Errorf("tensor %q param: %w", spec.Name, err)
 		}
-		t.seg, t.param, t.backend = seg, param, seg.backend
+		t.seg, t.param, t.backend, t.mem = seg, param, seg.backend, seg.mem
 		made = append(made, t)
 	}
 	// One request registers tensors of one backend, whose Create is all or
@@ -433,12 +436,12 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 				t.name, t.backend, made[0].name, made[0].backend)
 		}
 	}
-	if len(made) > 0 && made[0].backend == "cpu" {
+	if len(made) > 0 {
 		var need int64
 		for _, t := range made {
 			need += optimizer.StateBytesFor(t.dtype, t.numel, t.hyper.Amsgrad)
 		}
-		if err := s.checkBudget(ss, need, fmt.Sprintf("the optimizer state of %d tensors", len(made))); err != nil {
+		if err := s.checkBudget(ss, made[0].mem, need, fmt.Sprintf("the optimizer state of %d tensors", len(made))); err != nil {
 			return nil, fmt.Errorf("%w; nothing was registered", err)
 		}
 	}
@@ -510,7 +513,7 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 		if err := v.check(t.seg); err != nil {
 			return nil, fmt.Errorf("item %d (%s) param: %w", i, t.name, err)
 		}
-		if !it.Apply && t.state.Pending() == 0 && t.backend == "cpu" {
+		if !it.Apply && t.state.Pending() == 0 {
 			accum += t.bytes() // the accumulation buffer the first micro-batch allocates
 		}
 		item := backend.Item{Tensor: t.state, Apply: it.Apply, Scalars: scalarsOf(it.Scalars),
@@ -544,7 +547,7 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 	if first == nil {
 		return nil, fmt.Errorf("%w: step without items", ipc.ErrProtocol)
 	}
-	if err := s.checkBudget(ss, accum, "gradient accumulation buffers"); err != nil {
+	if err := s.checkBudget(ss, first.mem, accum, "gradient accumulation buffers"); err != nil {
 		return nil, err
 	}
 	bs, err := s.backendSession(ss, first.backend)
@@ -565,23 +568,20 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 // tensors (optimizer state and accumulation buffers), and for all sessions.
 func (s *Server) hostStateBytes(ss *session) (mine, all int64) {
 	for _, o := range s.sessions {
-		for _, t := range o.tensors {
-			if t.backend == "cpu" {
-				n := t.state.StateBytes()
-				all += n
-				if o == ss {
-					mine += n
-				}
-			}
+		n := o.held()[backend.Host].stateBytes
+		all += n
+		if o == ss {
+			mine += n
 		}
 	}
 	return mine, all
 }
 
-// checkBudget refuses need more bytes of host state for the session when it
-// would pass MaxSessionStateBytes or MaxStateBytes.
-func (s *Server) checkBudget(ss *session, need int64, what string) error {
-	if need <= 0 || (s.MaxStateBytes <= 0 && s.MaxSessionStateBytes <= 0) {
+// checkBudget refuses need more bytes of state in mem for the session when
+// they are host memory and would pass MaxSessionStateBytes or MaxStateBytes
+// (a device's memory is its allocator's to refuse).
+func (s *Server) checkBudget(ss *session, mem backend.Memory, need int64, what string) error {
+	if mem != backend.Host || need <= 0 || (s.MaxStateBytes <= 0 && s.MaxSessionStateBytes <= 0) {
 		return nil
 	}
 	mine, all := s.hostStateBytes(ss)
@@ -693,31 +693,48 @@ func (s *Server) Stats() ipc.Stats {
 	return s.stats()
 }
 
-// usage is what a session holds in one backend.
+// usage is what a session holds in one backend, or in one kind of memory.
 type usage struct {
+	mem                  backend.Memory
 	tensors, segments    int
 	stateBytes, segBytes int64
 }
 
+func (u *usage) add(o *usage) {
+	u.tensors += o.tensors
+	u.segments += o.segments
+	u.stateBytes += o.stateBytes
+	u.segBytes += o.segBytes
+}
+
+// usage is what the session holds, by backend name.
 func (ss *session) usage() map[string]*usage {
 	u := map[string]*usage{}
-	get := func(b string) *usage {
+	get := func(b string, mem backend.Memory) *usage {
 		if u[b] == nil {
-			u[b] = &usage{}
+			u[b] = &usage{mem: mem}
 		}
 		return u[b]
 	}
 	for _, t := range ss.tensors {
-		x := get(t.backend)
+		x := get(t.backend, t.mem)
 		x.tensors++
 		x.stateBytes += t.state.StateBytes()
 	}
 	for _, seg := range ss.segments {
-		x := get(seg.backend)
+		x := get(seg.backend, seg.mem)
 		x.segments++
 		x.segBytes += seg.seg.Size()
 	}
 	return u
+}
+
+// held is what the session holds, by where it lies.
+func (ss *session) held() (by [backend.Device + 1]usage) {
+	for _, u := range ss.usage() {
+		by[u.mem].add(u)
+	}
+	return by
 }
 
 func (s *Server) stats() ipc.Stats {
@@ -727,19 +744,16 @@ func (s *Server) stats() ipc.Stats {
 		st.ByOp[k] = v
 	}
 	for _, ss := range s.sessions {
-		for b, u := range ss.usage() {
-			st.Tensors += u.tensors
-			// Host memory (shared-memory segments, state in the server's
-			// heap) and device memory are reported apart.
-			if b == "cuda" {
-				st.DeviceStateBytes += u.stateBytes
-				st.DeviceSegments += u.segments
-			} else {
-				st.StateBytes += u.stateBytes
-				st.Segments += u.segments
-				st.SegmentBytes += u.segBytes
-			}
-		}
+		// Host memory (shared-memory segments, state in the server's heap)
+		// and device memory are reported apart.
+		by := ss.held()
+		host, dev := by[backend.Host], by[backend.Device]
+		st.Tensors += host.tensors + dev.tensors
+		st.StateBytes += host.stateBytes
+		st.Segments += host.segments
+		st.SegmentBytes += host.segBytes
+		st.DeviceStateBytes += dev.stateBytes
+		st.DeviceSegments += dev.segments
 	}
 	for _, b := range s.backends {
 		bst := b.Stats()

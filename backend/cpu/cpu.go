@@ -47,6 +47,9 @@ var _ backend.Backend = (*Backend)(nil)
 // Name implements backend.Backend.
 func (b *Backend) Name() string { return "cpu" }
 
+// Memory implements backend.Backend: shared memory and the server's heap.
+func (b *Backend) Memory() backend.Memory { return backend.Host }
+
 // Describe implements backend.Backend.
 func (b *Backend) Describe() string { return fmt.Sprintf("CPU, %d workers", b.Workers) }
 

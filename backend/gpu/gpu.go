@@ -69,6 +69,10 @@ var _ backend.Backend = (*Backend)(nil)
 // Name implements backend.Backend.
 func (b *Backend) Name() string { return "cuda" }
 
+// Memory implements backend.Backend: the client's CUDA memory and the state
+// the engine allocates on the device.
+func (b *Backend) Memory() backend.Memory { return backend.Device }
+
 // Describe implements backend.Backend, e.g. "NVIDIA H200, cc 9.0, compute_90, scalar loads".
 func (b *Backend) Describe() string { return b.engine.Describe() }
 
