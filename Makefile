@@ -30,12 +30,12 @@ build: system-deps
 demo: setup build
 	$(PY) examples/demo.py
 
-# Go: gofmt and go vet. Python: mypy over the client package, the examples and the benchmarks
+# Go: gofmt and go vet. Python: mypy over the client package, the examples, the benchmarks and the tests
 # (settings in pyclient/pyproject.toml).
 lint: system-deps venv
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
-	$(PY) -m mypy --config-file pyclient/pyproject.toml pyclient/sonar_moe examples bench
+	$(PY) -m mypy --config-file pyclient/pyproject.toml pyclient/sonar_moe examples bench tests
 
 test-go: system-deps
 	$(GO) test -count=1 ./...

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -124,7 +124,7 @@ class TinyExpertModel(nn.Module):
         """Layers in ``skip`` are left out of the forward (their parameters get no gradient)."""
         skip = set(skip)
         h = self.embed(x)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast("Iterable[Layer]", self.layers)):  # Layer()s, built above
             if i not in skip:
                 h = h + layer.mlp(layer.norm(h))
         return self.head(self.norm(h))

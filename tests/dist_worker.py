@@ -17,7 +17,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "pyclient")]
@@ -49,8 +49,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def compare(ref: torch.nn.Module, mine: torch.nn.Module, where: str) -> None:
-    for (n, a), (_, b) in zip(ref.named_parameters(), mine.named_parameters()):
-        a, b = local(a), local(b)
+    for (n, pa), (_, pb) in zip(ref.named_parameters(), mine.named_parameters()):
+        a, b = local(pa), local(pb)
         if not torch.equal(a, b):
             d = (a.float() - b.float()).abs().max().item()
             raise Mismatch(f"{where}: {n} differs from the torch.optim.AdamW reference (max |diff| {d:.3e})")
@@ -91,7 +91,7 @@ def ddp_case(rank: int, world: int, server: str, case: tuple) -> None:
     # Small buckets: after DDP rebuilds them (first iteration), each layer spans several buckets.
     kw = dict(bucket_cap_mb=0.02, gradient_as_bucket_view=view, find_unused_parameters=find_unused)
     rddp = DDP(ref, **kw)
-    hp = dict(lr=3e-3, weight_decay=0.05)
+    hp: dict[str, Any] = dict(lr=3e-3, weight_decay=0.05)
     ropt = torch.optim.AdamW(rddp.parameters(), **hp)
     expert_names = set(tm.expert_param_names(ref))
     dense = [p for n, p in ref.named_parameters() if n not in expert_names]
@@ -219,11 +219,14 @@ def ep_run(rank: int, world: int, node: NodeServer, steps: int, check_grads: boo
            wrap: str = "ddp") -> None:
     """Expert-parallel TinyMoE; dense parameters data parallel with DDP (experts ignored) or
     sharded with FSDP2 (experts in ignored_params)."""
-    ep_group = dist.new_group(backend="gloo")  # all-to-alls apart from DDP's all-reduces
+    # all-to-alls apart from DDP's all-reduces (every rank is a member: a ProcessGroup here)
+    ep_group = cast(dist.ProcessGroup, dist.new_group(backend="gloo"))
     cfg = tm.MoEConfig(num_layers=2, num_experts=2 * world, hidden=32, intermediate=48, seq_len=32)
     ref, mine = ep_moe.build_ep(cfg, 3, ep_group), ep_moe.build_ep(cfg, 3, ep_group)
     experts = ignore_experts_in_ddp(ref)
     assert ignore_experts_in_ddp(mine) == experts and len(experts) == 2 * cfg.num_layers
+    rddp: torch.nn.Module
+    mddp: torch.nn.Module
     if wrap == "ddp":
         rddp, mddp = DDP(ref, bucket_cap_mb=0.02), DDP(mine, bucket_cap_mb=0.02)
         prefix = "module."
@@ -238,7 +241,7 @@ def ep_run(rank: int, world: int, node: NodeServer, steps: int, check_grads: boo
             fully_shard(model, mesh=mesh, ignored_params=ignored)
         rddp, mddp, prefix = ref, mine, ""
     dense = [p for n, p in ref.named_parameters() if n not in experts]
-    hp = dict(lr=2e-3, weight_decay=0.01)
+    hp: dict[str, Any] = dict(lr=2e-3, weight_decay=0.01)
     ropt = torch.optim.AdamW(rddp.parameters(), **hp)
     corpus = tm.load_corpus(100_000)
     data = tm.batches(corpus, 2, 32, torch.Generator().manual_seed(200 + rank))
@@ -291,6 +294,7 @@ def check_against_one_process(rank: int, world: int, cfg: tm.MoEConfig, ep: torc
     worst = 0.0
     for n, p in ep.named_parameters():
         want = fp[n].grad
+        assert p.grad is not None and want is not None, n  # both models ran backward
         if n in experts:
             lo = rank * (cfg.num_experts // world)
             want = want[lo:lo + cfg.num_experts // world]

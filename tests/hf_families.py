@@ -170,14 +170,15 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def build(family: Family, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+def build(family: Family, dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:
     """A tiny model of the family, random init from ``seed``, in training mode."""
     cls = model_class(family)
     if cls is None:
         raise LookupError(f"no model class with config {family.config_class.__name__}")
     cfg = tiny_config(family)
     with _seeded(seed), _nan_for_uninitialized():
-        model = cls(cfg).to(dtype)
+        # transformers' PreTrainedModel.to is @wraps(nn.Module.to): mypy binds no self, takes dtype for it
+        model = cls(cfg).to(dtype)  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -191,22 +192,25 @@ def _nan_for_uninitialized() -> Iterator[None]:
     """Memory torch.empty hands out is NaN meanwhile (some families do not initialize every
     parameter when built alone: Qwen3-Omni's talker leaves its experts empty)."""
     was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
+    # (fill_uninitialized_memory is a property of torch.utils.deterministic's module class: torch's
+    # typing does not show it)
+    fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
     torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
+    torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn)
-        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
 
 
-def inputs(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
+def inputs(model: PreTrainedModel, step: int) -> dict[str, torch.Tensor | bool]:
     """A random batch for the model: token ids (with labels for an LM head), or images."""
     g = torch.Generator().manual_seed(1000 + step)
     if model.main_input_name != "pixel_values":
         ids = torch.randint(3, VOCAB, (2, 16), generator=g)
-        batch = {"input_ids": ids} if _has_token_embeddings(model) else {"inputs_embeds": torch.randn(2, 16, HIDDEN, generator=g)}
+        batch: dict[str, torch.Tensor | bool] = ({"input_ids": ids} if _has_token_embeddings(model) else
+                                                 {"inputs_embeds": torch.randn(2, 16, HIDDEN, generator=g)})
         if type(model).__name__.endswith(("ForCausalLM", "ForConditionalGeneration")):
             batch["labels"] = torch.randint(3, VOCAB, (2, 16), generator=g)
         if "use_cache" in inspect.signature(model.forward).parameters:
@@ -229,7 +233,7 @@ def _has_token_embeddings(model: nn.Module) -> bool:
     return not type(model).__name__.startswith("Qwen3OmniMoeTalker")
 
 
-def loss_of(model: nn.Module, batch: dict[str, torch.Tensor], seed: int) -> torch.Tensor:
+def loss_of(model: nn.Module, batch: dict[str, torch.Tensor | bool], seed: int) -> torch.Tensor:
     """The model's loss with labels, else a random linear readout of its output. Dropout and random routing
     (NLLB-MoE's sampled second expert, router jitter) draw from ``seed``, so two runs over equal
     models see the same randomness."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -49,7 +50,7 @@ TOP_K = 2
 HEADS = 4
 MAX_POSITIONS = 64
 
-_COMMON = dict(
+_COMMON: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
     num_attention_heads=HEADS, num_key_value_heads=HEADS, num_experts_per_tok=TOP_K,
     max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
@@ -99,7 +100,7 @@ def tiny_granite(dtype: torch.dtype = torch.float32, *, experts_implementation: 
     return model.train()
 
 
-def expected_expert_names(model: torch.nn.Module) -> list[str]:
+def expected_expert_names(model: OlmoeForCausalLM | GraniteMoeForCausalLM) -> list[str]:
     """The batched expert tensors of a tiny OLMoE/GraniteMoe, in named_parameters() order.
 
     GraniteMoe checkpoints store ``block_sparse_moe.input_linear.weight`` /

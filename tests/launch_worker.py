@@ -178,6 +178,7 @@ def run_loop(a: argparse.Namespace, accum: int, clip: float) -> None:
     for use_sonar in (False, True):
         model = olmoe()
         kw: dict[str, Any] = dict(lr=3e-3, weight_decay=0.01)
+        opt: torch.optim.Optimizer
         if use_sonar:
             opt = sonar_moe.SonarAdamW(model, max_grad_norm=clip or None, **kw)  # as on one process
         else:

@@ -5,6 +5,7 @@ side-by-side training loop they run."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ class TinyMoE(nn.Module):
         self.proj = nn.Linear(hidden, hidden, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blk: Any  # a plain nn.Module given its submodules and parameters in __init__: no class types them
         for blk in self.layers:
             e = blk.mlp.experts
             h = torch.einsum("bh,eih->bei", x, e.gate_up_proj)
@@ -39,7 +41,7 @@ class TinyMoE(nn.Module):
 
 def train_beside(model: nn.Module, ref: nn.Module, opt: torch.optim.Optimizer, topt: torch.optim.Optimizer,
                  batch: Callable[[], torch.Tensor], steps: int, micro: int = 1,
-                 before_ref_step: Callable[[], None] | None = None) -> None:
+                 before_ref_step: Callable[[], object] | None = None) -> None:
     """Train model with opt and its copy ref with torch's optimizer topt on the same batches:
     `micro` backward passes a step (one batch() each, fed to both), opt's step, then
     before_ref_step (the reference's clipping) and topt's."""

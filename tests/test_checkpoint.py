@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch
@@ -79,7 +80,7 @@ def test_failed_save_keeps_the_old_checkpoint(tmp_path: Path) -> None:
     save_checkpoint(path, {"v": 1})
 
     class Unpicklable:
-        def __reduce__(self):  # noqa: D105
+        def __reduce__(self) -> NoReturn:  # noqa: D105
             raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -157,4 +158,5 @@ def test_ignore_experts_in_ddp_names_the_expert_tensors() -> None:
         model = tm.build(tm.MoEConfig(num_layers=2, num_experts=4, hidden=16, intermediate=16, layout=layout), 0)
         names = ignore_experts_in_ddp(model)
         assert names == tm.expert_param_names(model)
-        assert set(model._ddp_params_and_buffers_to_ignore) == set(names)  # what DDP reads
+        # what DDP reads (a list of names, set by ignore_experts_in_ddp)
+        assert set(cast(list[str], model._ddp_params_and_buffers_to_ignore)) == set(names)

@@ -7,6 +7,7 @@ import copy
 import io
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ CASES = [(layout, dtype, clip)
 def test_training_matches_torch_adamw(layout: str, dtype: torch.dtype, clip: float | None) -> None:
     cfg = tm.MoEConfig(layout=layout, dtype=dtype, num_layers=3)
     ref, mine = tm.build(cfg, 7), tm.build(cfg, 7)
-    kw = dict(lr=3e-3, weight_decay=0.05)
+    kw: dict[str, Any] = dict(lr=3e-3, weight_decay=0.05)
     ropt = torch.optim.AdamW(ref.parameters(), **kw)
     rsched = warmup_cosine(ropt, 3, STEPS)
     lrs = []

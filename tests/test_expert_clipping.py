@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -44,6 +45,12 @@ def assert_same(ref: torch.nn.Module, mine: torch.nn.Module, where: str) -> None
         assert torch.equal(a, b), f"{where}: {n} differs (max |diff| {(a.float() - b.float()).abs().max().item():.3e})"
 
 
+def grad(p: torch.Tensor) -> torch.Tensor:
+    """p's gradient, which the backward just before computed."""
+    assert p.grad is not None
+    return p.grad
+
+
 def coef(c: float, norm: float) -> float:
     return float(torch.clamp(c / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0))
 
@@ -61,7 +68,7 @@ def test_expert_clipping_matches_torch_on_scaled_grads(mode: str, dtype: torch.d
     experts = set(tm.expert_param_names(ref))
     ref_experts = [p for n, p in ref.named_parameters() if n in experts]
     ref_dense = [p for n, p in ref.named_parameters() if n not in experts]
-    kw = dict(lr=3e-3, weight_decay=0.05)
+    kw: dict[str, Any] = dict(lr=3e-3, weight_decay=0.05)
     ropt = torch.optim.AdamW(ref.parameters(), **kw)
     ema, scales, want_next = 0.0, [], 1.0
     with sonar_moe.SonarAdamW(mine, max_grad_norm=CLIP, expert_clipping=mode, grad_accumulation_steps=accum,
@@ -78,11 +85,12 @@ def test_expert_clipping_matches_torch_on_scaled_grads(mode: str, dtype: torch.d
             # What the optimizer used, and the norm it measured, against the reference's gradients.
             scale, g = opt.last_expert_grad_scale, opt.last_global_grad_norm
             assert scale == want_next, f"step {step}: factor {scale}, the mode's formula gives {want_next}"
-            exact = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in ref.parameters()))
+            exact = math.sqrt(sum(float(grad(p).double().pow(2).sum()) for p in ref.parameters()))
             tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: torch's dense norm is a bf16 value
+            assert g is not None, f"step {step}: no global norm"
             assert g == pytest.approx(exact, rel=tol), f"step {step}: global norm {g}, reference {exact}"
             for p in ref_experts:
-                p.grad.mul_(torch.tensor(scale, dtype=torch.float32))
+                grad(p).mul_(torch.tensor(scale, dtype=torch.float32))
             torch.nn.utils.clip_grads_with_norm_(ref_dense, CLIP, torch.tensor(g, dtype=torch.float32))
             ropt.step()
             ropt.zero_grad()

@@ -117,7 +117,8 @@ def test_truncate_during_a_step_is_caught_and_the_tensor_marked_damaged() -> Non
         params, xfer = Segment(4 * n, "p"), Segment(8 * n + 4096, "x")
         ps = conn.call("attach", {"shm": params.name, "size": params.size})["seg"]
         xs = conn.call("attach", {"shm": xfer.name, "size": xfer.size})["seg"]
-        item = {"grad": {"off": 0, "nbytes": 4 * n}, "apply": True, "step": 1, "scalars": torch_scalars(GROUP, 1.0)}
+        item: dict[str, Any] = {"grad": {"off": 0, "nbytes": 4 * n}, "apply": True, "step": 1,
+                                "scalars": torch_scalars(GROUP, 1.0)}
         hit = None
         for attempt in range(4):
             tid = conn.call("register", {"tensors": [{"name": f"w{attempt}", "shape": [n], "dtype": "float32",

@@ -80,7 +80,7 @@ def test_heavy_pipeline_does_not_starve_another_client(server: str) -> None:
 def test_replies_past_the_high_water_mark_are_not_dropped(server: str) -> None:
     """A raw client pipelines 5,000 requests before reading: one reply each (executed, or
     "busy: not executed"), none lost. Before, replies past ~2,000 were dropped silently."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.SNDHWM, 0)

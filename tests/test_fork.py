@@ -8,6 +8,8 @@ import atexit
 import os
 import sys
 import weakref
+from collections.abc import Callable
+from typing import cast
 
 import pytest
 import torch
@@ -24,6 +26,10 @@ class Tiny(nn.Module):
         self.experts.gate_up_proj = nn.Parameter(torch.randn(4, 8, 6, generator=g))
         self.lin = nn.Linear(8, 6)
 
+    def expert_weight(self) -> torch.Tensor:
+        """experts.gate_up_proj (a Parameter on a plain nn.Module, which mypy sees as Tensor | Module)."""
+        return cast(torch.Tensor, self.experts.gate_up_proj)
+
     def loss(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.einsum("bd,efd->bf", x, self.experts.gate_up_proj)
         return (self.lin(h) ** 2).mean()
@@ -37,7 +43,7 @@ def pair() -> tuple[Tiny, Tiny]:
     return a, b
 
 
-def child(fn) -> int:  # type: ignore[no-untyped-def]
+def child(fn: Callable[[], int]) -> int:
     """Run fn in a forked child that then exits as an interpreter does at a normal exit:
     weakref finalizers and atexit handlers run (sys.exit itself would unwind into pytest)."""
     pid = os.fork()
@@ -59,6 +65,7 @@ def test_forked_child_cannot_touch_the_parents_model_server_or_files() -> None:
     ref, mine = pair()
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = sonar_moe.SonarAdamW(mine, lr=1e-2)
+    assert opt.server_address is not None
     rundir = os.path.dirname(opt.server_address.split("://", 1)[1])
     x = torch.randn(3, 6)
 
@@ -69,15 +76,15 @@ def test_forked_child_cannot_touch_the_parents_model_server_or_files() -> None:
             o.zero_grad()
 
     train()
-    before = mine.experts.gate_up_proj.detach().clone()
+    before = mine.expert_weight().detach().clone()
 
     def write_in_place() -> int:
         with torch.no_grad():
-            mine.experts.gate_up_proj.add_(1.0)  # the child's own copy
-        return 0 if mine.experts.gate_up_proj[0, 0, 0] == before[0, 0, 0] + 1 else 1
+            mine.expert_weight().add_(1.0)  # the child's own copy
+        return 0 if mine.expert_weight()[0, 0, 0] == before[0, 0, 0] + 1 else 1
 
     assert child(write_in_place) == 0
-    assert torch.equal(mine.experts.gate_up_proj.detach(), before), "the child's write reached the parent"
+    assert torch.equal(mine.expert_weight().detach(), before), "the child's write reached the parent"
 
     def use_optimizer() -> int:
         try:
@@ -117,6 +124,7 @@ def test_dataloader_fork_workers_keep_working(persistent: bool) -> None:
     ref, mine = pair()
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     with sonar_moe.SonarAdamW(mine, lr=1e-2) as opt:
+        assert opt.server_address is not None
         rundir = os.path.dirname(opt.server_address.split("://", 1)[1])
         loader = torch.utils.data.DataLoader(Data(), batch_size=4, num_workers=2, multiprocessing_context="fork",
                                              persistent_workers=persistent)
@@ -127,6 +135,6 @@ def test_dataloader_fork_workers_keep_working(persistent: bool) -> None:
                     o.step()
                     o.zero_grad()
         del loader
-        assert os.path.isdir(rundir) and opt.server_process.poll() is None
+        assert os.path.isdir(rundir) and opt.server_process is not None and opt.server_process.poll() is None
         for (n, a), (_, b) in zip(ref.named_parameters(), mine.named_parameters()):
             assert torch.equal(a, b), n

@@ -7,6 +7,8 @@ torch's fused CPU kernel on clones. Sizes cover odd tails of the 8- and 16-lane 
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ import sonar_moe
 
 SIZES = [1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 63, 65, 127, 513, 4097, 32769, 65537, 100003]
 
-HYPERS = {
+HYPERS: dict[str, dict[str, Any]] = {
     "default": {},
     "no_decay": {"weight_decay": 0.0},
     "amsgrad": {"amsgrad": True, "lr": 3e-3},
@@ -42,7 +44,7 @@ def test_fused_matches_torch_fused(dtype: torch.dtype, hyper: str) -> None:
                 p.grad = gr.clone()
             ropt.step()
             ropt.zero_grad()
-            loss = sum((p * gr).sum() for (_, p), gr in zip(mine, grads))
+            loss = cast(torch.Tensor, sum((p * gr).sum() for (_, p), gr in zip(mine, grads)))  # not empty: a Tensor
             loss.backward()  # d/dp sum(p*g) = g exactly: the hooks hand g over
             opt.step()
             opt.zero_grad()

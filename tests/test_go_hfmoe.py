@@ -15,12 +15,23 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GraniteMoeConfig, OlmoeConfig
+from transformers import AutoModelForCausalLM, GraniteMoeConfig, OlmoeConfig, PreTrainedModel
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin
+
+    class CausalLM(PreTrainedModel, GenerationMixin):
+        """What AutoModelForCausalLM.from_pretrained returns (transformers annotates it so too), with
+        generate as these tests call it: without return_dict_in_generate it returns the token ids.
+        (transformers types generate's self as a protocol that PreTrainedModel does not meet for mypy.)"""
+
+        def generate(self, *args: Any, **kwargs: Any) -> torch.LongTensor: ...
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,8 +48,8 @@ def go_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def tiny_config(arch: str = "olmoe", **kw: object) -> OlmoeConfig | GraniteMoeConfig:
-    base: dict[str, object] = dict(
+def tiny_config(arch: str = "olmoe", **kw: Any) -> OlmoeConfig | GraniteMoeConfig:
+    base: dict[str, Any] = dict(
         vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64,
         initializer_range=0.1, pad_token_id=1, eos_token_id=2, bos_token_id=None)
@@ -53,7 +64,7 @@ def tiny_config(arch: str = "olmoe", **kw: object) -> OlmoeConfig | GraniteMoeCo
     return OlmoeConfig(**base)
 
 
-def eager_model(cfg: OlmoeConfig, seed: int = 0) -> torch.nn.Module:
+def eager_model(cfg: OlmoeConfig | GraniteMoeConfig, seed: int = 0) -> PreTrainedModel:
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager").float()
 
@@ -62,7 +73,7 @@ def rel(go: torch.Tensor, ref: torch.Tensor) -> float:
     return ((go.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
 
 
-def load_quietly(path: Path, caplog: pytest.LogCaptureFixture) -> torch.nn.Module:
+def load_quietly(path: Path, caplog: pytest.LogCaptureFixture) -> CausalLM:
     """from_pretrained(path) in eager mode; asserts nothing is missing, unexpected or mismatched
     and that transformers logged no warning."""
     logger = transformers.logging.get_logger("transformers")
@@ -70,8 +81,9 @@ def load_quietly(path: Path, caplog: pytest.LogCaptureFixture) -> torch.nn.Modul
     try:
         with caplog.at_level(logging.WARNING):
             caplog.clear()
-            model, info = AutoModelForCausalLM.from_pretrained(
-                path, output_loading_info=True, attn_implementation="eager", experts_implementation="eager")
+            # with output_loading_info=True, from_pretrained returns (model, info): its annotation says the model only
+            model, info = cast("tuple[CausalLM, dict[str, Any]]", AutoModelForCausalLM.from_pretrained(
+                path, output_loading_info=True, attn_implementation="eager", experts_implementation="eager"))
     finally:
         logger.removeHandler(caplog.handler)
     for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
@@ -80,7 +92,7 @@ def load_quietly(path: Path, caplog: pytest.LogCaptureFixture) -> torch.nn.Modul
     return model
 
 
-CASES = {
+CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     # name: (architecture, config overrides, how the checkpoint is written)
     "gqa": ("olmoe", {}, "save_pretrained"),
     "norm_topk_aux_mha": ("olmoe", dict(norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.1,
@@ -118,9 +130,11 @@ def test_go_matches_transformers(case: str, go_bin: Path, tmp_path: Path, caplog
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(p.to(torch.bfloat16).float())
-        copy.deepcopy(model).to(torch.bfloat16).save_pretrained(ck)
+        # (transformers' PreTrainedModel.to is @wraps(nn.Module.to): mypy binds no self, takes dtype for it)
+        copy.deepcopy(model).to(torch.bfloat16).save_pretrained(ck)  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (3, 12), generator=g)
+    assert cfg.pad_token_id is not None  # tiny_config sets it
     ids[0, 3] = cfg.pad_token_id  # the padding row of the embedding gets no gradient
     labels = ids.clone()
     labels[1, 5] = -100
@@ -252,7 +266,8 @@ def test_go_training_tracks_torch(arch: str, go_bin: Path, tmp_path: Path) -> No
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, cfg.vocab_size, (24,), generator=g).repeat(50)  # a pattern the loss can fall on
     save_file({"input_ids": ids}, str(tmp_path / "ids.safetensors"))
-    hyper = dict(steps=12, batch=4, seq=16, lr=1e-2, warmup=3, min_frac=0.1, weight_decay=0.01, max_grad_norm=0.5)
+    hyper: dict[str, Any] = dict(steps=12, batch=4, seq=16, lr=1e-2, warmup=3, min_frac=0.1, weight_decay=0.01,
+                                 max_grad_norm=0.5)
     res = subprocess.run([str(go_bin / "sonar-train"), "--hf", str(ck), "--tokens", str(tmp_path / "ids.safetensors"),
                           "--procs", "1", *go_args(**hyper)], check=True, capture_output=True, text=True)
     go = step_losses(res.stdout)

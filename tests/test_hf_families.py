@@ -81,15 +81,19 @@ def _reproducible() -> Iterator[None]:
     """Deterministic kernels (some expert kernels accumulate in parallel in no fixed order on CPU,
     see hf_util) and one torch thread: on busy shared cores two OpenMP threads wait on each other
     (a tiny model's step measured 100x slower). The reference and the Sonar run alike."""
-    was, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    # (fill_uninitialized_memory is a property of torch.utils.deterministic's module class: torch's
+    # typing does not show it)
+    was = torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
     threads = torch.get_num_threads()
     torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = False  # NaN-filling every new tensor costs time
+    # NaN-filling every new tensor costs time
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(was)
-    torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
 
 
 def test_families_are_discovered() -> None:
@@ -137,6 +141,7 @@ def test_detection_and_bitwise_training(family: Family, server: str) -> None:
             opt.step()
             opt.zero_grad()
 
+            assert opt.last_dense_grad_norm is not None, f"step {step + 1}: no dense gradient norm"
             assert torch.equal(opt.last_dense_grad_norm, norm), f"step {step + 1}: dense gradient norm differs"
             for (n, a), (_, b) in zip(ref.named_parameters(), mine.named_parameters(), strict=True):
                 assert torch.equal(a, b), f"step {step + 1}: {n} differs (max {(a - b).abs().max().item():.3e})"

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from transformers import get_cosine_schedule_with_warmup
+from transformers import GraniteMoeForCausalLM, OlmoeForCausalLM, get_cosine_schedule_with_warmup
 
 import sonar_moe
 from hf_util import (CPU_EXPERTS_IMPLEMENTATIONS, NONDETERMINISTIC_ON_CPU, expected_expert_names, router_names,
@@ -17,7 +17,7 @@ STEPS = 6
 LR = 3e-3
 WD = 0.05
 
-BUILDERS: dict[str, Callable[[torch.dtype, str], torch.nn.Module]] = {
+BUILDERS: dict[str, Callable[[torch.dtype, str], OlmoeForCausalLM | GraniteMoeForCausalLM]] = {
     "olmoe": lambda dtype, impl: tiny_olmoe(impl, dtype, seed=7),
     "granite": lambda dtype, impl: tiny_granite(dtype, experts_implementation=impl, seed=7),
 }
@@ -139,6 +139,7 @@ def _train_and_compare(arch: str, impl: str, dtype: torch.dtype, clip: float | N
             norm = ref_step(ref, ropt, [batch], clip)
             sonar_step(mine, opt, [batch], experts)
             if clip is not None:
+                assert norm is not None and opt.last_dense_grad_norm is not None  # both clipped
                 assert torch.equal(opt.last_dense_grad_norm, norm), f"step {step + 1}: dense grad norm"
                 norms.append(norm.item())
             rsched.step()
@@ -171,6 +172,7 @@ def test_gradient_accumulation_matches_torch() -> None:
             micro = [next(batches) for _ in range(k)]
             norm = ref_step(ref, ropt, micro, 1.0)
             sonar_step(mine, opt, micro, experts)
+            assert norm is not None and opt.last_dense_grad_norm is not None  # both clipped
             assert torch.equal(opt.last_dense_grad_norm, norm), f"step {step + 1}: dense grad norm"
             rsched.step()
             sched.step()

@@ -43,13 +43,21 @@ MODELS = {"olmoe": olmoe, "granite": granite}
 
 
 def args(tmp: Path, **kw: Any) -> TrainingArguments:
-    base = dict(output_dir=str(tmp), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6,
-                learning_rate=2e-3, weight_decay=0.01, logging_steps=1, save_strategy="no", report_to=[],
-                use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
-                # Trainer's default is adamw_torch_fused; expert tensors do not have fused arithmetic yet.
-                optim="adamw_torch")
+    base: dict[str, Any] = dict(
+        output_dir=str(tmp), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6,
+        learning_rate=2e-3, weight_decay=0.01, logging_steps=1, save_strategy="no", report_to=[],
+        use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        # Trainer's default is adamw_torch_fused; expert tensors do not have fused arithmetic yet.
+        optim="adamw_torch")
     base.update(kw)
     return TrainingArguments(**base)
+
+
+def close_sonar(trainer: Trainer) -> None:
+    """Closes the SonarAdamW a SonarTrainer built in train() (and so its private sonard)."""
+    opt = unwrap_sonar(trainer.optimizer)
+    assert opt is not None
+    opt.close()
 
 
 def experts(model: torch.nn.Module) -> set[str]:
@@ -106,9 +114,10 @@ def test_sonar_trainer_equals_manual_loop_with_dense_clipping(tmp_path: Path) ->
     ref.train()
     dense = [p for n, p in ref.named_parameters() if n not in experts(ref)]
     decay = set(tr.get_decay_parameter_names(ref))  # Trainer's decay/no-decay groups
-    ropt = torch.optim.AdamW([{"params": [p for n, p in ref.named_parameters() if n in decay]},
-                              {"params": [p for n, p in ref.named_parameters() if n not in decay], "weight_decay": 0.0}],
-                             lr=a.learning_rate, weight_decay=a.weight_decay)
+    groups: list[dict[str, Any]] = [
+        {"params": [p for n, p in ref.named_parameters() if n in decay]},
+        {"params": [p for n, p in ref.named_parameters() if n not in decay], "weight_decay": 0.0}]
+    ropt = torch.optim.AdamW(groups, lr=a.learning_rate, weight_decay=a.weight_decay)
     sched = transformers.get_scheduler("cosine", ropt, num_warmup_steps=2, num_training_steps=a.max_steps)
     k = a.gradient_accumulation_steps
     assert len(tr.calls) == k * a.max_steps
@@ -128,7 +137,7 @@ def test_sonar_trainer_equals_manual_loop_with_dense_clipping(tmp_path: Path) ->
     # Without clipping, dense_grad_norm is still logged: the first step's equals the norm above.
     unclipped = SonarTrainer(model=olmoe(), args=args(tmp_path, max_grad_norm=0.0, max_steps=1), train_dataset=Windows())
     unclipped.train()
-    unwrap_sonar(unclipped.optimizer).close()
+    close_sonar(unclipped)
     first = [h for h in unclipped.state.log_history if "loss" in h][0]
     assert first["dense_grad_norm"] == norms[0] and "grad_norm" not in first
 
@@ -140,7 +149,7 @@ def test_sonar_trainer_leaves_training_arguments_alone(tmp_path: Path) -> None:
     before = a.to_dict()
     st = SonarTrainer(model=olmoe(), args=a, train_dataset=Windows())
     st.train()
-    unwrap_sonar(st.optimizer).close()
+    close_sonar(st)
     assert a.to_dict() == before
     saved = torch.load(tmp_path / "sonar" / "checkpoint-2" / "training_args.bin", weights_only=False)
     assert saved.max_grad_norm == 0.5
@@ -163,7 +172,7 @@ class LoadWarnings:
         self._level = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_warning()
         self._handler = logging.Handler(logging.WARNING)
-        self._handler.emit = lambda r: self.messages.append(r.getMessage())  # type: ignore[method-assign]
+        self._handler.emit = lambda record: self.messages.append(record.getMessage())  # type: ignore[method-assign]
         for name in ("transformers", "sonar_moe"):
             logging.getLogger(name).addHandler(self._handler)
         return self
@@ -180,7 +189,7 @@ class LoadWarnings:
 def default_args(out: Path, **kw: Any) -> TrainingArguments:
     """Default TrainingArguments (optim adamw_torch_fused) but for what a tiny test run needs;
     max_grad_norm=0 since Trainer's global clipping and Sonar's dense clipping differ by design."""
-    base = dict(output_dir=str(out), per_device_train_batch_size=2, max_steps=6, learning_rate=2e-3,
+    base: dict[str, Any] = dict(output_dir=str(out), per_device_train_batch_size=2, max_steps=6, learning_rate=2e-3,
                 max_grad_norm=0.0, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
     base.update(kw)
     return TrainingArguments(**base)
@@ -207,7 +216,7 @@ def test_sonar_trainer_resume_from_checkpoint_is_bitwise(tmp_path: Path, family:
     t1 = SonarTrainer(model=first, args=default_args(tmp_path / "ck", save_strategy="steps", save_steps=3),
                       train_dataset=Windows())
     t1.train()
-    unwrap_sonar(t1.optimizer).close()
+    close_sonar(t1)
     ck = tmp_path / "ck" / "checkpoint-3"
     assert (ck / "optimizer.pt").exists()
 
@@ -220,7 +229,7 @@ def test_sonar_trainer_resume_from_checkpoint_is_bitwise(tmp_path: Path, family:
                       train_dataset=Windows())
     with LoadWarnings() as warned:
         t2.train(resume_from_checkpoint=str(ck))
-    unwrap_sonar(t2.optimizer).close()
+    close_sonar(t2)
     assert warned.about_keys() == []
     assert_same(full, resumed)
 
@@ -242,7 +251,7 @@ def test_load_best_model_at_end_restores_experts(tmp_path: Path, family: str) ->
                       eval_dataset=Windows(n=8, seed=1))
     with LoadWarnings() as warned:
         st.train()
-    unwrap_sonar(st.optimizer).close()
+    close_sonar(st)
     assert warned.about_keys() == []
     assert rt.state.best_model_checkpoint is not None and st.state.best_model_checkpoint is not None
     assert Path(st.state.best_model_checkpoint).name == Path(rt.state.best_model_checkpoint).name == "checkpoint-2"
@@ -284,6 +293,7 @@ def test_sonar_trainer_reproduces_trainer_optimizer(tmp_path: Path, accum: int) 
     ref, mine = olmoe(), olmoe()
     rt = Trainer(model=ref, args=a, train_dataset=Windows())
     rt.train()
+    assert rt.optimizer is not None
     groups = rt.optimizer.param_groups
     assert [g["weight_decay"] for g in groups] == [a.weight_decay, 0.0] and groups[1]["params"]
     st = SonarTrainer(model=mine, args=args(tmp_path, max_grad_norm=0.0, gradient_accumulation_steps=accum),
@@ -305,7 +315,7 @@ def test_sonar_trainer_refuses_other_optimizers(tmp_path: Path) -> None:
 
 # Non-default hyper-parameters on top of the defaults: Trainer's default weight_decay is 0, so
 # "decay" is what exercises its decay/no-decay groups.
-HYPER = {"default": {}, "decay": {"learning_rate": 2e-3, "weight_decay": 0.01}}
+HYPER: dict[str, dict[str, Any]] = {"default": {}, "decay": {"learning_rate": 2e-3, "weight_decay": 0.01}}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -323,11 +333,13 @@ def test_sonar_trainer_equals_trainer_default_optimizer(tmp_path: Path, family: 
 
     a = default_args()
     assert str(getattr(a.optim, "value", a.optim)) == "adamw_torch_fused"
-    ref, mine = MODELS[family]().to(dtype), MODELS[family]().to(dtype)
+    # transformers' PreTrainedModel.to is @wraps(nn.Module.to): mypy binds no self, takes dtype for it
+    ref, mine = MODELS[family]().to(dtype), MODELS[family]().to(dtype)  # type: ignore[arg-type]
     assert isinstance(ref, PreTrainedModel) and torch.equal(ref.lm_head.weight, mine.lm_head.weight)
     init = {n: p.detach().clone() for n, p in mine.named_parameters()}
     rt = Trainer(model=ref, args=a, train_dataset=Windows())
     rt.train()
+    assert rt.optimizer is not None
     assert all(g["fused"] for g in rt.optimizer.param_groups)
     assert [g["weight_decay"] for g in rt.optimizer.param_groups] == [a.weight_decay, 0.0]
     st = SonarTrainer(model=mine, args=default_args(), train_dataset=Windows())
@@ -348,7 +360,8 @@ def test_sonar_trainer_equals_trainer_default_optimizer(tmp_path: Path, family: 
 def test_load_weights_in_place_restores_every_tensor(tmp_path: Path, family: str, dtype: torch.dtype) -> None:
     """A save_pretrained checkpoint (experts saved per expert, GraniteMoe's router renamed) is
     copied into another model's own tensors: every tensor equal, no storage replaced."""
-    src, dst = MODELS[family](seed=1).to(dtype), MODELS[family](seed=2).to(dtype)
+    # transformers' PreTrainedModel.to is @wraps(nn.Module.to): mypy binds no self, takes dtype for it
+    src, dst = MODELS[family](seed=1).to(dtype), MODELS[family](seed=2).to(dtype)  # type: ignore[arg-type]
     src.save_pretrained(tmp_path)
     storage = {n: p.data_ptr() for n, p in dst.named_parameters()}
     report = load_weights_in_place(dst, str(tmp_path))

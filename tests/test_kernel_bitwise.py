@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any, cast
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import sonar_moe
 SIZES = [1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 511, 513, 1000, 4097,
          32767, 32768, 32769, 65537, 100003, 1_000_003]
 
-HYPERS = {
+HYPERS: dict[str, dict[str, Any]] = {
     "default": {},
     "no_decay": {"weight_decay": 0.0},
     "amsgrad": {"amsgrad": True, "lr": 3e-3},
@@ -91,7 +92,7 @@ def _train_and_compare(dtype: torch.dtype, hyper: str) -> str:
             ropt.step()
             ropt.zero_grad()
             # Through autograd, so the post-accumulate-grad hooks fire: d/dp sum(p*g) = g exactly.
-            loss = sum((p * g).sum() for (_, p), g in zip(mine, grads))
+            loss = cast(torch.Tensor, sum((p * g).sum() for (_, p), g in zip(mine, grads)))  # not empty: a Tensor
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -125,7 +126,7 @@ def test_thread_count_does_not_change_result(threads: int) -> None:
 
 
 FOREACH_SIZES = [1, 7, 17, 33, 513, 4097, 32769, 70001]
-FOREACH_HYPERS = {
+FOREACH_HYPERS: dict[str, dict[str, Any]] = {
     "beta2_099": {"lr": 3e-3, "weight_decay": 0.05, "betas": (0.85, 0.99)},
     "strong_decay_amsgrad": {"lr": 0.05, "weight_decay": 0.5, "betas": (0.3, 0.9), "amsgrad": True},
 }
@@ -153,7 +154,7 @@ def test_foreach_flag_on_cpu_matches_the_torch_path_it_selects(dtype: torch.dtyp
                 p.grad = gr.clone()
             ropt.step()
             ropt.zero_grad()
-            sum((p * gr).sum() for (_, p), gr in zip(mine, grads)).backward()
+            cast(torch.Tensor, sum((p * gr).sum() for (_, p), gr in zip(mine, grads))).backward()  # not empty: a Tensor
             opt.step()
             opt.zero_grad()
             for (name, a), (_, b) in zip(ref, mine):

@@ -26,7 +26,7 @@ from torch.optim import lr_scheduler as S
 from compat_util import SonarAdamW, assert_models_equal, batch, clone_model, make_model, train_step, value_equal
 
 STEPS = 6
-HP = dict(lr=2e-3, betas=(0.9, 0.99), weight_decay=0.05)
+HP: dict[str, Any] = dict(lr=2e-3, betas=(0.9, 0.99), weight_decay=0.05)
 
 
 def two_groups(model: torch.nn.Module, tensor_lr: bool = False) -> list[dict[str, Any]]:

@@ -87,6 +87,12 @@ def sampler(tids: list[int], wait: float) -> Callable[[], bytes]:
     return job
 
 
+def us(reply: bytes | None) -> int:
+    """The microseconds a sampler's job returned through a wait or a park."""
+    assert reply is not None
+    return int(reply)
+
+
 WAIT = 0.02  # s: a layer's update on these machines is a few milliseconds
 
 
@@ -100,9 +106,9 @@ def test_parked_threads_sleep(two_threads: None) -> None:
     spun, parked = [], []
     for _ in range(5):
         busy()
-        spun.append(int(DirectWait().receive(lambda _t: sampler(tids, WAIT)(), WAIT)))
+        spun.append(us(DirectWait().receive(lambda _t: sampler(tids, WAIT)(), WAIT)))
         busy()
-        parked.append(int(park.receive(lambda t: None if t == 0 else sampler(tids, WAIT)(), WAIT)))
+        parked.append(us(park.receive(lambda t: None if t == 0 else sampler(tids, WAIT)(), WAIT)))
     assert max(spun) > 2000, spun  # the control: without a park the thread spins (us of CPU)
     # On a loaded machine one sample in five may still show a millisecond of CPU (seen once in
     # CI's unix run: [0, 1059, 0, 0, 0]; its cause is not known); a park that did not work
@@ -121,7 +127,7 @@ def test_park_returns_raises_and_leaves_no_post(two_threads: None) -> None:
     with pytest.raises(KeyError, match="lost"):
         park.park(lambda: (_ for _ in ()).throw(KeyError("lost")), THREADS)
     busy()
-    assert int(park.park(sampler(tids, WAIT), THREADS)) < 500
+    assert us(park.park(sampler(tids, WAIT), THREADS)) < 500
     assert park.parks == 3
 
 
@@ -185,7 +191,8 @@ def first_slow(times: list[float]) -> int:
 def test_steering_modes(two_threads: None) -> None:
     """SONAR_OPENMP_STEER: 1 steers from the first park, 0 never, unset once a release was slow;
     anything else is the default."""
-    assert OpenMPPark.find({"SONAR_OPENMP_STEER": "1"}).steering.active
+    park = OpenMPPark.find({"SONAR_OPENMP_STEER": "1"})
+    assert park is not None and park.steering.active
     for env in ({}, {"SONAR_OPENMP_STEER": "yes"}):
         park = OpenMPPark.find(env)
         assert park is not None and park.steering.mode == "auto" and not park.steering.active

@@ -38,6 +38,7 @@ def test_signal_shuts_down_gracefully(sonard_binary: str, tmp_path: Path, sig: s
     sock = tmp_path / "run" / "s.sock"
     proc = subprocess.Popen([sonard_binary, "--listen", f"ipc://{sock}", "--log-format", "json"],
                             stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None  # stderr=PIPE
     deadline = time.monotonic() + 10
     while not sock.exists():
         assert time.monotonic() < deadline, "sonard did not bind"
@@ -107,6 +108,7 @@ def test_flags_from_environment_and_json_logs(sonard_binary: str, tmp_path: Path
     sock = tmp_path / "envrun" / "s.sock"
     env = dict(os.environ, SONAR_LISTEN=f"ipc://{sock}", SONAR_LOG_FORMAT="json", SONAR_LOG_LEVEL="info")
     proc = subprocess.Popen([sonard_binary], env=env, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None  # stderr=PIPE
     deadline = time.monotonic() + 10
     while not sock.exists():
         assert time.monotonic() < deadline

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import pickle
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ from compat_util import (
     DTYPES,
     REFERENCE,
     SonarAdamW,
+    TinyExpertModel,
     assert_models_differ,
     assert_models_equal,
     assert_snapshot_equal,
@@ -48,7 +50,7 @@ from compat_util import (
     value_equal,
 )
 
-HP = dict(lr=2e-3, betas=(0.85, 0.99), eps=1e-7, weight_decay=0.05)
+HP: dict[str, Any] = dict(lr=2e-3, betas=(0.85, 0.99), eps=1e-7, weight_decay=0.05)
 
 
 def run_both(ref: torch.nn.Module, ropt: torch.optim.Optimizer, model: torch.nn.Module, opt: torch.optim.Optimizer,
@@ -517,7 +519,7 @@ SD_PARAMS = [(c, torch.float32) for c in SD_CASES] + [("after_steps", torch.bflo
 SD_IDS = [f"{c}-{'fp32' if d == torch.float32 else 'bf16'}" for c, d in SD_PARAMS]
 
 
-def sd_case_model(case: str, dtype: torch.dtype) -> tuple[torch.nn.Module, tuple[int, ...], int]:
+def sd_case_model(case: str, dtype: torch.dtype) -> tuple[TinyExpertModel, tuple[int, ...], int]:
     """(model, layers left out of the first phase, steps of the first phase)."""
     model = make_model(dtype, num_layers=3)
     if case == "frozen_params":
@@ -527,7 +529,7 @@ def sd_case_model(case: str, dtype: torch.dtype) -> tuple[torch.nn.Module, tuple
     return model, skip, 0 if case == "before_first_step" else 3
 
 
-def sd_case_unfreeze(case: str, *models: torch.nn.Module) -> None:
+def sd_case_unfreeze(case: str, *models: TinyExpertModel) -> None:
     if case == "frozen_params":
         for m in models:
             m.layers[1].requires_grad_(True)
@@ -752,7 +754,7 @@ def test_gradless_step_and_closure_step(dtype: torch.dtype) -> None:
 # From TestOptimRenewed.test_tensor_lr and the AdamW OptimizerInfo inputs "Tensor lr" and
 # "Tensor lr, Tensor betas" (torch keeps a 0-dim lr tensor and computes lr / bias_correction1
 # in float32).
-TENSOR_CASES = {
+TENSOR_CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "tensor_lr": lambda: {"lr": torch.tensor(1e-3)},
     "tensor_lr_wd": lambda: {"lr": torch.tensor(3e-3), "weight_decay": 0.1},
     "tensor_lr_betas": lambda: {"lr": torch.tensor(2e-3), "betas": (torch.tensor(0.9), torch.tensor(0.99))},

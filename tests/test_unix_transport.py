@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def test_private_unix_server_trains_bitwise(monkeypatch: pytest.MonkeyPatch, dty
     model = TinyMoE(dtype, experts=5, hidden=13, inter=7)
     ref = TinyMoE(dtype, experts=5, hidden=13, inter=7)
     ref.load_state_dict(model.state_dict())
-    hyper = {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.05}
+    hyper: dict[str, Any] = {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.05}
     g = torch.Generator().manual_seed(5)
     with sonar_moe.SonarAdamW(model, zero_copy=zero_copy, **hyper) as opt:
         assert (opt.server_address or "").startswith("unix:///")

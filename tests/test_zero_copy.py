@@ -197,6 +197,7 @@ def test_only_the_connected_process(rig: tuple[sonar_moe.Connection, Segment, in
         sys.stdin.readline()
     """)
     other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert other.stdout is not None  # stdout=PIPE
     try:
         addr, hexprobe = other.stdout.readline().split()
         with pytest.raises(SonarError, match="does not hold the probe|not mapped"):

@@ -86,7 +86,9 @@ def lm_datasets(model_args: ModelArguments, data_args: DataArguments, tokenizer:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = HfArgumentParser((ModelArguments, DataArguments, RunArguments, TrainingArguments))
+    # transformers types the argument as its DataClassType, a NewType of Any that no dataclass itself matches
+    parser = HfArgumentParser(
+        (ModelArguments, DataArguments, RunArguments, TrainingArguments))  # type: ignore[arg-type]
     if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
         model_args, data_args, run_args, training_args = parser.parse_json_file(sys.argv[1])
     else:
@@ -103,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         from sonar_moe.hf import SonarTrainer
 
         trainer_class = SonarTrainer
-    callbacks = [StopAfterStep(run_args.stop_after_step)] if run_args.stop_after_step else []
+    callbacks: list[TrainerCallback] = [StopAfterStep(run_args.stop_after_step)] if run_args.stop_after_step else []
     trainer = trainer_class(
         model=model,
         args=training_args,
