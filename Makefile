@@ -30,12 +30,12 @@ build: system-deps
 demo: setup build
 	$(PY) examples/demo.py
 
-# Go: gofmt and go vet. Python: mypy over the client package, the examples, the benchmarks and the tests
+# Go: gofmt and go vet. Python: mypy over the client package, the examples, the benchmarks, the tests and scripts/
 # (settings in pyclient/pyproject.toml).
 lint: system-deps venv
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
-	$(PY) -m mypy --config-file pyclient/pyproject.toml pyclient/sonar_moe examples bench tests
+	$(PY) -m mypy --config-file pyclient/pyproject.toml pyclient/sonar_moe examples bench tests scripts
 
 test-go: system-deps
 	$(GO) test -count=1 ./...

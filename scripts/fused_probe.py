@@ -26,12 +26,15 @@ import os
 import subprocess
 import sys
 from fractions import Fraction
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 F32 = np.float32
 F64 = np.float64
+
+Fma = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
 
 # ----------------------------------------------------------------------------- float32 helpers
@@ -108,8 +111,9 @@ def scalars(lr: float, b1: float, b2: float, eps: float, wd: float, step: float,
 # ----------------------------------------------------------------------------- the evaluation orders
 
 
-def emulate(cap: str, dtype: str, p, g, m, v, vm, k: dict, amsgrad: bool, maximize: bool, fma=fma32,
-            variant: str = "", grad_scale: float | None = None):
+def emulate(cap: str, dtype: str, p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, vm: np.ndarray,
+            k: dict, amsgrad: bool, maximize: bool, fma: Fma = fma32, variant: str = "",
+            grad_scale: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One step. Inputs are float32 arrays holding the stored values (bf16 values widened).
     Returns the new stored (p, m, v, vm, grad) as float32 arrays (bf16-representable for bf16).
     variant: "" for the order found; otherwise one deliberate deviation (see CONTROLS)."""
@@ -200,9 +204,10 @@ CONTROLS = {
 # ----------------------------------------------------------------------------- one case
 
 
-def run_case(dtype="fp32", numel=100_005, seed=0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.01,
-             amsgrad=False, maximize=False, steps=3, step0=3, fma=fma32, variant="", grad_scale=None,
-             verbose=True) -> dict:
+def run_case(dtype: str = "fp32", numel: int = 100_005, seed: int = 0, lr: float = 1e-3, beta1: float = 0.9,
+             beta2: float = 0.999, eps: float = 1e-8, wd: float = 0.01, amsgrad: bool = False,
+             maximize: bool = False, steps: int = 3, step0: int = 3, fma: Fma = fma32, variant: str = "",
+             grad_scale: float | None = None, verbose: bool = True) -> dict:
     """step0: the step count of the first compared step. Returns per-step mismatch counts."""
     cap = torch.backends.cpu.get_cpu_capability()
     cap = "AVX2" if cap in ("AVX2", "AVX512") else cap  # this wheel has no AVX512 copy of the kernel
@@ -212,7 +217,7 @@ def run_case(dtype="fp32", numel=100_005, seed=0, lr=1e-3, beta1=0.9, beta2=0.99
     gen = torch.Generator().manual_seed(seed)
     n = numel
 
-    def rnd_grad():
+    def rnd_grad() -> torch.Tensor:
         return torch.randn(n, generator=gen) * torch.exp2(torch.randint(-12, 2, (n,), generator=gen).float())
 
     p = (torch.randn(n, generator=gen) * 0.1).to(tdt)
@@ -232,8 +237,9 @@ def run_case(dtype="fp32", numel=100_005, seed=0, lr=1e-3, beta1=0.9, beta2=0.99
     st["step"].fill_(step0 - 1)
     param.data.copy_(p)
     if grad_scale is not None:  # what GradScaler.step hands the fused optimizer
-        opt.grad_scale = torch.tensor(grad_scale, dtype=torch.float32)
-        opt.found_inf = torch.tensor(0.0, dtype=torch.float32)
+        # Optimizer declares neither; Adam.step reads them with getattr, so they are set the same way
+        setattr(opt, "grad_scale", torch.tensor(grad_scale, dtype=torch.float32))
+        setattr(opt, "found_inf", torch.tensor(0.0, dtype=torch.float32))
 
     def npf(t: torch.Tensor) -> np.ndarray:
         return t.detach().float().numpy().copy()
@@ -241,7 +247,7 @@ def run_case(dtype="fp32", numel=100_005, seed=0, lr=1e-3, beta1=0.9, beta2=0.99
     E = dict(p=npf(p), m=npf(m), v=npf(v), vm=npf(vm))
     width = 8 if dtype == "fp32" else 16
     nv = n - n % width
-    result = {"cap": cap, "tail": n - nv, "steps": []}
+    result: dict[str, Any] = {"cap": cap, "tail": n - nv, "steps": []}
     for i in range(steps):
         g = rnd_grad().to(tdt)
         param.grad = g.clone()
@@ -276,7 +282,7 @@ def sweep_here() -> int:
     cap = torch.backends.cpu.get_cpu_capability()
     total = cases = elems = 0
     f64_diff = 0
-    worst = []
+    worst: list[tuple[object, ...]] = []
     for dtype, numel, wd, amsgrad, maximize, beta1, seed in itertools.product(
             ("fp32", "bf16"), SWEEP_SIZES, (0.0, 0.01), (False, True), (False, True), (0.9, 0.5, 0.3), (1,)):
         seed = seed + numel

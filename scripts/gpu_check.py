@@ -86,9 +86,12 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import TYPE_CHECKING, Any, Callable  # noqa: E402
 
 import torch  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class G:
@@ -399,7 +402,8 @@ KERNEL_VARIANTS = {
 # 2.8-2.10). The fused kind this torch does not have is compared with the Go reference only.
 # The kernels' memory access (sonar-kernelcheck -loads): sonard's default first.
 KERNEL_LOADS = ("scalar", "vector")
-KERNEL_IMPLS = {"foreach": dict(foreach=True), "fused": dict(fused=True), "fused-double": dict(fused=True)}
+KERNEL_IMPLS: dict[str, dict[str, Any]] = {"foreach": dict(foreach=True), "fused": dict(fused=True),
+                                           "fused-double": dict(fused=True)}
 
 
 def torch_fused_kind() -> str | None:
@@ -563,22 +567,25 @@ def _kernel_case(kc: str, d: Path, dtype: torch.dtype, impl: str, steps: int, na
 
 
 # --------------------------------------------------------------------------------- models
-SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
-             tie_word_embeddings=False, pad_token_id=1, bos_token_id=None, eos_token_id=2)
+SMALL: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
+    tie_word_embeddings=False, pad_token_id=1, bos_token_id=None, eos_token_id=2)
 # OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924): 6.9B parameters, 1.3B active.
-FULL = dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
-            num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, max_position_embeddings=4096,
-            tie_word_embeddings=False)
-EXPERTS_IMPL: dict[str, str] = {}  # config name -> the transformers experts implementation that worked
+FULL: dict[str, Any] = dict(
+    vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+    num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, max_position_embeddings=4096,
+    tie_word_embeddings=False)
+EXPERTS_IMPL: dict[str, str | None] = {}  # config name -> the transformers experts implementation that worked
 
 
-def make_model(cfg: dict[str, Any], dtype: torch.dtype, seed: int, impl: str | None = None) -> torch.nn.Module:
+def make_model(cfg: dict[str, Any], dtype: torch.dtype, seed: int, impl: str | None = None) -> PreTrainedModel:
     from transformers import OlmoeConfig, OlmoeForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(G.dev):
-        model = OlmoeForCausalLM(OlmoeConfig(**cfg)).to(dtype)
+        # transformers' PreTrainedModel.to is @wraps(nn.Module.to): mypy binds no self, takes dtype for it
+        model = OlmoeForCausalLM(OlmoeConfig(**cfg)).to(dtype)  # type: ignore[arg-type]
     if impl is not None:
         set_experts_impl(model, impl)
     return model
@@ -588,7 +595,7 @@ def experts_impl(model: torch.nn.Module) -> str:
     return str(getattr(model.config, "_experts_implementation", None) or "eager (default)")
 
 
-def set_experts_impl(model: torch.nn.Module, impl: str) -> None:
+def set_experts_impl(model: PreTrainedModel, impl: str) -> None:
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(impl)
     else:
@@ -889,9 +896,9 @@ def _sonard_variant(sonar_moe: Any, dtype: torch.dtype, clip: float | None, step
 
     step_bad = [p for p in per_step if p["values_differ"]]
     if step_bad:
-        p = step_bad[0]
-        problems.append(f"after step {p['step']} {p['values_differ']} values differ from torch fed the same gradients "
-                        f"({', '.join(p['tensors_differ'])[:200]})")
+        first_bad = step_bad[0]
+        problems.append(f"after step {first_bad['step']} {first_bad['values_differ']} values differ from torch fed "
+                        f"the same gradients ({', '.join(first_bad['tensors_differ'])[:200]})")
     if any(p["expert_grads_left_after_backward"] for p in per_step):
         problems.append("expert .grad not None after backward")
     if sbad:
@@ -1060,7 +1067,7 @@ def check_full(ctx: argparse.Namespace) -> None:
            config=cfg, notes=notes)
 
 
-def _full_mode(model: torch.nn.Module, mode: str, cfg: dict[str, Any], bsz: int, seq: int,
+def _full_mode(model: PreTrainedModel, mode: str, cfg: dict[str, Any], bsz: int, seq: int,
                ctx: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
     import sonar_moe
 
@@ -1403,6 +1410,7 @@ def main() -> int:
     if args.cpu_selftest:
         G.ipc.update(ok=None, summary="not probed: CPU self-test")
         G.check_deadline = G.deadline
+        fn: Callable[[argparse.Namespace], None]
         for key, fn in (("sonard", check_sonard), ("full", check_full)):
             if key in selected:
                 G.current = key

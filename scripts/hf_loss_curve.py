@@ -33,10 +33,18 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
+    from transformers import GenerationMixin, PreTrainedModel
+
+    class CausalLM(PreTrainedModel, GenerationMixin):
+        """What AutoModelForCausalLM.from_pretrained returns (transformers annotates it so too), with
+        generate as run calls it: without return_dict_in_generate it returns the token ids.
+        (transformers types generate's self as a protocol that PreTrainedModel does not meet for mypy.)"""
+
+        def generate(self, *args: Any, **kwargs: Any) -> torch.LongTensor: ...
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["argparse.py", "textwrap.py", "logging/__init__.py", "json/decoder.py", "json/encoder.py",
@@ -199,6 +207,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     go_loss = step_losses(res.stdout)
     assert len(go_loss) == args.steps, res.stdout
     row = re.search(r"\| per-layer[^|]*\|[^|]*\|[^|]*\|[^|]*\| ([0-9.]+) \| ([0-9.]+) \|", res.stdout)
+    assert row is not None, res.stdout
     go_step_ms, go_cpu = float(row.group(1)), float(row.group(2))
 
     # torch, same weights, windows, schedule.
@@ -216,7 +225,9 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
             records.append(record)
 
     hf_logging.get_logger().addHandler(keep := Keep(level=logging.WARNING))
-    go_model, info = AutoModelForCausalLM.from_pretrained(tuned, output_loading_info=True)
+    # with output_loading_info=True, from_pretrained returns (model, info): its annotation says the model only
+    go_model, info = cast("tuple[CausalLM, dict[str, Any]]",
+                          AutoModelForCausalLM.from_pretrained(tuned, output_loading_info=True))
     hf_logging.get_logger().removeHandler(keep)
     bad_keys = {k: v for k, v in info.items() if v}
     tok2 = AutoTokenizer.from_pretrained(tuned)

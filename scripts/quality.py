@@ -93,6 +93,7 @@ def make_model(kind: str, dtype: str, seed: int, a: dict[str, Any]) -> Any:
                   num_experts_per_tok=a["top_k"], max_position_embeddings=max(256, a["seq_len"]),
                   tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None,
                   output_router_logits=False)  # no router aux loss: the loss is plain next-byte CE
+    cfg: transformers.PreTrainedConfig
     if kind == "olmoe":
         cfg = transformers.OlmoeConfig(num_experts=a["experts"], **common)
     else:
@@ -140,11 +141,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         grads = [p.grad for p in ps if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
+    sonar_opt: sonar_moe.SonarAdamW | None = None  # set for the SONAR_METHODS
     if method in SONAR_METHODS:
-        opt: torch.optim.Optimizer = sonar_moe.SonarAdamW(
+        sonar_opt = sonar_moe.SonarAdamW(
             model, lr=a["lr"], weight_decay=a["weight_decay"], max_grad_norm=c,
             expert_clipping=None if method == "sonar" else method)
-        n_expert = int(opt.stats()["expert_tensors"])
+        opt: torch.optim.Optimizer = sonar_opt
+        n_expert = int(sonar_opt.stats()["expert_tensors"])
     else:
         opt = torch.optim.AdamW(params, lr=a["lr"], weight_decay=a["weight_decay"])
         n_expert = len(params) - len(dense)
@@ -172,8 +175,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                 scales.append(1.0)
             opt.step()
             if method in ("prev_global", "running"):
-                norms.append(float(opt.last_global_grad_norm))
-                scales.append(float(opt.last_expert_grad_scale))
+                assert sonar_opt is not None
+                # with expert_clipping, both are set by the step just taken
+                global_norm, expert_scale = sonar_opt.last_global_grad_norm, sonar_opt.last_expert_grad_scale
+                assert global_norm is not None and expert_scale is not None
+                norms.append(float(global_norm))
+                scales.append(float(expert_scale))
             elif method == "sonar":
                 norms.append(math.nan)  # the expert norms are never computed
                 scales.append(1.0)
@@ -184,7 +191,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                 curve.append((step, evaluate()))
     finally:
         if method in SONAR_METHODS:
-            opt.close()  # type: ignore[attr-defined]
+            assert sonar_opt is not None
+            sonar_opt.close()
     return {"model": kind, "dtype": dtype, "seed": seed, "method": method, "final": curve[-1][1], "curve": curve,
             "norms": norms, "scales": scales, "exact": exact, "seconds": time.perf_counter() - start,
             "params": sum(p.numel() for p in params),
