@@ -174,13 +174,6 @@ const (
 	Device
 )
 
-func (m Memory) String() string {
-	if m == Device {
-		return "device"
-	}
-	return "host"
-}
-
 // Backend is one kind of memory the server updates.
 type Backend interface {
 	// Name is the backend's name in logs and stats ("cpu", "cuda").

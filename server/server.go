@@ -54,7 +54,6 @@ type tensor struct {
 	param   backend.Ref
 	state   backend.Tensor
 	backend string
-	mem     backend.Memory
 }
 
 func (t *tensor) bytes() int64 { return t.numel * int64(t.dtype.Size()) }
@@ -425,7 +424,7 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 		if err != nil {
 			return nil, fmt.Errorf("tensor %q param: %w", spec.Name, err)
 		}
-		t.seg, t.param, t.backend, t.mem = seg, param, seg.backend, seg.mem
+		t.seg, t.param, t.backend = seg, param, seg.backend
 		made = append(made, t)
 	}
 	// One request registers tensors of one backend, whose Create is all or
@@ -441,7 +440,7 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 		for _, t := range made {
 			need += optimizer.StateBytesFor(t.dtype, t.numel, t.hyper.Amsgrad)
 		}
-		if err := s.checkBudget(ss, made[0].mem, need, fmt.Sprintf("the optimizer state of %d tensors", len(made))); err != nil {
+		if err := s.checkBudget(ss, made[0].seg.mem, need, fmt.Sprintf("the optimizer state of %d tensors", len(made))); err != nil {
 			return nil, fmt.Errorf("%w; nothing was registered", err)
 		}
 	}
@@ -547,7 +546,7 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 	if first == nil {
 		return nil, fmt.Errorf("%w: step without items", ipc.ErrProtocol)
 	}
-	if err := s.checkBudget(ss, first.mem, accum, "gradient accumulation buffers"); err != nil {
+	if err := s.checkBudget(ss, first.seg.mem, accum, "gradient accumulation buffers"); err != nil {
 		return nil, err
 	}
 	bs, err := s.backendSession(ss, first.backend)
@@ -717,7 +716,7 @@ func (ss *session) usage() map[string]*usage {
 		return u[b]
 	}
 	for _, t := range ss.tensors {
-		x := get(t.backend, t.mem)
+		x := get(t.backend, t.seg.mem)
 		x.tensors++
 		x.stateBytes += t.state.StateBytes()
 	}
