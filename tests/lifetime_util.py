@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -115,3 +116,20 @@ def rss_kib(pid: int) -> int:
 
 def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def stop(pid: int) -> None:
+    """SIGSTOP pid and wait until every thread of it has stopped (the signal is not
+    synchronous: a thread woken by a request just sent could still answer it)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+            states.append(stat[stat.rfind(b")") + 2:][:1])
+        if all(s in (b"T", b"t") for s in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop")

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import sonar_moe
+from lifetime_util import stop
 from sonar_moe import Connection, SonarServerDied, start_private_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,9 +60,9 @@ def test_a_server_that_dies_without_answering_is_still_detected() -> None:
     conn = start_private_server(10.0)
     try:
         assert conn.process is not None
-        # Stopped before the request, so it cannot answer first (over unix:// it otherwise could,
-        # within microseconds of the send: seen once in CI's unix run).
-        conn.process.send_signal(signal.SIGSTOP)
+        # Stopped, every thread of it, before the request, so it cannot answer first (over unix://
+        # it otherwise could, within microseconds of the send: seen in CI's unix run).
+        stop(conn.process.pid)
         conn.send("stats", {})
         conn.process.kill()
         conn.process.wait()

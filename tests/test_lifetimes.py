@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import server_stats, sonard_command
-from lifetime_util import ROOT, TRAINER, ready_pid, running, trainer, wait_gone
+from lifetime_util import ROOT, TRAINER, ready_pid, running, stop, trainer, wait_gone
 
 from sonar_moe import Connection, SonarServerDied
 
@@ -117,7 +117,7 @@ def test_shared_server_death_noticed_within_a_second(sonard_binary: str, tmp_pat
     try:
         conn = Connection(addr, timeout=30)
         hello(conn, os.getpid())
-        os.kill(proc.pid, signal.SIGSTOP)  # the request below waits: the server hangs
+        stop(proc.pid)  # the request below waits: the server hangs
         killed: list[float] = []
 
         def kill() -> None:
@@ -143,7 +143,7 @@ def test_hung_shared_server_noticed_by_heartbeat(sonard_binary: str, tmp_path: P
     try:
         conn = Connection(addr, timeout=30)
         hello(conn, os.getpid())
-        os.kill(proc.pid, signal.SIGSTOP)
+        stop(proc.pid)
         t0 = time.monotonic()
         with pytest.raises(SonarServerDied):
             conn.call("stats", {})

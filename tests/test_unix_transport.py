@@ -23,6 +23,7 @@ import torch
 
 import sonar_moe
 from conftest import server_stats, sonard_command
+from lifetime_util import stop
 from moe_util import TinyMoE, assert_same_params, train_beside
 from sonar_moe import Connection, SonarError, SonarServerDied
 from sonar_moe._channel import PollRule, UnixChannel, poll_seconds, reply_poll_seconds
@@ -45,23 +46,6 @@ def unix_server(sonard_binary: str, tmp_path: Path) -> Iterator[tuple[str, subpr
         proc.terminate()
         assert proc.wait(timeout=10) == 0
         assert not path.exists(), "socket file left behind by a clean exit"
-
-
-def stop(pid: int) -> None:
-    """SIGSTOP pid and wait until every thread of it has stopped (the signal is not
-    synchronous: a thread woken by a request just sent could still answer it)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                stat = f.read()
-            states.append(stat[stat.rfind(b")") + 2:][:1])
-        if all(s in (b"T", b"t") for s in states):
-            return
-        time.sleep(0.001)
-    raise AssertionError(f"process {pid} did not stop")
 
 
 def hello(conn: Connection) -> None:
