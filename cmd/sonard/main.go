@@ -213,8 +213,13 @@ func run() int {
 	}
 	defer srv.Close() // sessions first (they hold mappings and device state), then the backends
 	// Signals are caught before the socket exists: whoever sees it may stop the server at once
-	// and still get a clean exit.
-	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	// and still get a clean exit. They stay caught until the process ends (no signal.Stop): a
+	// Ctrl-C reaches the trainer and sonard together, the trainer's exit may stop sonard first,
+	// and a SIGINT that lands once the handling was given up would kill sonard mid-way through
+	// its clean stop (exit -2, not 0).
+	signals := make(chan os.Signal, 1)
+	signal.Notify(signals, syscall.SIGINT, syscall.SIGTERM)
+	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	tr, err := ipc.Open(*listen, log, curve, ipc.Options{HeartbeatTimeout: *heartbeat, Poll: *spin})
 	if err != nil {
@@ -232,10 +237,13 @@ func run() int {
 	go func() {
 		select {
 		case <-srv.Done():
-			cancel()
 		case <-parentGone:
-			cancel()
-		case <-ctx.Done():
+		case s := <-signals:
+			log.Info("stopping on a signal", zap.Stringer("signal", s))
+		}
+		cancel()
+		for s := range signals {
+			log.Info("already stopping; signal ignored", zap.Stringer("signal", s))
 		}
 	}()
 	if *metricsAddr != "" {
