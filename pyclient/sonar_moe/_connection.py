@@ -167,6 +167,7 @@ class Connection:
     _closed: bool = field(init=False, default=False)
     _forked_from: int | None = field(init=False, default=None)
     _link_checked: float = field(init=False, default=-1e9)  # monotonic time of send's last link check
+    _local: bool = field(init=False, default=False)  # the server shares this machine's clock (traces)
     # The latest requests' latencies (seconds, send to reply handled) and, where the server
     # shares this machine's clock (ipc://, unix://), their traces.
     latencies: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
@@ -179,6 +180,7 @@ class Connection:
 
     def __post_init__(self) -> None:
         check_address(self.address)
+        self._local = is_local(self.address)
         try:
             self._chan = open_channel(self.address, self.timeout, self.check_alive)
         except ChannelError as e:
@@ -394,12 +396,14 @@ class Connection:
     def _trace(self, p: Pending, rep: dict[str, Any], got: int, woke: int) -> None:
         """Keep the request's trace where the server's readings share this machine's clock."""
         t = rep.get("t")
-        if not (got and is_local(self.address) and isinstance(t, list) and len(t) == 3
-                and all(isinstance(x, int) for x in t)):
+        if not (got and self._local and type(t) is list and len(t) == 3):
+            return
+        t0, t1, t2 = t
+        if not (type(t0) is int and type(t1) is int and type(t2) is int):
             return
         body = rep.get("body")
         micros = body.get("micros", 0) if p.op == "step" and isinstance(body, dict) else 0
-        self.traces.append(RequestTrace(p.op, p.start_ns, p.sent_ns, t[0], t[1], t[2], got, woke,
+        self.traces.append(RequestTrace(p.op, p.start_ns, p.sent_ns, t0, t1, t2, got, woke,
                                         time.monotonic_ns(), micros if isinstance(micros, int) else 0))
 
     def close(self) -> None:
