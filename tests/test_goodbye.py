@@ -87,11 +87,11 @@ def test_shutdown_of_a_server_ending_on_sigint_is_quiet() -> None:
 
 
 def test_a_sigint_that_lands_while_the_server_is_stopping_is_quiet() -> None:
-    """Ctrl-C in a terminal reaches the trainer and its sonard at once: the trainer's exit tells
-    sonard to shut down, and the signal may reach sonard only after it has begun to stop. It must
-    still exit 0 (it died of SIGINT, code -2, when it gave up its signal handling as it stopped:
-    seen in CI). The signal is sent again and again from the shutdown reply until the exit, so
-    some copy lands in every stage of the stopping."""
+    """A SIGINT that reaches sonard once a client's shutdown has begun to stop it (a signal to a
+    whole process group, a service manager's stop, a test's signal sent just before its goodbye)
+    must still leave exit code 0: sonard died of it (code -2) when it gave up its signal
+    handling as it began to stop, seen in CI. The signal is sent again and again from the
+    shutdown reply until the exit, so some copy lands in every stage of the stopping."""
     for _ in range(5):
         conn = start_private_server(10.0)
         assert conn.process is not None

@@ -214,9 +214,9 @@ func run() int {
 	defer srv.Close() // sessions first (they hold mappings and device state), then the backends
 	// Signals are caught before the socket exists: whoever sees it may stop the server at once
 	// and still get a clean exit. They stay caught until the process ends (no signal.Stop): a
-	// Ctrl-C reaches the trainer and sonard together, the trainer's exit may stop sonard first,
-	// and a SIGINT that lands once the handling was given up would kill sonard mid-way through
-	// its clean stop (exit -2, not 0).
+	// signal that lands while sonard is already stopping (a client's shutdown first, then a
+	// signal to the process group or from a service manager) would otherwise kill it mid-way
+	// through its clean stop (exit -2, not 0).
 	signals := make(chan os.Signal, 1)
 	signal.Notify(signals, syscall.SIGINT, syscall.SIGTERM)
 	ctx, cancel := context.WithCancel(context.Background())
