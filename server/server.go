@@ -44,16 +44,15 @@ type segment struct {
 }
 
 type tensor struct {
-	id      uint32
-	name    string
-	dtype   optimizer.DType
-	numel   int64
-	shape   []int64
-	hyper   optimizer.Hyper
-	seg     *segment
-	param   backend.Ref
-	state   backend.Tensor
-	backend string
+	id    uint32
+	name  string
+	dtype optimizer.DType
+	numel int64
+	shape []int64
+	hyper optimizer.Hyper
+	seg   *segment
+	param backend.Ref
+	state backend.Tensor
 }
 
 func (t *tensor) bytes() int64 { return t.numel * int64(t.dtype.Size()) }
@@ -388,8 +387,8 @@ func (ss *session) resolveFor(t *tensor, ref ipc.MemRef, v verifier) (backend.Re
 	if err != nil {
 		return r, err
 	}
-	if seg.backend != t.backend {
-		return r, fmt.Errorf("segment %d is %s memory, the tensor is %s memory", ref.Seg, seg.backend, t.backend)
+	if seg.backend != t.seg.backend {
+		return r, fmt.Errorf("segment %d is %s memory, the tensor is %s memory", ref.Seg, seg.backend, t.seg.backend)
 	}
 	if r.Overlaps(t.param) {
 		return r, errors.New("memory overlaps the parameter")
@@ -424,15 +423,15 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 		if err != nil {
 			return nil, fmt.Errorf("tensor %q param: %w", spec.Name, err)
 		}
-		t.seg, t.param, t.backend = seg, param, seg.backend
+		t.seg, t.param = seg, param
 		made = append(made, t)
 	}
 	// One request registers tensors of one backend, whose Create is all or
 	// none; a request mixing backends is refused before any state is made.
 	for _, t := range made[min(1, len(made)):] {
-		if t.backend != made[0].backend {
+		if t.seg.backend != made[0].seg.backend {
 			return nil, fmt.Errorf("tensor %q is %s memory, tensor %q is %s memory: one register request holds one kind",
-				t.name, t.backend, made[0].name, made[0].backend)
+				t.name, t.seg.backend, made[0].name, made[0].seg.backend)
 		}
 	}
 	if len(made) > 0 {
@@ -445,7 +444,7 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 		}
 	}
 	if len(made) > 0 {
-		bs, err := s.backendSession(ss, made[0].backend)
+		bs, err := s.backendSession(ss, made[0].seg.backend)
 		if err != nil {
 			return nil, err
 		}
@@ -497,9 +496,9 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 		}
 		if first == nil {
 			first = t
-		} else if t.backend != first.backend {
+		} else if t.seg.backend != first.seg.backend {
 			return nil, fmt.Errorf("item %d: tensor %d is %s memory, item 0 is %s memory: one step request holds one kind, not both",
-				i, it.Tensor, t.backend, first.backend)
+				i, it.Tensor, t.seg.backend, first.seg.backend)
 		}
 		for _, o := range items {
 			if o.Tensor == t.state {
@@ -549,7 +548,7 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 	if err := s.checkBudget(ss, first.seg.mem, accum, "gradient accumulation buffers"); err != nil {
 		return nil, err
 	}
-	bs, err := s.backendSession(ss, first.backend)
+	bs, err := s.backendSession(ss, first.seg.backend)
 	if err != nil {
 		return nil, err
 	}
@@ -653,7 +652,7 @@ func (s *Server) transfer(ss *session, x ipc.StateXfer, out bool) (any, error) {
 		}
 		mem[i] = m
 	}
-	bs, err := s.backendSession(ss, t.backend)
+	bs, err := s.backendSession(ss, t.seg.backend)
 	if err != nil {
 		return nil, err
 	}
@@ -716,7 +715,7 @@ func (ss *session) usage() map[string]*usage {
 		return u[b]
 	}
 	for _, t := range ss.tensors {
-		x := get(t.backend, t.seg.mem)
+		x := get(t.seg.backend, t.seg.mem)
 		x.tensors++
 		x.stateBytes += t.state.StateBytes()
 	}
