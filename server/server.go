@@ -618,14 +618,15 @@ func (s *Server) recordLatency(us int64) {
 }
 
 // transfer is export (out) or import of a tensor's state through references
-// of the session: all distinct from each other and from the parameter, and
-// no accumulated gradient waiting.
+// of the session: all distinct from each other and from the parameter. An
+// export leaves accumulated gradients pending (they are not state); an import
+// is refused while any wait, as it would set the state their step starts from.
 func (s *Server) transfer(ss *session, x ipc.StateXfer, out bool) (any, error) {
 	t := ss.tensors[x.Tensor]
 	if t == nil {
 		return nil, fmt.Errorf("unknown tensor %d", x.Tensor)
 	}
-	if n := t.state.Pending(); n > 0 {
+	if n := t.state.Pending(); n > 0 && !out {
 		return nil, fmt.Errorf("tensor %s has %d accumulated gradients not yet applied", t.name, n)
 	}
 	if !out && x.Step < 0 {

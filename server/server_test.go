@@ -480,7 +480,7 @@ func TestBadRequestsChangeNothing(t *testing.T) {
 		{"bad shape", "c1", ipc.OpRegister, reg(newSpec(func(s *ipc.TensorSpec) { s.Shape = []int64{3, 0, 7} })), "out of range"},
 		// export / import
 		{"export unknown tensor", "c1", ipc.OpExport, xfer(999, func(*ipc.StateXfer) {}), "unknown tensor 999"},
-		{"export with pending gradients", "c1", ipc.OpExport, xfer(B.id, func(x *ipc.StateXfer) {
+		{"import with pending gradients", "c1", ipc.OpImport, xfer(B.id, func(x *ipc.StateXfer) {
 			x.ExpAvg.Bytes, x.ExpAvgSq.Bytes = int64(B.nbytes()), int64(B.nbytes())
 		}), "not yet applied"},
 		{"export parts overlap", "c1", ipc.OpExport, xfer(A.id, func(x *ipc.StateXfer) { x.ExpAvgSq.Offset = x.ExpAvg.Offset + 4 }), "overlap"},
@@ -556,6 +556,24 @@ func TestAccumulateThenApply(t *testing.T) {
 				}
 			}
 			w.checkMirrors() // accumulation changes no parameter or state
+			// An export between micro-batches gives the state before their
+			// step and leaves them pending.
+			for i, ts := range w.ts {
+				nb := int64(ts.nbytes())
+				ref := func(k int) ipc.MemRef {
+					return ipc.MemRef{Seg: w.state.id, Offset: int64(i)*4096 + int64(k)*1024, Bytes: nb}
+				}
+				x := ipc.StateXfer{Tensor: ts.id, ExpAvg: ref(0), ExpAvgSq: ref(1)}
+				if ts.hyper.Amsgrad {
+					x.MaxExpAvgSq = ref(2)
+				}
+				w.must(w.client, ipc.OpExport, x)
+				got := w.state.mem[ref(0).Offset : ref(0).Offset+nb]
+				if !bytes.Equal(got, ts.mirror.ExpAvg) || w.server(i).Pending() != k+1 {
+					t.Fatalf("%s: export between micro-batches: state equal %v, pending %d", ts.name,
+						bytes.Equal(got, ts.mirror.ExpAvg), w.server(i).Pending())
+				}
+			}
 		}
 		var items []ipc.StepItem
 		for i := range w.ts {

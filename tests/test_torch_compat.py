@@ -15,6 +15,7 @@ place, a check of the harness itself (see compat_util.py).
 
 from __future__ import annotations
 
+import collections
 import copy
 import pickle
 import re
@@ -62,6 +63,10 @@ def run_both(ref: torch.nn.Module, ropt: torch.optim.Optimizer, model: torch.nn.
         train_step(ref, ropt, x, y, skip)
         train_step(model, opt, x, y, skip)
         assert_models_equal(ref, model, f"{where}, step {s + 1}")
+
+
+def named(model: torch.nn.Module, name: str) -> torch.nn.Parameter:
+    return dict(model.named_parameters())[name]
 
 
 # ============================================================== 1. call forms
@@ -300,6 +305,37 @@ def test_grad_accumulation_two_backwards_one_step(dtype: torch.dtype) -> None:
             ropt.step()
             opt.step()
             assert_models_equal(ref, model, f"accumulated step {s + 1}")
+
+
+# torch's Optimizer.zero_grad(set_to_none=False) keeps a zero .grad for every parameter that had
+# one: AdamW then steps a tensor that the next backward leaves without a gradient (weight decay,
+# decaying moments). SonarAdamW frees each expert gradient in backward, so it must step such tensors itself (red team,
+# 2026-12-06: skipped layers, frozen experts and unused experts were not stepped).
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("how", ["layer_skipped", "experts_frozen", "every_expert_used"])
+def test_zero_grad_keeping_grads_steps_as_torch(dtype: torch.dtype, how: str) -> None:
+    model = make_model(dtype, num_layers=3)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP) as opt:
+        for s in range(6):
+            x, y = batch(21, s, dtype)
+            for m, o in ((ref, ropt), (model, opt)):
+                o.zero_grad(set_to_none=False)
+                skip: tuple[int, ...] = ()
+                if how == "layer_skipped" and s in (2, 3):
+                    skip = (1,)
+                if how == "experts_frozen":
+                    for k in ("gate_up_proj", "down_proj"):
+                        named(m, f"layers.2.mlp.experts.{k}").requires_grad_(s not in (2, 3, 4))
+                fwd_bwd(m, x, y, skip)
+                o.step()
+            assert_models_equal(ref, model, f"{how}, step {s + 1}")
+        assert_state_dicts_equal(ropt.state_dict(), opt.state_dict(), how)
+        opt.zero_grad()  # set_to_none=True again: no tensor without a gradient is stepped
+        ropt.zero_grad()
+        run_both(ref, ropt, model, opt, 2, seed=21, where=f"{how}, set_to_none again", dtype=dtype, skip=(1,),
+                 first=6)
 
 
 # From TestOptimRenewed.test_complex / test_load_nontensor_step / test_mixed_device_dtype,
@@ -649,6 +685,102 @@ def test_load_state_dict_replaces_all_state() -> None:
             assert not opt.state.get(mp[k]), f"{k} kept state the loaded dict does not have: {sorted(opt.state[mp[k]])}"
         assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), "right after loading")
         run_both(ref, ropt, model, opt, 3, seed=19, where="after loading", first=3)
+
+
+# What a script does to opt.state between steps counts in torch at the next step: resetting the
+# moments of a re-initialised expert (in place, or one expert's slice), assigning new tensors,
+# changing the step, setting a dict of its own, or clearing the state (torch starts afresh).
+# SonarAdamW keeps expert moments on the server and used to drop all of these silently, or fail
+# half-way through a backward with "client step 1 but server is at step 2" (red team, 2026-12-06).
+STATE_EDITS = ["zero_in_place", "one_expert_slice", "assign_tensor", "step_changed", "dict_of_its_own",
+               "state_cleared", "state_replaced", "one_state_deleted"]
+
+
+def edit_state(opt: torch.optim.Optimizer, model: torch.nn.Module, how: str) -> None:
+    """The same edit for torch's optimizer and SonarAdamW (their parameters have the same names)."""
+    p = named(model, "layers.0.mlp.experts.gate_up_proj")
+    q = named(model, "layers.1.mlp.experts.down_proj")
+    if how == "zero_in_place":
+        opt.state[p]["exp_avg"].zero_()
+        opt.state[q]["exp_avg_sq"].mul_(0.5)
+    elif how == "one_expert_slice":
+        opt.state[p]["exp_avg"][1].zero_()
+        opt.state[p]["exp_avg_sq"][1].zero_()
+    elif how == "assign_tensor":
+        opt.state[p]["exp_avg"] = torch.full_like(p, 0.01)
+    elif how == "step_changed":
+        opt.state[p]["step"].fill_(1.0)
+        opt.state[q]["step"] = torch.tensor(7.0)
+    elif how == "dict_of_its_own":
+        g = torch.Generator().manual_seed(5)
+        opt.state[p] = {"step": torch.tensor(4.0), "exp_avg": (0.01 * torch.randn(p.shape, generator=g)).to(p.dtype),
+                        "exp_avg_sq": (0.001 * torch.rand(p.shape, generator=g)).to(p.dtype)}
+    elif how == "state_cleared":
+        opt.state.clear()
+    elif how == "state_replaced":
+        opt.state = collections.defaultdict(dict)
+    elif how == "one_state_deleted":
+        del opt.state[q]
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("how", STATE_EDITS)
+def test_state_edits_count_as_in_torch(how: str, dtype: torch.dtype) -> None:
+    model = make_model(dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP) as opt:
+        run_both(ref, ropt, model, opt, 2, seed=24, where="before", dtype=dtype)
+        edit_state(ropt, ref, how)
+        edit_state(opt, model, how)
+        assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), f"{how}, right after the edit")
+        run_both(ref, ropt, model, opt, 3, seed=24, where=f"after {how}", dtype=dtype, first=2)
+        assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), f"{how}, after training on")
+
+
+def test_state_read_between_micro_batches_leaves_them_pending() -> None:
+    """Reading opt.state or taking state_dict() between the micro-batches of an accumulated step
+    shows the state before that step (as torch's does) and applies nothing early."""
+    model = make_model()
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    p, rp = named(model, "layers.0.mlp.experts.gate_up_proj"), named(ref, "layers.0.mlp.experts.gate_up_proj")
+    with SonarAdamW(model, **HP, grad_accumulation_steps=2) as opt:
+        for s in range(3):
+            ropt.zero_grad()
+            opt.zero_grad()
+            for micro in range(2):
+                x, y = batch(25, 2 * s + micro)
+                fwd_bwd(ref, x, y, scale=0.5)
+                fwd_bwd(model, x, y, scale=0.5)
+                if micro == 0 and s > 0:
+                    assert torch.equal(opt.state[p]["exp_avg"], ropt.state[rp]["exp_avg"]), f"step {s + 1}"
+                    assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), f"between micro-batches {s + 1}")
+            ropt.step()
+            opt.step()
+            assert_models_equal(ref, model, f"accumulated step {s + 1}")
+
+
+@pytest.mark.parametrize("how", ["fractional_step", "wrong_shape", "missing_moment"])
+def test_bad_state_edit_is_refused_before_anything_changes(how: str) -> None:
+    sonar_only()
+    model = make_model()
+    with SonarAdamW(model, **HP) as opt:
+        train_step(model, opt, *batch(26, 0))
+        p = named(model, "layers.1.mlp.experts.down_proj")
+        if how == "fractional_step":
+            opt.state[p]["step"] = torch.tensor(1.5)
+        elif how == "wrong_shape":
+            opt.state[p]["exp_avg"] = torch.zeros(3)
+        else:
+            opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p)}
+        before = snapshot(model)
+        opt.zero_grad()
+        with pytest.raises(ValueError, match="down_proj"):
+            fwd_bwd(model, *batch(26, 1))
+        assert_snapshot_equal(before, model, "after the refused edit", expert_names(model))
 
 
 # From TestOptimRenewed.test_step_all_hooks / test_step_pre_hook / test_step_post_hook.

@@ -277,7 +277,7 @@ func (e *Engine) Import(t *Tensor, step int64, src []cuda.DevicePtr) error {
 }
 
 func (e *Engine) transfer(t *Tensor, refs []cuda.DevicePtr, out bool) error {
-	if t.accumN > 0 {
+	if t.accumN > 0 && !out { // an export leaves them pending: they are not state
 		return fmt.Errorf("tensor %s has %d accumulated gradients not yet applied", t.Name, t.accumN)
 	}
 	state := []cuda.DevicePtr{t.m, t.v}

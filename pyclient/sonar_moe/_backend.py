@@ -151,6 +151,10 @@ class ExpertBackend(Protocol):
         """Send what is pending, apply accumulated gradients, wait for every reply."""
         ...
 
+    def settle(self) -> None:
+        """Send what is pending and wait for every reply, leaving accumulated micro-batches pending."""
+        ...
+
     def check(self, param: nn.Parameter) -> None:
         """Raise RuntimeError if `param` is no longer the memory the server updates."""
         ...
@@ -431,6 +435,10 @@ class ServerBackend(ABC):
             self._steps.send(items, [])
         self._steps.wait()
 
+    def settle(self) -> None:
+        self._steps.flush()
+        self._steps.wait()
+
     @contextlib.contextmanager
     def state_transfer(self, amsgrad: bool) -> Iterator[StateTransfer]:
         xfer = self._open_transfer(amsgrad)
@@ -535,6 +543,9 @@ class NoExperts:
         raise ValueError("this optimizer has no expert tensors")
 
     def drain(self) -> None:
+        pass
+
+    def settle(self) -> None:
         pass
 
     def check(self, param: nn.Parameter) -> None:

@@ -107,6 +107,9 @@ class ShmBackend(ServerBackend):
         seg_id = attach(self._conn, seg)
         self._params.append(seg)
         for e, o in zip(experts, offsets):
+            if not e.param.is_contiguous():
+                log.warning("expert tensor %s (strides %s) is made contiguous in shared memory: its values are "
+                            "kept, but torch's matmuls over it may round differently", e.name, e.param.stride())
             view = seg.tensor(o, e.param.dtype, e.param.shape)
             with torch.no_grad():
                 view.copy_(e.param)

@@ -257,17 +257,32 @@ def _check_expert(name: str, p: torch.Tensor) -> None:
 class ExpertState(dict):
     """``opt.state[p]`` of an expert tensor: its ``step`` lives here, its moments on the
     server. It lists torch's keys; reading ``exp_avg`` (``exp_avg_sq``, ``max_exp_avg_sq``
-    with amsgrad) fetches a copy from the server."""
+    with amsgrad) fetches the moments from the server once. Until the tensor's next update the
+    same tensors are returned, and what a script does to them (or to ``step``, or assigns in
+    their place) is written back to the server before that update, so that it counts as it
+    would in torch."""
 
-    def __init__(self, fetch: Callable[[str], torch.Tensor], step: torch.Tensor, amsgrad: bool) -> None:
+    def __init__(self, fetch: Callable[[], dict[str, torch.Tensor]], step: torch.Tensor, amsgrad: bool) -> None:
         super().__init__(step=step)
         self._fetch = fetch
         self._moments = STATE_KEYS if amsgrad else STATE_KEYS[:2]
 
     def __missing__(self, key: str) -> torch.Tensor:
         if key in self._moments:
-            return self._fetch(key)
+            fetched = self._fetch()
+            for k in self._moments:
+                dict.setdefault(self, k, fetched[k])
+            return dict.__getitem__(self, key)
         raise KeyError(key)
+
+    def held_moments(self) -> dict[str, torch.Tensor]:
+        """The moments read (or assigned) since the server's were last written or updated."""
+        return {k: dict.__getitem__(self, k) for k in self._moments if dict.__contains__(self, k)}
+
+    def forget_moments(self) -> None:
+        """The server's moments are the current ones again: the next read fetches them."""
+        for k in self._moments:
+            dict.pop(self, k, None)
 
     def _keys(self) -> list[str]:
         return [*dict.keys(self), *(k for k in self._moments if not dict.__contains__(self, k))]
@@ -385,6 +400,16 @@ class SonarAdamW(torch.optim.AdamW):
         self._wait_s = 0.0
         self._grads_this_step: dict[int, int] = {}
         self._overflowed: set[int] = set()  # experts whose scaled gradient overflowed this step
+        # The step each expert tensor's server state is at, as this client last set or sent it:
+        # a script that clears, deletes or changes opt.state[p] is caught by comparing with it.
+        self._server_steps: dict[int, int] = {}
+        self._handed_over_since_step = False  # the first hand-over after step() writes state back first
+        # torch keeps a tensor's .grad until zero_grad(set_to_none=True); sonar frees an expert
+        # tensor's in backward. The expert tensors torch would still hold a .grad for, and those
+        # whose .grad zero_grad(set_to_none=False) would have made a zero tensor: torch steps
+        # those with it when a backward gives them no gradient, and adds a new one to it.
+        self._kept_grads: set[int] = set()
+        self._zeroed_grads: set[int] = set()
         self._options = BackendOptions(timeout=timeout, split_experts=split_experts,
                                        grad_accumulation_steps=grad_accumulation_steps,
                                        max_expert_grad_norm=max_expert_grad_norm, ring_layers=ring_layers,
@@ -499,9 +524,11 @@ class SonarAdamW(torch.optim.AdamW):
         if not isinstance(st, ExpertState):
             st = self.state[p] = ExpertState(self._fetcher(p), torch.tensor(0.0, dtype=torch.float32),
                                              bool(self._group_of(p)["amsgrad"]))
+        st.forget_moments()  # read after the last write-back: the server's change with this step
         step_t = st["step"]
         step_t += 1
         step = step_t.item()
+        self._server_steps[id(p)] = int(step)
         g = self._group_of(p)
         if g["fused"]:
             if p.device.type == "cuda":
@@ -518,19 +545,21 @@ class SonarAdamW(torch.optim.AdamW):
             st["step"] -= 1
             if step == 1:
                 del self.state[p]
+        if self._server_steps.get(id(p)) == step:
+            self._server_steps[id(p)] = step - 1
 
-    def _fetcher(self, p: nn.Parameter) -> Callable[[str], torch.Tensor]:
+    def _fetcher(self, p: nn.Parameter) -> Callable[[], dict[str, torch.Tensor]]:
         ref = weakref.ref(self)
 
-        def fetch(key: str) -> torch.Tensor:
+        def fetch() -> dict[str, torch.Tensor]:
             opt = ref()
             if opt is None or opt._closed:
-                raise KeyError(f"{key}: the optimizer that holds this state is closed")
-            return opt._fetch_moments(p)[key]
+                raise KeyError("the optimizer that holds this state is closed")
+            return opt._fetch_moments(p)
         return fetch
 
     def _fetch_moments(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
-        self._drain()
+        self._settle()  # micro-batches still to come stay pending: torch's state is that before the step
         amsgrad = bool(self._group_of(p)["amsgrad"])
         with self._backend.state_transfer(amsgrad) as xfer:
             got = xfer.fetch(p)
@@ -602,6 +631,7 @@ class SonarAdamW(torch.optim.AdamW):
                 "accumulation over k backward passes per step() pass grad_accumulation_steps=k (also with HF "
                 "Trainer); with retain_graph=True call step() between the backward passes")
         self._grads_this_step[id(p)] = n
+        self._kept_grads.add(id(p))
         grad = p.grad
         assert grad is not None
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
@@ -667,6 +697,9 @@ class SonarAdamW(torch.optim.AdamW):
 
     def _hand_over(self, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
         """Hand one expert gradient to the backend. owned: grad is p.grad, freed there."""
+        if not self._handed_over_since_step:
+            self._write_back_state()  # nothing is in flight before the first hand-over of a step
+            self._handed_over_since_step = True
         t = time.perf_counter()
         try:
             if self.nonfinite == "skip" and not bool(torch.isfinite(grad).all()):
@@ -687,6 +720,14 @@ class SonarAdamW(torch.optim.AdamW):
         finally:
             self._wait_s += time.perf_counter() - t
 
+    def _settle(self) -> None:
+        """Wait for every expert request sent, applying nothing that waits for more micro-batches."""
+        t = time.perf_counter()
+        try:
+            self._backend.settle()
+        finally:
+            self._wait_s += time.perf_counter() - t
+
     def _check_usable(self) -> None:
         if self._superseded:
             raise RuntimeError("this SonarAdamW's expert tensors were taken over by another SonarAdamW built on the "
@@ -701,6 +742,87 @@ class SonarAdamW(torch.optim.AdamW):
         log.warning("another SonarAdamW was built on the expert tensors of this one: it takes them over")
         self.close()
         self._superseded = True
+
+    # ------------------------------------------------------ what torch would keep
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad. With ``set_to_none=False`` torch keeps a zero ``.grad`` for every
+        tensor that had one and steps it even when the next backward gives it no gradient; the
+        expert tensors whose ``.grad`` sonar freed are stepped so at ``step()``. (A new gradient
+        is added to torch's zero: 0 + g, which is g but for -0.0, and AdamW's result is the same
+        for -0.0 and +0.0: lerp's fma and the squares turn both into the same moments.)"""
+        super().zero_grad(set_to_none)
+        if set_to_none:
+            self._kept_grads.clear()
+            self._zeroed_grads.clear()
+        else:
+            self._zeroed_grads = {i for i in self._kept_grads if self._experts[i][1].grad is None}
+
+    def _step_zeroed_grads(self) -> None:
+        """The expert tensors whose ``.grad`` torch would hold as zeros (zero_grad(set_to_none=False))
+        and that got no gradient this step: torch steps them with that zero gradient."""
+        for i, (_, p) in self._experts.items():
+            if i in self._zeroed_grads and i not in self._grads_this_step and i not in self._overflowed:
+                self._backend.check(p)
+                self._grads_this_step[i] = 1
+                self._hand_over(p, torch.zeros_like(p), owned=False)
+
+    def _write_back_state(self) -> None:
+        """Give the server what the script did to the expert tensors' ``opt.state`` since their
+        last update, as torch would use it at the next one: moments read and changed, or
+        assigned; a changed ``step``; a plain dict set in the ExpertState's place; the state
+        deleted or cleared (torch starts such a tensor afresh). Everything is checked before the
+        server is told anything. Called where nothing is in flight."""
+        work: dict[bool, list[tuple[nn.Parameter, int, dict[str, torch.Tensor] | None]]] = {}
+        for i, (name, p) in self._experts.items():
+            st = self.state.get(p)
+            known = self._server_steps.get(i, 0)
+            if isinstance(st, ExpertState):
+                held = st.held_moments()
+                step = self._state_step(name, st)
+                if not held and step == known:
+                    continue
+            elif st:  # a dict set by the script: torch would use it as it is
+                self._check_loaded(name, p, st)
+                held = {k: v for k, v in st.items() if k in STATE_KEYS and isinstance(v, torch.Tensor)}
+                step = self._state_step(name, st)
+            elif known:  # cleared or deleted: torch starts afresh
+                work.setdefault(bool(self._group_of(p)["amsgrad"]), []).append((p, 0, None))
+                continue
+            else:
+                continue
+            for k, v in held.items():
+                if v.shape != p.shape:
+                    raise ValueError(f"opt.state of expert tensor {name}: {k} has shape {tuple(v.shape)}, want "
+                                     f"{tuple(p.shape)}")
+            work.setdefault(bool(self._group_of(p)["amsgrad"]), []).append((p, step, held))
+        for amsgrad, items in work.items():
+            with self._backend.state_transfer(amsgrad) as xfer:
+                for p, step, kept in items:
+                    st = self.state.get(p)
+                    # None: zeros; else the moments not read or set as the server has them
+                    moments = {} if kept is None else {**xfer.fetch(p), **kept}
+                    xfer.store(p, step, moments)
+                    self._server_steps[id(p)] = step
+                    if isinstance(st, ExpertState):
+                        st.forget_moments()
+                    elif st:
+                        self.state[p] = ExpertState(self._fetcher(p), torch.tensor(float(step)), amsgrad)
+                    else:
+                        self.state.pop(p, None)
+        if work:
+            log.info("wrote opt.state changed by the script back to the server for %d expert tensor(s)",
+                     sum(len(v) for v in work.values()))
+
+    @staticmethod
+    def _state_step(name: str, st: dict[str, Any]) -> int:
+        """The state's step as the server keeps it: a whole number >= 0 (a float32 tensor, as torch's)."""
+        raw = st.get("step")
+        value = float(torch.as_tensor(raw).item()) if raw is not None else float("nan")
+        if not (value >= 0 and value == int(value)):
+            raise ValueError(f"opt.state of expert tensor {name}: step {raw!r} is not a whole number >= 0")
+        if not (isinstance(raw, torch.Tensor) and raw.dtype == torch.float32 and raw.dim() == 0):
+            st["step"] = torch.tensor(value, dtype=torch.float32)  # advance() counts it in place
+        return int(value)
 
     # ------------------------------------------------------------ optimizer
     @torch.no_grad()
@@ -725,6 +847,8 @@ class SonarAdamW(torch.optim.AdamW):
                 for i, (_, p) in self._experts.items():
                     if p.grad is not None and i not in self._overflowed:
                         self._take(p)
+                if self._zeroed_grads and not (found_inf is not None and bool(found_inf.item())):
+                    self._step_zeroed_grads()
             self._drain()
             self._dense_step(grad_scale, found_inf)
         finally:
@@ -732,6 +856,8 @@ class SonarAdamW(torch.optim.AdamW):
                 self._experts[i][1].grad = None
             self._overflowed.clear()
             self._grads_this_step.clear()
+            self._zeroed_grads.clear()
+            self._handed_over_since_step = False
             self._data_parallel_check_due = True
             if not self._closed:
                 self._hook_experts()
@@ -813,7 +939,9 @@ class SonarAdamW(torch.optim.AdamW):
         """torch.optim.AdamW's state_dict, the expert moments fetched from the server: it loads
         into torch.optim.AdamW over the same parameters and trains on bitwise."""
         self._check_usable()
-        self._drain()
+        self._settle()  # micro-batches still to come stay pending: torch's state is that before the step
+        if not self._handed_over_since_step:
+            self._write_back_state()
         sd = super().state_dict()
         index: dict[int, int] = {}  # as torch numbers the parameters in state_dict
         for p in (p for g in self.param_groups for p in g["params"]):
@@ -862,9 +990,11 @@ class SonarAdamW(torch.optim.AdamW):
                         step = torch.as_tensor(st["step"]).detach().to(torch.float32).cpu().clone().reshape(())
                         xfer.store(p, int(step.item()), st)
                         self.state[p] = ExpertState(self._fetcher(p), step, amsgrad)
+                        self._server_steps[id(p)] = int(step.item())
                     else:  # no state in the dict: as torch, the tensor starts afresh
                         xfer.store(p, 0, {})
                         self.state.pop(p, None)
+                        self._server_steps[id(p)] = 0
 
     def _check_loaded(self, name: str, p: nn.Parameter, st: Mapping[str, Any] | None) -> None:
         """Refuse, before the server is touched, state the server could not take."""
