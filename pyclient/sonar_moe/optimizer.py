@@ -275,6 +275,13 @@ class ExpertState(dict):
             return dict.__getitem__(self, key)
         raise KeyError(key)
 
+    def unchanged(self, step: int) -> bool:
+        """No moment read or set, and ``step`` still the float32 tensor of value ``step``: the
+        server's state is this one (the check before every step, so it is kept cheap)."""
+        raw = dict.get(self, "step")
+        return (type(raw) is torch.Tensor and raw.dtype == torch.float32 and raw.item() == step
+                and not any(dict.__contains__(self, k) for k in self._moments))
+
     def held_moments(self) -> dict[str, torch.Tensor]:
         """The moments read (or assigned) since the server's were last written or updated."""
         return {k: dict.__getitem__(self, k) for k in self._moments if dict.__contains__(self, k)}
@@ -777,10 +784,10 @@ class SonarAdamW(torch.optim.AdamW):
             st = self.state.get(p)
             known = self._server_steps.get(i, 0)
             if isinstance(st, ExpertState):
+                if st.unchanged(known):
+                    continue
                 held = st.held_moments()
                 step = self._state_step(name, st)
-                if not held and step == known:
-                    continue
             elif st:  # a dict set by the script: torch would use it as it is
                 self._check_loaded(name, p, st)
                 held = {k: v for k, v in st.items() if k in STATE_KEYS and isinstance(v, torch.Tensor)}
