@@ -37,6 +37,15 @@ func (c *conns) accepted(fd int) (gone string) {
 	return gone
 }
 
+// open is the number of open connections.
+func (c *conns) open() int { return len(c.byFD) }
+
+// silent says whether an open connection on fd has sent no message yet.
+func (c *conns) silent(fd int) bool {
+	p := c.byFD[fd]
+	return p != nil && p.client == ""
+}
+
 // closed forgets the connection on fd and returns its client ("" when no
 // message came from it).
 func (c *conns) closed(fd int) string {

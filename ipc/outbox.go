@@ -16,35 +16,60 @@ import (
 // without being executed, by a "busy" error (the client is told); beyond
 // maxWaiting replies a client that reads nothing loses its requests, each one
 // logged.
+//
+// Every reply is small: error texts are clipped (package clip, MaxErrorBytes)
+// and no reply body echoes a request's data, so SNDHWM, which counts messages,
+// bounds the bytes libzmq holds for a client too (1000 replies of at most a
+// few KiB), and the outbox counts its replies' bytes besides (maxWaitingBytes).
 const (
-	maxParked      = 1024
-	maxParkedBytes = 64 << 20
-	maxWaiting     = 1 << 16
+	maxParked       = 1024
+	maxParkedBytes  = 64 << 20
+	maxWaiting      = 1 << 16
+	maxWaitingBytes = 32 << 20
 )
 
 // outbox is what waits for one client: replies without room yet, then
 // requests received after them (executed, in order, once the replies went).
 type outbox struct {
 	replies     [][][]byte
+	replyBytes  int // of replies
 	parked      [][][]byte
 	parkedBytes int
 }
 
-// park queues a request of client behind its waiting replies.
-func (ob *outbox) park(t *Transport, client string, frames [][]byte) {
+func size(frames [][]byte) int {
 	n := 0
 	for _, f := range frames {
 		n += len(f)
 	}
+	return n
+}
+
+// queue adds a reply behind the waiting ones.
+func (ob *outbox) queue(frames [][]byte) {
+	ob.replies = append(ob.replies, frames)
+	ob.replyBytes += size(frames)
+}
+
+// sent drops the first waiting reply.
+func (ob *outbox) sent() {
+	ob.replyBytes -= size(ob.replies[0])
+	ob.replies[0] = nil
+	ob.replies = ob.replies[1:]
+}
+
+// park queues a request of client behind its waiting replies.
+func (ob *outbox) park(t *Transport, client string, frames [][]byte) {
+	n := size(frames)
 	switch {
 	case len(ob.parked) < maxParked && ob.parkedBytes+n <= maxParkedBytes:
 		ob.parked = append(ob.parked, frames)
 		ob.parkedBytes += n
-	case len(ob.replies) < maxWaiting:
-		ob.replies = append(ob.replies, t.busy(frames, len(ob.replies)))
+	case len(ob.replies) < maxWaiting && ob.replyBytes < maxWaitingBytes:
+		ob.queue(t.busy(frames, len(ob.replies)))
 	default:
 		t.log.Warn("client reads no replies: request dropped unexecuted", zap.String("client", client),
-			zap.Int("waiting_replies", len(ob.replies)))
+			zap.Int("waiting_replies", len(ob.replies)), zap.Int("waiting_bytes", ob.replyBytes))
 	}
 }
 
@@ -71,12 +96,14 @@ func (t *Transport) busy(frames [][]byte, waiting int) [][]byte {
 // replies. A client that is gone (EHOSTUNREACH) cannot be told anything.
 func (t *Transport) send(client string, frames [][]byte) {
 	if ob := t.out[client]; ob != nil {
-		ob.replies = append(ob.replies, frames)
+		ob.queue(frames)
 		return
 	}
 	switch t.trySend(client, frames) {
 	case sendFull:
-		t.out[client] = &outbox{replies: [][][]byte{frames}}
+		ob := &outbox{}
+		ob.queue(frames)
+		t.out[client] = ob
 	case sendGone:
 		delete(t.out, client)
 	}
@@ -118,10 +145,9 @@ func (t *Transport) flush(h Handler) bool {
 			if r == sendFull {
 				break
 			}
-			ob.replies[0] = nil
-			ob.replies = ob.replies[1:]
+			ob.sent()
 			if r == sendGone {
-				ob.replies, ob.parked = nil, nil
+				ob.replies, ob.parked, ob.replyBytes = nil, nil, 0
 			}
 		}
 		if len(ob.replies) == 0 && len(ob.parked) > 0 {
@@ -134,7 +160,7 @@ func (t *Transport) flush(h Handler) bool {
 			rep := t.serveOne(h, client, req, Monotonic()) // parked: received now, as far as its reply says
 			switch t.trySend(client, rep) {
 			case sendFull:
-				ob.replies = append(ob.replies, rep)
+				ob.queue(rep)
 			case sendGone:
 				ob.parked = nil
 			}

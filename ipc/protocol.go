@@ -48,6 +48,9 @@ const (
 	MaxItems        = 4096    // tensors in one register or step
 	MaxDims         = 8
 	MaxNameLen      = 512
+	// MaxErrorBytes bounds the text of an error reply (the values it quotes
+	// are clipped first, package clip).
+	MaxErrorBytes = 4096
 )
 
 // Request is the envelope of every client message.

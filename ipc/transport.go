@@ -13,6 +13,7 @@ import (
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
+	"github.com/sonar-moe/sonar/internal/clip"
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 )
@@ -58,6 +59,11 @@ type Transport struct {
 	conns   *conns
 	out     map[string]*outbox // clients whose replies or requests wait
 	stale   int64              // requests dropped: their connection had closed
+	// maxConns is Options.MaxConns; refused counts the connections closed
+	// past it, logged at most once a second (refusedLog).
+	maxConns   int
+	refused    int64
+	refusedLog time.Time
 }
 
 // Options are the transport's tunables (zero values: the defaults).
@@ -72,6 +78,9 @@ type Options struct {
 	// (pollRule); 0: never. The ZeroMQ transport does not poll (its I/O
 	// threads, not the serving goroutine, wait for the socket).
 	Poll time.Duration
+	// MaxConns bounds the client connections open at once (0: no bound):
+	// a connection accepted past it is closed at once, logged.
+	MaxConns int
 }
 
 func (o Options) withDefaults() Options {
@@ -130,7 +139,7 @@ func Listen(addr string, log *zap.Logger, curve *Curve, opts ...Options) (*Trans
 			return nil, fmt.Errorf("zmq curve: %w", err)
 		}
 	}
-	t := &Transport{sock: sock, ctx: ctx, log: log, addr: addr, conns: newConns(), out: map[string]*outbox{}}
+	t := &Transport{sock: sock, ctx: ctx, log: log, addr: addr, conns: newConns(), out: map[string]*outbox{}, maxConns: o.MaxConns}
 	if err := t.configure(o); err != nil {
 		t.closeSockets()
 		return nil, err
@@ -242,7 +251,7 @@ func (t *Transport) Serve(ctx context.Context, h Handler) error {
 			continue
 		}
 		act.saw(time.Now())
-		frames, fd, err := t.recv()
+		frames, fd, over, err := t.recv()
 		if err != nil {
 			if zmq.AsErrno(err) == zmq.Errno(11) { // EAGAIN
 				continue
@@ -252,48 +261,111 @@ func (t *Transport) Serve(ctx context.Context, h Handler) error {
 		// Events produced before this message (its connection's accept,
 		// the close of an earlier connection on the same descriptor).
 		t.events(h)
-		t.receive(h, frames, fd)
+		if over.frames > 0 {
+			t.tooManyFrames(frames, over)
+		} else {
+			t.receive(h, frames, fd)
+		}
 		handled = true
 	}
 	return nil
 }
 
+// maxFrames is one more than the most frames a request can have (the routing
+// id, the empty delimiter of a REQ client, the payload): messages of up to
+// maxFrames frames get serveOne's errors about their shape.
+const maxFrames = 4
+
+// dropped is what recv discarded of a message with more than maxFrames frames.
+type dropped struct{ frames, bytes int }
+
 // recv receives one message and the descriptor of the connection it came
 // on ("" when libzmq does not say). The descriptor is libzmq's "__fd"
 // metadata; after a poll the ROUTER may have it on the payload frame only, so
-// every frame is asked.
-func (t *Transport) recv() (frames [][]byte, fd string, err error) {
+// every frame is asked. ZMQ_MAXMSGSIZE bounds each frame, not their number:
+// frames past maxFrames are received one at a time and discarded (over says
+// how many), so a message of hundreds of 4 MiB frames is never held here.
+func (t *Transport) recv() (frames [][]byte, fd string, over dropped, err error) {
 	for {
 		b, md, err := t.sock.RecvBytesWithMetadata(zmq.DONTWAIT, "__fd")
 		if err != nil {
-			return frames, fd, err
+			return frames, fd, over, err
 		}
-		frames = append(frames, b)
+		if len(frames) < maxFrames {
+			frames = append(frames, b)
+		} else {
+			over.frames++
+			over.bytes += len(b)
+		}
 		if v, ok := md["__fd"]; ok {
 			fd = v
 		}
 		if more, err := t.sock.GetRcvmore(); err != nil || !more {
-			return frames, fd, err
+			return frames, fd, over, err
 		}
 	}
 }
 
+// tooManyFrames answers a message that had more frames than a request can
+// (recv kept the first maxFrames) with an error, without executing it.
+func (t *Transport) tooManyFrames(frames [][]byte, over dropped) {
+	n, size := len(frames)+over.frames, over.bytes
+	for _, f := range frames {
+		size += len(f)
+	}
+	client := hex.EncodeToString(frames[0])
+	t.log.Warn("refusing a message of too many frames", zap.String("client", client), zap.Int("frames", n), zap.Int("bytes", size))
+	rep := Reply{Error: fmt.Sprintf("%v: message of %d frames (%d bytes) refused unread: a request is one payload frame "+
+		"(after an empty delimiter for REQ sockets)", ErrProtocol, n, size)}
+	t.send(client, t.replyFrames(frames[:1], rep))
+}
+
 // events handles the monitor's events that are waiting.
 func (t *Transport) events(h Handler) {
+	var over []int // connections accepted past maxConns
 	for {
 		ev, _, fd, err := t.mon.RecvEvent(zmq.DONTWAIT)
 		if err != nil {
-			return
+			break
 		}
 		var gone string
 		switch ev {
 		case zmq.EVENT_ACCEPTED:
 			gone = t.conns.accepted(fd)
+			if t.maxConns > 0 && t.conns.open() > t.maxConns {
+				over = append(over, fd)
+			}
 		case zmq.EVENT_DISCONNECTED:
 			gone = t.conns.closed(fd)
 		}
 		if gone != "" {
 			t.disconnected(h, gone)
+		}
+	}
+	t.refuse(over)
+}
+
+// refuse closes connections accepted past maxConns. libzmq aborts the whole
+// process when accept fails with EMFILE (an assertion in its ipc:// listener,
+// 4.3), and it cannot be told to stop accepting (unbinding the listener also
+// drops the connections it accepted), so each connection past the bound is
+// shut down as soon as its accept is reported: libzmq then sees it end and
+// closes it (the descriptor stays libzmq's to close). Only a connection the
+// table still holds as open and silent is shut down (the descriptor was not
+// closed and reused since its accept, as far as the monitor has told). The
+// connections libzmq accepts before their events arrive here take
+// descriptors from the reserve package fdlimit keeps.
+func (t *Transport) refuse(fds []int) {
+	for _, fd := range fds {
+		if !t.conns.silent(fd) {
+			continue
+		}
+		_ = unix.Shutdown(fd, unix.SHUT_RDWR)
+		t.refused++
+		if now := time.Now(); now.Sub(t.refusedLog) >= time.Second {
+			t.refusedLog = now
+			t.log.Warn("too many connections: closing new ones", zap.Int("connections", t.conns.open()),
+				zap.Int("limit", t.maxConns), zap.Int64("closed_so_far", t.refused))
 		}
 	}
 }
@@ -379,8 +451,12 @@ func execute(h Handler, log *zap.Logger, client string, payload []byte, received
 	}
 	rep.Times = []int64{received, decoded, Monotonic()}
 	if err != nil {
-		rep.Error = err.Error()
-		log.Debug("request failed", zap.String("client", client), zap.String("op", req.Op), zap.Uint64("id", req.ID), zap.Error(err))
+		// Every client value an error quotes is clipped where it is quoted
+		// (package clip); this bounds the whole text too, so that an error
+		// reply is always small (outbox.go relies on it).
+		rep.Error = clip.N(err.Error(), MaxErrorBytes)
+		log.Debug("request failed", zap.String("client", client), clip.Field("op", req.Op), zap.Uint64("id", req.ID),
+			zap.String("error", rep.Error))
 	} else {
 		rep.OK = true
 	}

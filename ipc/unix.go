@@ -41,6 +41,21 @@ import (
 const (
 	frameHeader = 4
 	maxIDBytes  = 255
+	// frameChunk bounds the memory a frame's reader takes ahead of the
+	// bytes that arrived: a header announces up to MaxMessageBytes, which
+	// are allocated as they come, not when announced.
+	frameChunk = 64 << 10
+)
+
+// The unix:// transport's deadlines (UnixTransport's fields of the same
+// names): a new connection must send its client id within HelloTimeout, and
+// once a frame's header arrived its rest must within FrameTimeout; the
+// connection is closed otherwise (logged). An identified connection waiting
+// for its next request has no deadline: a training script may be idle for
+// many minutes between steps.
+const (
+	DefaultHelloTimeout = 30 * time.Second
+	DefaultFrameTimeout = 30 * time.Second
 )
 
 // errFrameTooLong is a frame longer than the reader allows.
@@ -58,6 +73,14 @@ type UnixTransport struct {
 	log  *zap.Logger
 	path string
 	poll time.Duration // Options.Poll
+
+	// HelloTimeout and FrameTimeout are the deadlines above; MaxConns
+	// bounds the connections open at once (Options.MaxConns, 0: none): one
+	// accepted past it is refused and closed. Set them before Serve.
+	HelloTimeout, FrameTimeout time.Duration
+	MaxConns                   int
+	refused                    int64     // connections refused past MaxConns (guarded by mu)
+	refusedLog                 time.Time // last logged refusal (guarded by mu)
 
 	turn    fifoLock // held while the handler runs (Handle, Tick, Connected, Disconnected)
 	h       Handler
@@ -132,7 +155,8 @@ func ListenUnix(addr string, log *zap.Logger, opts Options) (*UnixTransport, err
 		return nil, fmt.Errorf("chmod %s: %w", path, err)
 	}
 	return &UnixTransport{ln: ln, log: log, path: path, poll: opts.Poll, conns: map[string]*net.UnixConn{},
-		open: map[*net.UnixConn]struct{}{}}, nil
+		open: map[*net.UnixConn]struct{}{}, HelloTimeout: DefaultHelloTimeout, FrameTimeout: DefaultFrameTimeout,
+		MaxConns: opts.MaxConns}, nil
 }
 
 // removeStaleSocket removes the socket file at path when no server accepts on
@@ -218,6 +242,20 @@ func (t *UnixTransport) accept() error {
 			_ = c.Close()
 			return nil
 		}
+		if t.MaxConns > 0 && len(t.open) >= t.MaxConns {
+			t.refused++
+			n, logIt := t.refused, time.Since(t.refusedLog) >= time.Second
+			if logIt {
+				t.refusedLog = time.Now()
+			}
+			t.mu.Unlock()
+			if logIt { // at most once a second: a flood of connections must not flood the log
+				t.log.Warn("too many connections: refusing new ones", zap.Int("limit", t.MaxConns), zap.Int64("refused_so_far", n))
+			}
+			t.refuse(c, fmt.Sprintf("too many connections: %d open (limit %d); try again later", t.MaxConns, t.MaxConns))
+			_ = c.Close()
+			continue
+		}
 		t.open[c] = struct{}{}
 		t.wg.Add(1)
 		t.mu.Unlock()
@@ -262,12 +300,28 @@ func (t *UnixTransport) serveConn(c *net.UnixConn) {
 		t.mu.Unlock()
 		_ = c.Close()
 	}()
-	r := bufio.NewReaderSize(newPollingReader(c, t.poll), 64<<10)
-	id, err := readFrame(r, maxIDBytes)
+	src := newPollingReader(c, t.poll)
+	// The id is read without the request buffer (a connection that never
+	// identifies itself costs no more than its socket and goroutine), and
+	// exactly: nothing after it is consumed.
+	_ = c.SetReadDeadline(time.Now().Add(t.HelloTimeout))
+	id, err := readFrame(src, maxIDBytes, nil)
+	if isTimeout(err) {
+		t.log.Info("closing a connection that sent no client id in time", zap.Duration("timeout", t.HelloTimeout))
+		return
+	}
 	if err != nil || len(id) == 0 {
 		t.log.Debug("dropping a connection without a client id", zap.Error(err), zap.Int("bytes", len(id)))
 		t.refuse(c, fmt.Sprintf("%v: the first frame must be a client id of 1 to %d bytes", ErrProtocol, maxIDBytes))
 		return
+	}
+	_ = c.SetReadDeadline(time.Time{})
+	r := bufio.NewReaderSize(src, 64<<10)
+	// A frame whose header arrived must be complete within FrameTimeout.
+	deadline := false
+	rest := func() {
+		deadline = true
+		_ = c.SetReadDeadline(time.Now().Add(t.FrameTimeout))
 	}
 	client := hex.EncodeToString(id)
 	if !t.register(client, c) {
@@ -276,10 +330,17 @@ func (t *UnixTransport) serveConn(c *net.UnixConn) {
 	}
 	defer t.unregister(client)
 	for {
-		payload, err := readFrame(r, MaxMessageBytes)
+		payload, err := readFrame(r, MaxMessageBytes, rest)
 		received := Monotonic()
+		if deadline {
+			deadline = false
+			_ = c.SetReadDeadline(time.Time{})
+		}
 		if err != nil {
-			if errors.Is(err, errFrameTooLong) {
+			if isTimeout(err) {
+				t.log.Warn("closing a connection that stalled inside a frame", zap.String("client", client),
+					zap.Duration("timeout", t.FrameTimeout), zap.Error(err))
+			} else if errors.Is(err, errFrameTooLong) {
 				t.log.Warn("closing a connection that sent an oversized frame", zap.String("client", client), zap.Error(err))
 				t.refuse(c, fmt.Sprintf("%v: %v", ErrProtocol, err))
 			} else if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
@@ -367,24 +428,57 @@ func (t *UnixTransport) Close() error {
 	return nil
 }
 
-// readFrame reads one frame of at most limit bytes.
-func readFrame(r *bufio.Reader, limit int) ([]byte, error) {
+// isTimeout says whether err is a read deadline passing.
+func isTimeout(err error) bool { return errors.Is(err, os.ErrDeadlineExceeded) }
+
+// readFrame reads one frame of at most limit bytes. Once the header is read,
+// rest (when not nil) is called unless the whole frame is already buffered
+// (the connection's reader then sets the deadline for the rest). The frame's
+// memory is taken as its bytes arrive: at most frameChunk ahead of them.
+func readFrame(r io.Reader, limit int, rest func()) ([]byte, error) {
 	var head [frameHeader]byte
 	if _, err := io.ReadFull(r, head[:]); err != nil {
 		return nil, err
 	}
-	n := binary.LittleEndian.Uint32(head[:])
+	n := int(binary.LittleEndian.Uint32(head[:]))
 	if int64(n) > int64(limit) {
 		return nil, fmt.Errorf("%w: %d bytes, the limit is %d", errFrameTooLong, n, limit)
 	}
-	b := make([]byte, n)
-	if _, err := io.ReadFull(r, b); err != nil {
-		if errors.Is(err, io.EOF) {
-			err = io.ErrUnexpectedEOF
+	if rest != nil {
+		if br, ok := r.(*bufio.Reader); !ok || br.Buffered() < n {
+			rest()
 		}
-		return nil, fmt.Errorf("frame of %d bytes: %w", n, err)
+	}
+	if n <= frameChunk {
+		b := make([]byte, n)
+		if _, err := io.ReadFull(r, b); err != nil {
+			return nil, frameErr(n, err)
+		}
+		return b, nil
+	}
+	// A large frame is read in chunks, joined once all arrived.
+	chunks := make([][]byte, 0, (n+frameChunk-1)/frameChunk)
+	for got := 0; got < n; {
+		c := make([]byte, min(frameChunk, n-got))
+		if _, err := io.ReadFull(r, c); err != nil {
+			return nil, frameErr(n, err)
+		}
+		chunks = append(chunks, c)
+		got += len(c)
+	}
+	b := make([]byte, 0, n)
+	for i, c := range chunks {
+		b = append(b, c...)
+		chunks[i] = nil
 	}
 	return b, nil
+}
+
+func frameErr(n int, err error) error {
+	if errors.Is(err, io.EOF) {
+		err = io.ErrUnexpectedEOF
+	}
+	return fmt.Errorf("frame of %d bytes: %w", n, err)
 }
 
 // writeFrame writes b as one frame, in one write call.

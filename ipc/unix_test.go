@@ -66,7 +66,7 @@ func (u *unixClient) frame(b []byte) {
 }
 
 func (u *unixClient) reply() (stubReply, error) {
-	b, err := readFrame(u.r, MaxMessageBytes)
+	b, err := readFrame(u.r, MaxMessageBytes, nil)
 	if err != nil {
 		return stubReply{}, err
 	}
@@ -463,7 +463,7 @@ func FuzzReadFrame(f *testing.F) {
 		r := bufio.NewReader(strings.NewReader(string(data)))
 		used := 0
 		for {
-			b, err := readFrame(r, 64)
+			b, err := readFrame(r, 64, nil)
 			if err != nil {
 				if errors.Is(err, errFrameTooLong) && len(data)-used >= frameHeader {
 					n := binary.LittleEndian.Uint32(data[used:])
@@ -516,7 +516,7 @@ func FuzzUnixStream(f *testing.F) {
 		if err := writeFrame(good.c, envelope(t, Version, "ping", 42, nil)); err != nil {
 			t.Fatal(err)
 		}
-		b, err := readFrame(good.r, MaxMessageBytes)
+		b, err := readFrame(good.r, MaxMessageBytes, nil)
 		var r stubReply
 		if err == nil {
 			err = msgpack.Unmarshal(b, &r)

@@ -13,6 +13,8 @@ import (
 	"path/filepath"
 	"regexp"
 	"syscall"
+
+	"github.com/sonar-moe/sonar/internal/clip"
 )
 
 // Mapping is memory shared with a client.
@@ -63,7 +65,7 @@ var ErrName = errors.New("shared-memory name not allowed")
 // "sonar-" followed by 1-200 of [A-Za-z0-9_.-], no path separators.
 func CheckName(name string) error {
 	if !shmName.MatchString(name) || name == "sonar-." || name == "sonar-.." {
-		return fmt.Errorf("%w: %q (want sonar-[A-Za-z0-9_.-]{1,200})", ErrName, name)
+		return fmt.Errorf("%w: %s (want sonar-[A-Za-z0-9_.-]{1,200})", ErrName, clip.Quote(name))
 	}
 	return nil
 }
@@ -143,8 +145,15 @@ func allocated(name string, st *syscall.Stat_t) error {
 type shmMapping struct {
 	name string
 	data []byte
-	fd   int
-	obj  Object
+	// fd stays open while the segment is mapped: Verify fstats it before
+	// each use, to refuse a request on memory the client truncated or
+	// punched a hole in (touching it would be a SIGBUS). With Unlink the
+	// name is gone, so the descriptor is the only way to the file left
+	// (/proc/self/map_files needs CAP_SYS_ADMIN). Each attached segment
+	// therefore costs a descriptor: the server bounds how many clients may
+	// attach (server.Server.MaxSegments, package fdlimit).
+	fd  int
+	obj Object
 }
 
 func (s *shmMapping) Name() string   { return s.name }

@@ -22,6 +22,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/sonar-moe/sonar/internal/clip"
 	"github.com/sonar-moe/sonar/internal/fault"
 )
 
@@ -41,7 +42,7 @@ func ParseDType(s string) (DType, error) {
 	case "bfloat16", "torch.bfloat16":
 		return BFloat16, nil
 	}
-	return 0, fmt.Errorf("unsupported dtype %q (want float32 or bfloat16)", s)
+	return 0, fmt.Errorf("unsupported dtype %s (want float32 or bfloat16)", clip.Quote(s))
 }
 
 func (d DType) String() string {

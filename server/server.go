@@ -21,10 +21,14 @@ import (
 
 	"github.com/sonar-moe/sonar"
 	"github.com/sonar-moe/sonar/backend"
+	"github.com/sonar-moe/sonar/internal/clip"
 	"github.com/sonar-moe/sonar/ipc"
 	"github.com/sonar-moe/sonar/optimizer"
 	"go.uber.org/zap"
 )
+
+// maxPathBytes is PATH_MAX: a longer sqrt_lib cannot name a file.
+const maxPathBytes = 4096
 
 // Version is the release version of sonard (the repository's VERSION file).
 var Version = sonar.Version
@@ -109,6 +113,12 @@ type Server struct {
 	// accumulating step that would pass either is refused and changes
 	// nothing. CUDA tensors' state lives in device memory and is not counted.
 	MaxStateBytes, MaxSessionStateBytes int64
+	// MaxSegments bounds the segments attached by all sessions together,
+	// MaxSessionSegments those of one session (0: no bound). Each holds a
+	// file descriptor (and a mapping): sonard chooses them from its
+	// RLIMIT_NOFILE (package fdlimit), so that clients can never take the
+	// descriptors the server needs to accept connections.
+	MaxSegments, MaxSessionSegments int
 	// ReconnectGrace is how long a session outlives its closed connection,
 	// for the client to come back with the same routing id (lifetime.go).
 	ReconnectGrace time.Duration
@@ -194,7 +204,7 @@ func (s *Server) Handle(client string, req ipc.Request) (any, error) {
 	s.observe(client, op, err, start, nb)
 	if err != nil {
 		s.errors++
-		return nil, fmt.Errorf("%s (request %d): %w", req.Op, req.ID, err)
+		return nil, fmt.Errorf("%s (request %d): %w", clip.String(req.Op), req.ID, err)
 	}
 	return body, nil
 }
@@ -258,7 +268,7 @@ func (s *Server) handle(client string, req ipc.Request) (any, error) {
 		}
 		return ipc.ShutdownReply{Shutdown: true}, nil
 	}
-	return nil, fmt.Errorf("%w: unknown op %q", ipc.ErrProtocol, req.Op)
+	return nil, fmt.Errorf("%w: unknown op %s", ipc.ErrProtocol, clip.Quote(req.Op))
 }
 
 func (s *Server) hello(ss *session, h ipc.Hello) (any, error) {
@@ -266,12 +276,14 @@ func (s *Server) hello(ss *session, h ipc.Hello) (any, error) {
 	if h.SqrtLib != "" {
 		switch {
 		case !s.LocalClients && !s.TrustedSqrtLibs[h.SqrtLib]:
-			return nil, fmt.Errorf("sqrt_lib %q: a tcp:// sonard loads only the libraries its operator trusts (--trusted-sqrt-lib); "+
-				"an ipc:// sonard accepts any from clients on this host", h.SqrtLib)
+			return nil, fmt.Errorf("sqrt_lib %s: a tcp:// sonard loads only the libraries its operator trusts (--trusted-sqrt-lib); "+
+				"an ipc:// sonard accepts any from clients on this host", clip.Quote(h.SqrtLib))
 		case s.LoadSqrt == nil:
 			return nil, errors.New("this sonard cannot load a client's float32 sqrt library")
 		case !strings.HasPrefix(h.SqrtLib, "/"):
-			return nil, fmt.Errorf("sqrt_lib %q: want an absolute path", h.SqrtLib)
+			return nil, fmt.Errorf("sqrt_lib %s: want an absolute path", clip.Quote(h.SqrtLib))
+		case len(h.SqrtLib) > maxPathBytes:
+			return nil, fmt.Errorf("sqrt_lib %s: longer than a path can be (%d bytes)", clip.Quote(h.SqrtLib), maxPathBytes)
 		}
 		var err error
 		if sqrt, name, err = s.LoadSqrt(h.SqrtLib); err != nil {
@@ -282,8 +294,8 @@ func (s *Server) hello(ss *session, h ipc.Hello) (any, error) {
 		return nil, fmt.Errorf("hello changes the float32 sqrt (%s -> %s) of a session that already attached memory", ss.sqrtName, name)
 	}
 	ss.hello, ss.sqrt, ss.sqrtName = h, sqrt, name
-	s.log.Info("client connected", zap.String("client", ss.client), zap.String("name", h.Client), zap.Int("pid", h.PID),
-		zap.String("torch", h.Torch), zap.Int("threads", h.Threads), zap.String("capability", h.Capability), zap.String("sqrt", name))
+	s.log.Info("client connected", zap.String("client", ss.client), clip.Field("name", h.Client), zap.Int("pid", h.PID),
+		clip.Field("torch", h.Torch), zap.Int("threads", h.Threads), clip.Field("capability", h.Capability), zap.String("sqrt", name))
 	rep := ipc.HelloReply{Server: Version, Protocol: ipc.Version, PID: os.Getpid(), Workers: s.Workers, Sqrt: name,
 		ISA: optimizer.KernelISA().String(), ReconnectGraceMillis: s.ReconnectGrace.Milliseconds(), Features: []string{ipc.FeatureGradScale}}
 	if b := s.backends["cuda"]; b != nil {
@@ -292,7 +304,29 @@ func (s *Server) hello(ss *session, h ipc.Hello) (any, error) {
 	return rep, nil
 }
 
+// segmentRoom refuses one more segment for the session when it or all
+// sessions together hold as many as they may.
+func (s *Server) segmentRoom(ss *session) error {
+	if lim := s.MaxSessionSegments; lim > 0 && len(ss.segments) >= lim {
+		return fmt.Errorf("too many segments attached: %d by this session (limit %d a session); detach some first",
+			len(ss.segments), lim)
+	}
+	if lim := s.MaxSegments; lim > 0 {
+		all := 0
+		for _, o := range s.sessions {
+			all += len(o.segments)
+		}
+		if all >= lim {
+			return fmt.Errorf("too many segments attached: %d by all sessions (limit %d)", all, lim)
+		}
+	}
+	return nil
+}
+
 func (s *Server) attach(ss *session, op string, handle []byte, size int64) (any, error) {
+	if err := s.segmentRoom(ss); err != nil {
+		return nil, fmt.Errorf("%s: %w", op, err)
+	}
 	name := opBackend[op]
 	bs, err := s.backendSession(ss, name)
 	if err != nil {
@@ -315,6 +349,9 @@ func (s *Server) attach(ss *session, op string, handle []byte, size int64) (any,
 func (s *Server) attachProcess(ss *session, a ipc.AttachProcess) (any, error) {
 	if s.Peers == nil {
 		return nil, errors.New("attach_process: this sonard cannot tell its clients' processes")
+	}
+	if err := s.segmentRoom(ss); err != nil {
+		return nil, fmt.Errorf("attach_process: %w", err)
 	}
 	pid, err := s.Peers.PeerPID(ss.client)
 	if err != nil {

@@ -77,12 +77,13 @@ func (b *Backend) Open(c backend.Client) (backend.Session, error) {
 	if c.SqrtName != "" {
 		e.SqrtName = c.SqrtName
 	}
-	return &session{b: b, engine: e}, nil
+	return &session{b: b, engine: e, segments: map[*segment]struct{}{}}, nil
 }
 
 type segment struct {
-	m    ipcbridge.Mapping
-	addr uintptr // where it is mapped in this process (to name a fault's segment)
+	m     ipcbridge.Mapping
+	addr  uintptr  // where it is mapped in this process (to name a fault's segment)
+	owner *session // forgets the segment when it is closed (detached)
 }
 
 func (s *segment) Name() string  { return s.m.Name() }
@@ -90,11 +91,19 @@ func (s *segment) Size() int64   { return s.m.Size() }
 func (s *segment) Object() any   { return s.m.Object() }
 func (s *segment) Base() uint64  { return 0 } // a segment maps its file from offset 0
 func (s *segment) Verify() error { return s.m.Verify() }
-func (s *segment) Close() error  { return s.m.Close() }
-
 func (s *segment) Check(off, n, align int64) error {
 	_, err := s.m.Bytes(off, n, align)
 	return err
+}
+
+// Close unmaps the segment (a detach, or the end of its session) and removes
+// it from its session's segments.
+func (s *segment) Close() error {
+	if s.owner != nil {
+		delete(s.owner.segments, s)
+		s.owner = nil
+	}
+	return s.m.Close()
 }
 
 // bytes is the memory of a reference the server resolved.
@@ -164,7 +173,7 @@ func (t tensor) Damage() error     { return t.Tensor.Damage() }
 type session struct {
 	b        *Backend
 	engine   *optimizer.Engine
-	segments []*segment
+	segments map[*segment]struct{} // attached and not yet closed
 	tensors  []*optimizer.Tensor
 }
 
@@ -174,7 +183,7 @@ func (s *session) explain(err error) error {
 	if !errors.As(err, &fe) {
 		return err
 	}
-	for _, seg := range s.segments {
+	for seg := range s.segments {
 		if seg.m == nil || fe.Fault.Addr < seg.addr || fe.Fault.Addr-seg.addr >= uintptr(seg.Size()) {
 			continue
 		}
@@ -197,8 +206,8 @@ func (s *session) Attach(handle []byte, size int64) (backend.Segment, error) {
 		_ = m.Close()
 		return nil, err
 	}
-	seg := &segment{m: m, addr: uintptr(unsafe.Pointer(&b[0]))}
-	s.segments = append(s.segments, seg)
+	seg := &segment{m: m, addr: uintptr(unsafe.Pointer(&b[0])), owner: s}
+	s.segments[seg] = struct{}{}
 	return seg, nil
 }
 
@@ -359,10 +368,9 @@ func (s *session) Close() error {
 	}
 	s.tensors = nil
 	var errs []error
-	for _, seg := range s.segments {
-		errs = append(errs, seg.Close())
+	for seg := range s.segments {
+		errs = append(errs, seg.Close()) // deletes seg from the map
 	}
-	s.segments = nil
 	return errors.Join(errs...)
 }
 

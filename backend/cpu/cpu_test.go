@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -154,4 +155,64 @@ func TestAttachRefusesSparseSegment(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "posix_fallocate") {
 		t.Fatalf("sparse segment attached: %v", err)
 	}
+}
+
+// TestDetachedSegmentsAreForgotten attaches and closes (detaches) segments in
+// several orders: the session keeps only the segments still attached, so a
+// client cycling attach and detach does not grow the server.
+func TestDetachedSegmentsAreForgotten(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		attach int
+		detach []int // indexes of the attached segments to close, in order
+		want   int   // segments the session still holds
+	}{
+		{"none detached", 3, nil, 3},
+		{"all detached in order", 3, []int{0, 1, 2}, 0},
+		{"all detached in reverse", 3, []int{2, 1, 0}, 0},
+		{"middle one", 3, []int{1}, 2},
+		{"detached twice", 2, []int{0, 0}, 1},
+		{"many cycles", 200, seq(200), 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			bs, err := New(ipcbridge.ShmMapper{Dir: dir, Unlink: true}, 1).Open(backend.Client{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer bs.Close()
+			var segs []backend.Segment
+			for i := 0; i < tc.attach; i++ {
+				name := "sonar-cycle-" + strconv.Itoa(i)
+				clientSegment(t, dir, name, 4096)
+				seg, err := bs.Attach([]byte(name), 4096)
+				if err != nil {
+					t.Fatal(err)
+				}
+				segs = append(segs, seg)
+			}
+			for _, i := range tc.detach {
+				if err := segs[i].Close(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if got := len(bs.(*session).segments); got != tc.want {
+				t.Fatalf("session holds %d segments, want %d", got, tc.want)
+			}
+			if err := bs.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if got := len(bs.(*session).segments); got != 0 {
+				t.Fatalf("closed session holds %d segments", got)
+			}
+		})
+	}
+}
+
+func seq(n int) []int {
+	s := make([]int, n)
+	for i := range s {
+		s[i] = i
+	}
+	return s
 }

@@ -89,12 +89,13 @@ func (b *Backend) Close() error {
 
 // Open implements backend.Backend.
 func (b *Backend) Open(backend.Client) (backend.Session, error) {
-	return &session{b: b}, nil
+	return &session{b: b, segments: map[*segment]struct{}{}}, nil
 }
 
 type segment struct {
-	m    ipcbridge.DeviceMapping
-	base cuda.DevicePtr
+	m     ipcbridge.DeviceMapping
+	base  cuda.DevicePtr
+	owner *session // forgets the segment when it is closed (detached)
 }
 
 func (s *segment) Name() string { return s.m.Name() }
@@ -108,7 +109,16 @@ func (s *segment) Object() any { return nil }
 // Verify implements backend.Segment (a client cannot shrink a CUDA allocation
 // the server holds open).
 func (s *segment) Verify() error { return nil }
-func (s *segment) Close() error  { return s.m.Close() }
+
+// Close closes the allocation (a detach, or the end of its session) and
+// removes it from its session's segments.
+func (s *segment) Close() error {
+	if s.owner != nil {
+		delete(s.owner.segments, s)
+		s.owner = nil
+	}
+	return s.m.Close()
+}
 
 func (s *segment) Check(off, n, align int64) error {
 	_, err := s.m.Ptr(off, n, align)
@@ -140,7 +150,7 @@ func own(t backend.Tensor) (*device.Tensor, error) {
 
 type session struct {
 	b        *Backend
-	segments []*segment
+	segments map[*segment]struct{} // attached and not yet closed
 	tensors  []*device.Tensor
 	event    *cuda.Event
 }
@@ -155,8 +165,8 @@ func (s *session) Attach(handle []byte, size int64) (backend.Segment, error) {
 		_ = m.Close()
 		return nil, err
 	}
-	seg := &segment{m: m, base: base}
-	s.segments = append(s.segments, seg)
+	seg := &segment{m: m, base: base, owner: s}
+	s.segments[seg] = struct{}{}
 	return seg, nil
 }
 
@@ -278,12 +288,12 @@ func (s *session) Close() error {
 	for _, t := range s.tensors {
 		errs = append(errs, s.b.engine.Free(t))
 	}
-	for _, seg := range s.segments {
-		errs = append(errs, seg.Close())
+	for seg := range s.segments {
+		errs = append(errs, seg.Close()) // deletes seg from the map
 	}
 	if s.event != nil {
 		errs = append(errs, s.event.Destroy())
 	}
-	s.tensors, s.segments, s.event = nil, nil, nil
+	s.tensors, s.event = nil, nil
 	return errors.Join(errs...)
 }

@@ -25,6 +25,7 @@ import (
 	"github.com/sonar-moe/sonar/backend/cpu"
 	"github.com/sonar-moe/sonar/backend/gpu"
 	"github.com/sonar-moe/sonar/cuda"
+	"github.com/sonar-moe/sonar/internal/fdlimit"
 	"github.com/sonar-moe/sonar/ipc"
 	"github.com/sonar-moe/sonar/ipcbridge"
 	"github.com/sonar-moe/sonar/optimizer"
@@ -193,6 +194,12 @@ func run() int {
 	srv.IdleTimeout = *idle
 	srv.MaxStateBytes, srv.MaxSessionStateBytes = budget, sessionBudget
 	srv.ReconnectGrace = *grace
+	fds, err := fdlimit.Read()
+	if err != nil {
+		log.Error("file descriptor limits", zap.Error(err))
+		return exitError
+	}
+	srv.MaxSegments, srv.MaxSessionSegments = fds.Segments, fds.SessionSegments
 	if *adminToken != "" {
 		if srv.AdminToken, err = readToken(*adminToken); err != nil {
 			fmt.Fprintln(os.Stderr, "sonard:", err)
@@ -221,7 +228,7 @@ func run() int {
 	signal.Notify(signals, syscall.SIGINT, syscall.SIGTERM)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	tr, err := ipc.Open(*listen, log, curve, ipc.Options{HeartbeatTimeout: *heartbeat, Poll: *spin})
+	tr, err := ipc.Open(*listen, log, curve, ipc.Options{HeartbeatTimeout: *heartbeat, Poll: *spin, MaxConns: fds.Conns})
 	if err != nil {
 		log.Error("listen failed", zap.Error(err))
 		return exitError
@@ -264,6 +271,9 @@ func run() int {
 		zap.Stringer("isa", optimizer.KernelISA()), zap.Stringer("cpu_isa", optimizer.CPUISA()),
 		zap.String("max_state_bytes", budgetString(budget)), zap.String("max_session_state_bytes", budgetString(sessionBudget)))
 	announceCUDA() // after "sonard listening", which stays the first line
+	log.Info("limits from RLIMIT_NOFILE", zap.Uint64("nofile", fds.NoFile), zap.Uint64("nofile_hard", fds.NoFileMax),
+		zap.Int("max_map_count", fds.MapCount), zap.Int("reserved_fds", fds.Reserve), zap.Int("max_segments", fds.Segments),
+		zap.Int("max_session_segments", fds.SessionSegments), zap.Int("max_connections", fds.Conns))
 	// The main goroutine stays locked to the main thread (parent.go); the
 	// loop runs on a goroutine of its own. A locked goroutine that blocks (the
 	// engine's caller waiting for its workers) or yields (ipc/activity.go)
