@@ -313,6 +313,91 @@ def test_sonar_trainer_refuses_other_optimizers(tmp_path: Path) -> None:
             t.create_optimizer()
 
 
+# Found by a red team (2026-12-06): three ordinary Trainer set-ups SonarTrainer got wrong.
+class Stream(torch.utils.data.IterableDataset):
+    """The first ``n`` rows of Windows as a stream (no length): Trainer then counts steps from
+    max_steps and carries each pass's leftover micro-batch into the next pass's first step."""
+
+    def __init__(self, n: int) -> None:
+        self.rows = [Windows()[i] for i in range(n)]
+
+    def __iter__(self) -> Any:
+        return iter(self.rows)
+
+
+@pytest.mark.parametrize(("rows", "accum"), [(5, 2), (7, 3)])
+def test_stream_with_a_leftover_micro_batch_equals_trainer(tmp_path: Path, rows: int, accum: int) -> None:
+    """A step of more micro-batches than gradient_accumulation_steps (Trainer's leftover from the
+    end of a stream): SonarTrainer follows Trainer's own decision of which backward ends a step
+    (it raised 'received gradient 3 before step()' before)."""
+    def make() -> TrainingArguments:
+        return args(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=accum, max_steps=4,
+                    max_grad_norm=0.0)
+    ref, mine = olmoe(), olmoe()
+    rt = Trainer(model=ref, args=make(), train_dataset=Stream(rows))
+    rt.train()
+    st = SonarTrainer(model=mine, args=make(), train_dataset=Stream(rows))
+    st.train()
+    assert st.state.global_step == rt.state.global_step == 4
+    close_sonar(st)
+    assert_same(ref, mine)
+
+
+@pytest.mark.parametrize("how", ["optimizer_cls_and_kwargs", "get_optimizer_cls_and_kwargs"])
+def test_trainer_optimizer_cls_and_kwargs_is_followed(tmp_path: Path, how: str) -> None:
+    """Trainer(optimizer_cls_and_kwargs=(AdamW, {...})), or a subclass's get_optimizer_cls_and_kwargs:
+    the AdamW options asked for, bit for bit the stock Trainer (they were ignored before)."""
+    spec = (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.5, 0.6), "eps": 1e-6, "foreach": False})
+
+    class Custom(SonarTrainer):
+        @staticmethod
+        def get_optimizer_cls_and_kwargs(a: TrainingArguments, model: Any = None) -> tuple[Any, dict[str, Any]]:
+            return spec[0], dict(spec[1])
+
+    class CustomStock(Trainer):
+        @staticmethod
+        def get_optimizer_cls_and_kwargs(a: TrainingArguments, model: Any = None) -> tuple[Any, dict[str, Any]]:
+            return spec[0], dict(spec[1])
+
+    ref, mine = olmoe(), olmoe()
+    a = args(tmp_path, max_grad_norm=0.0)  # Trainer clips all gradients, SonarTrainer the dense ones only
+    if how == "optimizer_cls_and_kwargs":
+        rt: Trainer = Trainer(model=ref, args=a, train_dataset=Windows(), optimizer_cls_and_kwargs=spec)
+        st: SonarTrainer = SonarTrainer(model=mine, args=a, train_dataset=Windows(), optimizer_cls_and_kwargs=spec)
+    else:
+        rt, st = CustomStock(model=ref, args=a, train_dataset=Windows()), Custom(model=mine, args=a,
+                                                                                 train_dataset=Windows())
+    rt.train()
+    st.train()
+    opt = unwrap_sonar(st.optimizer)
+    assert opt is not None and opt.param_groups[0]["betas"] == (0.5, 0.6)
+    close_sonar(st)
+    assert_same(ref, mine)
+
+
+def test_trainer_optimizer_cls_and_kwargs_of_another_optimizer_is_refused(tmp_path: Path) -> None:
+    for spec in ((torch.optim.SGD, {"lr": 0.1}), (torch.optim.AdamW, {"lr": 1e-3, "capturable": True})):
+        t = SonarTrainer(model=olmoe(), args=args(tmp_path), train_dataset=Windows(), optimizer_cls_and_kwargs=spec)
+        with pytest.raises(ValueError, match="SGD|capturable"):
+            t.create_optimizer()
+
+
+def test_model_init_closes_the_optimizer_of_the_previous_train(tmp_path: Path) -> None:
+    """Trainer(model_init=...) builds a new model and optimizer at each train() (as
+    hyperparameter_search does): the previous SonarAdamW, and its private sonard, are closed
+    (each train() left one more sonard running before)."""
+    st = SonarTrainer(model_init=lambda: olmoe(), args=args(tmp_path, max_steps=2), train_dataset=Windows())
+    built = []
+    for _ in range(3):
+        st.train()
+        opt = unwrap_sonar(st.optimizer)
+        assert opt is not None
+        built.append(opt)
+    assert [o.closed for o in built] == [True, True, False]
+    assert all(o.server_process is None or o.server_process.poll() is not None for o in built[:2])
+    built[-1].close()
+
+
 # Non-default hyper-parameters on top of the defaults: Trainer's default weight_decay is 0, so
 # "decay" is what exercises its decay/no-decay groups.
 HYPER: dict[str, dict[str, Any]] = {"default": {}, "decay": {"learning_rate": 2e-3, "weight_decay": 0.01}}

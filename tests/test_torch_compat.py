@@ -307,6 +307,36 @@ def test_grad_accumulation_two_backwards_one_step(dtype: torch.dtype) -> None:
             assert_models_equal(ref, model, f"accumulated step {s + 1}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_step_boundary_set_by_the_loop(dtype: torch.dtype) -> None:
+    """set_step_boundary: the training loop says which backward completes a step (as Trainer
+    does), so steps of 1, 3 and 2 micro-batches with grad_accumulation_steps=2 sum as torch sums
+    into .grad; a backward after the completing one, before step(), is refused."""
+    sonar_only()
+    model = make_model(dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP, grad_accumulation_steps=2) as opt:
+        for s, micros in enumerate([1, 3, 2]):
+            ropt.zero_grad()
+            opt.zero_grad()
+            for i in range(micros):
+                x, y = batch(27, 10 * s + i, dtype)
+                fwd_bwd(ref, x, y)
+                opt.set_step_boundary(i == micros - 1)
+                fwd_bwd(model, x, y)
+            ropt.step()
+            opt.step()
+            assert_models_equal(ref, model, f"step {s + 1} of {micros} micro-batches")
+        opt.zero_grad()
+        opt.set_step_boundary(True)
+        fwd_bwd(model, *batch(27, 99, dtype))
+        before = snapshot(model)
+        with pytest.raises(RuntimeError, match="completed its step"):
+            fwd_bwd(model, *batch(27, 100, dtype))
+        assert_snapshot_equal(before, model, "after the refused backward", expert_names(model))
+
+
 # torch's Optimizer.zero_grad(set_to_none=False) keeps a zero .grad for every parameter that had
 # one: AdamW then steps a tensor that the next backward leaves without a gradient (weight decay,
 # decaying moments). SonarAdamW frees each expert gradient in backward, so it must step such tensors itself (red team,

@@ -163,6 +163,11 @@ class ExpertBackend(Protocol):
         """From now on apply AdamW at every k-th hand-over of a tensor (no micro-batch may be pending)."""
         ...
 
+    def set_step_boundary(self, ends_step: bool | None) -> None:
+        """Whether the coming hand-overs complete their tensors' step (True), are accumulated
+        (False), or the k-th one since the last applied does (None, the default)."""
+        ...
+
     def reclaim(self, param: nn.Parameter) -> bool:
         """Put an expert tensor whose memory was replaced by an equal copy (same device type, dtype
         and shape: ``.to("cpu:0")`` copies) back into the memory the server updates, keeping its
@@ -274,6 +279,7 @@ class ServerBackend(ABC):
                                 options.clipper.add_expert_sq_norms if options.clipper is not None else None)
         self._peak = 0
         self._room_wait_s = 0.0  # time the gradient hooks waited for room in the ring
+        self._ends_step: bool | None = None  # set_step_boundary
         self._server_workers = int(hello.get("workers") or 0)  # the server's CPU update workers
         self._server_isa = str(hello.get("isa") or "")  # the vector instructions of its CPU kernels
 
@@ -387,11 +393,14 @@ class ServerBackend(ABC):
                                "call step() first")
         self._options = dataclasses.replace(self._options, grad_accumulation_steps=k)
 
+    def set_step_boundary(self, ends_step: bool | None) -> None:
+        self._ends_step = ends_step
+
     def _queue(self, e: Expert, staged: Staged) -> None:
         """Queue the step of e's staged gradient: one request per expert slice with
         split_experts, else one per MoE block (group_key); applied at the k-th micro-batch."""
         e.micro += 1
-        apply = e.micro >= self._options.grad_accumulation_steps
+        apply = e.micro >= self._options.grad_accumulation_steps if self._ends_step is None else self._ends_step
         step, scalars = self._next_step(e) if apply else (0, {})
         items = [{"tensor": tid, "grad": {"seg": staged.seg, "off": staged.off + i * e.part_bytes, "nbytes": e.part_bytes},
                   "apply": apply, "step": step, "scalars": scalars} for i, tid in enumerate(e.tids)]
@@ -552,6 +561,9 @@ class NoExperts:
         pass
 
     def set_grad_accumulation_steps(self, k: int) -> None:
+        pass
+
+    def set_step_boundary(self, ends_step: bool | None) -> None:
         pass
 
     def reclaim(self, param: nn.Parameter) -> bool:

@@ -61,6 +61,9 @@ log = logging.getLogger("sonar_moe")
 
 # args.optim values SonarTrainer reproduces, and the AdamW flags each one means in Trainer.
 SUPPORTED_OPTIM = {"adamw_torch": {}, "adamw_torch_fused": {"fused": True}}
+# The torch.optim.AdamW options an optimizer_cls_and_kwargs may set (weight_decay is the default
+# of groups that, as Trainer builds them, all set their own).
+ADAMW_OPTIONS = frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "fused"})
 
 
 def unwrap_sonar(optimizer: Any) -> SonarAdamW | None:
@@ -82,6 +85,7 @@ class SonarTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, sonar_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self._built: SonarAdamW | None = None  # the last SonarAdamW create_optimizer built
         super().__init__(*args, **kwargs)
         self.sonar_kwargs = dict(sonar_kwargs or {})
         self._unclipped_dense_norm: float | None = None
@@ -89,13 +93,7 @@ class SonarTrainer(Trainer):
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             a = self.args
-            optim = str(getattr(a.optim, "value", a.optim))
-            if optim not in SUPPORTED_OPTIM:
-                raise ValueError(f"SonarTrainer reproduces TrainingArguments.optim {sorted(SUPPORTED_OPTIM)} "
-                                 f"(torch.optim.AdamW), not {optim!r}")
-            if a.optim_args:
-                raise ValueError(f"SonarTrainer does not take TrainingArguments.optim_args ({a.optim_args!r}): "
-                                 "pass SonarAdamW options through sonar_kwargs=")
+            adamw = self._requested_adamw(model if model is not None else self.model)
             target = model if model is not None else self.model
             if target is None:
                 raise ValueError("SonarTrainer.create_optimizer needs a model: Trainer was built without one")
@@ -105,17 +103,58 @@ class SonarTrainer(Trainer):
                 {"params": [p for n, p in named if n in decay], "weight_decay": a.weight_decay},
                 {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
             ]
-            self.optimizer = SonarAdamW(
+            if self._built is not None and not self._built.closed:
+                # Trainer dropped it (a new train() with model_init, hyperparameter_search):
+                # its session, and its private sonard, go with it
+                self._built.close()
+            self.optimizer = self._built = SonarAdamW(
                 groups,
-                lr=a.learning_rate,
-                betas=(a.adam_beta1, a.adam_beta2),
-                eps=a.adam_epsilon,
                 max_grad_norm=float(a.max_grad_norm) if a.max_grad_norm and a.max_grad_norm > 0 else None,
                 grad_accumulation_steps=a.gradient_accumulation_steps,
                 model=target,
-                **{**SUPPORTED_OPTIM[optim], **self.sonar_kwargs},
+                **{**adamw, **self.sonar_kwargs},
             )
         return self.optimizer
+
+    def _requested_adamw(self, model: torch.nn.Module | None) -> dict[str, Any]:
+        """The torch.optim.AdamW options the stock Trainer would build its optimizer with: from
+        ``optimizer_cls_and_kwargs``, an overridden ``get_optimizer_cls_and_kwargs``, or
+        ``args.optim`` (SUPPORTED_OPTIM) and the args' AdamW fields; anything but AdamW refused."""
+        a = self.args
+        if self.optimizer_cls_and_kwargs is not None:
+            cls, kwargs = self.optimizer_cls_and_kwargs
+            where = "optimizer_cls_and_kwargs"
+        elif type(self).get_optimizer_cls_and_kwargs is not Trainer.get_optimizer_cls_and_kwargs:
+            cls, kwargs = self.get_optimizer_cls_and_kwargs(a, model)  # type: ignore[arg-type]
+            where = f"{type(self).__name__}.get_optimizer_cls_and_kwargs"
+        else:
+            optim = str(getattr(a.optim, "value", a.optim))
+            if optim not in SUPPORTED_OPTIM:
+                raise ValueError(f"SonarTrainer reproduces TrainingArguments.optim {sorted(SUPPORTED_OPTIM)} "
+                                 f"(torch.optim.AdamW), not {optim!r}")
+            if a.optim_args:
+                raise ValueError(f"SonarTrainer does not take TrainingArguments.optim_args ({a.optim_args!r}): "
+                                 "pass SonarAdamW options through sonar_kwargs=")
+            return {"lr": a.learning_rate, "betas": (a.adam_beta1, a.adam_beta2), "eps": a.adam_epsilon,
+                    **SUPPORTED_OPTIM[optim]}
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.AdamW)):
+            raise ValueError(f"{where} names {getattr(cls, '__name__', cls)!r}: SonarTrainer trains with SonarAdamW, "
+                             "which reproduces torch.optim.AdamW only; use the stock Trainer for that optimizer")
+        unknown = sorted(set(kwargs) - ADAMW_OPTIONS)
+        if unknown:
+            raise ValueError(f"{where} passes {unknown} to AdamW: SonarAdamW takes {sorted(ADAMW_OPTIONS)} (and its "
+                             "own options through sonar_kwargs=)")
+        return dict(kwargs)  # torch.optim.AdamW's defaults for the rest, which SonarAdamW shares
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """Trainer's step, after telling SonarAdamW whether this backward completes the optimizer
+        step, as Trainer decided (``accelerator.sync_gradients``): the expert updates then come
+        with the backward Trainer steps after, however many micro-batches its step has."""
+        opt = unwrap_sonar(self.optimizer)
+        if opt is not None:
+            opt.set_step_boundary(bool(self.accelerator.sync_gradients))
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
         """Trainer's clipping, which runs after backward: with SonarAdamW nothing is clipped

@@ -417,6 +417,10 @@ class SonarAdamW(torch.optim.AdamW):
         # those with it when a backward gives them no gradient, and adds a new one to it.
         self._kept_grads: set[int] = set()
         self._zeroed_grads: set[int] = set()
+        # set_step_boundary: whether the training loop says which backward completes a step
+        # (None: the k-th), and the expert tensors whose step it completed since step()
+        self._ends_step: bool | None = None
+        self._completed: set[int] = set()
         self._options = BackendOptions(timeout=timeout, split_experts=split_experts,
                                        grad_accumulation_steps=grad_accumulation_steps,
                                        max_expert_grad_norm=max_expert_grad_norm, ring_layers=ring_layers,
@@ -630,7 +634,12 @@ class SonarAdamW(torch.optim.AdamW):
         self._check_usable()
         self._backend.check(p)  # type: ignore[arg-type]
         n = self._grads_this_step.get(id(p), 0) + 1
-        if n > self.grad_accumulation_steps:
+        if self._ends_step is not None and id(p) in self._completed:
+            raise RuntimeError(
+                f"expert tensor {self._experts[id(p)][0]} received a gradient after the backward that completed "
+                "its step (set_step_boundary(True)) and before step(): SonarAdamW applied that step during the "
+                "earlier backward, so this gradient would need a step of its own. Call step() first")
+        if self._ends_step is None and n > self.grad_accumulation_steps:
             raise RuntimeError(
                 f"expert tensor {self._experts[id(p)][0]} received gradient {n} before step(), but "
                 f"grad_accumulation_steps={self.grad_accumulation_steps}: SonarAdamW applies AdamW to each expert "
@@ -654,6 +663,8 @@ class SonarAdamW(torch.optim.AdamW):
                 return
         self._hand_over(p, grad, owned=True)  # no local reference kept: the backend frees it
         del grad
+        if self._ends_step:
+            self._completed.add(id(p))
 
     def remove_grad_hooks(self) -> None:
         """Stop taking expert gradients from the post-accumulate-grad hooks.
@@ -676,6 +687,19 @@ class SonarAdamW(torch.optim.AdamW):
         gradient of a distributed step; elsewhere a moved expert tensor stays an error."""
         self._check_usable()
         return [name for name, p in self._experts.values() if self._backend.reclaim(p)]
+
+    def set_step_boundary(self, ends_step: bool | None) -> None:
+        """For a training loop that decides at each backward whether it completes the optimizer
+        step (transformers' Trainer, through ``accelerator.sync_gradients``, which SonarTrainer
+        passes on before each backward): True, the expert gradients of the coming backward
+        complete their step and are applied during it, with those accumulated since ``step()``;
+        False, they are accumulated for a later backward (or ``step()``, which applies what is
+        left); None (the default), the ``grad_accumulation_steps``-th backward since ``step()``
+        completes it. So a step of more or fewer micro-batches than ``grad_accumulation_steps``
+        (Trainer carries a stream's last micro-batch into the next epoch's first step) is
+        summed as torch sums it into ``.grad``."""
+        self._ends_step = ends_step
+        self._backend.set_step_boundary(ends_step)
 
     def accumulate_before_hand_over(self) -> None:
         """Gradients now arrive already summed over a step's micro-batches (DDP accumulates them
@@ -864,6 +888,7 @@ class SonarAdamW(torch.optim.AdamW):
             self._overflowed.clear()
             self._grads_this_step.clear()
             self._zeroed_grads.clear()
+            self._completed.clear()
             self._handed_over_since_step = False
             self._data_parallel_check_due = True
             if not self._closed:
