@@ -770,6 +770,27 @@ def test_state_edits_count_as_in_torch(how: str, dtype: torch.dtype) -> None:
         assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), f"{how}, after training on")
 
 
+@pytest.mark.parametrize("flags", [{"amsgrad": True}, {"fused": True}, {"foreach": True}],
+                         ids=["amsgrad", "fused", "foreach"])
+@pytest.mark.parametrize("how", ["zero_in_place", "state_cleared", "dict_of_its_own"])
+def test_state_edits_count_as_in_torch_with_flags(how: str, flags: dict[str, bool]) -> None:
+    """The same edits with amsgrad (three moments), and with the fused and foreach arithmetic."""
+    dtype = torch.bfloat16
+    model = make_model(dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP, **flags)
+    with SonarAdamW(model, **HP, **flags) as opt:
+        run_both(ref, ropt, model, opt, 2, seed=28, where="before", dtype=dtype)
+        edit_state(ropt, ref, how)
+        edit_state(opt, model, how)
+        if flags.get("amsgrad") and how == "dict_of_its_own":  # torch needs the third moment in such a dict
+            for o, m in ((ropt, ref), (opt, model)):
+                p = named(m, "layers.0.mlp.experts.gate_up_proj")
+                o.state[p]["max_exp_avg_sq"] = o.state[p]["exp_avg_sq"].clone()
+        run_both(ref, ropt, model, opt, 3, seed=28, where=f"after {how}", dtype=dtype, first=2)
+        assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), f"{how}, after training on")
+
+
 def test_state_read_between_micro_batches_leaves_them_pending() -> None:
     """Reading opt.state or taking state_dict() between the micro-batches of an accumulated step
     shows the state before that step (as torch's does) and applies nothing early."""
