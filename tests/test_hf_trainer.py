@@ -339,6 +339,8 @@ def test_stream_with_a_leftover_micro_batch_equals_trainer(tmp_path: Path, rows:
     st = SonarTrainer(model=mine, args=make(), train_dataset=Stream(rows))
     st.train()
     assert st.state.global_step == rt.state.global_step == 4
+    opt = unwrap_sonar(st.optimizer)
+    assert opt is not None and opt.step_boundary is None  # counted again after train()
     close_sonar(st)
     assert_same(ref, mine)
 

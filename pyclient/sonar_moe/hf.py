@@ -146,6 +146,16 @@ class SonarTrainer(Trainer):
                              "own options through sonar_kwargs=)")
         return dict(kwargs)  # torch.optim.AdamW's defaults for the rest, which SonarAdamW shares
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's train(); afterwards the optimizer counts micro-batches again (its
+        ``grad_accumulation_steps``), for a script that goes on with it by hand."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            opt = unwrap_sonar(self.optimizer)
+            if opt is not None and not opt.closed:
+                opt.set_step_boundary(None)
+
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         """Trainer's step, after telling SonarAdamW whether this backward completes the optimizer

@@ -701,6 +701,11 @@ class SonarAdamW(torch.optim.AdamW):
         self._ends_step = ends_step
         self._backend.set_step_boundary(ends_step)
 
+    @property
+    def step_boundary(self) -> bool | None:
+        """What ``set_step_boundary`` set last (None: micro-batches are counted)."""
+        return self._ends_step
+
     def accumulate_before_hand_over(self) -> None:
         """Gradients now arrive already summed over a step's micro-batches (DDP accumulates them
         in ``.grad`` under ``no_sync()`` and all-reduces once): each hand-over is applied at once,
