@@ -655,16 +655,18 @@ func (s *Server) recordLatency(us int64) {
 }
 
 // transfer is export (out) or import of a tensor's state through references
-// of the session: all distinct from each other and from the parameter. An
-// export leaves accumulated gradients pending (they are not state); an import
-// is refused while any wait, as it would set the state their step starts from.
+// of the session: all distinct from each other and from the parameter.
+// Accumulated gradients are not state: both leave them pending, and an import
+// sets the state their step starts from (as torch's load_state_dict or a
+// script's edit between micro-batches does). A damaged tensor's partial sum
+// cannot be trusted, so an import into it is refused while one waits.
 func (s *Server) transfer(ss *session, x ipc.StateXfer, out bool) (any, error) {
 	t := ss.tensors[x.Tensor]
 	if t == nil {
 		return nil, fmt.Errorf("unknown tensor %d", x.Tensor)
 	}
-	if n := t.state.Pending(); n > 0 && !out {
-		return nil, fmt.Errorf("tensor %s has %d accumulated gradients not yet applied", t.name, n)
+	if n := t.state.Pending(); n > 0 && !out && t.state.Damage() != nil {
+		return nil, fmt.Errorf("tensor %s is damaged and has %d accumulated gradients not yet applied, partly summed", t.name, n)
 	}
 	if !out && x.Step < 0 {
 		return nil, fmt.Errorf("tensor %q: negative step %d", t.name, x.Step)

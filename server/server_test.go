@@ -480,9 +480,6 @@ func TestBadRequestsChangeNothing(t *testing.T) {
 		{"bad shape", "c1", ipc.OpRegister, reg(newSpec(func(s *ipc.TensorSpec) { s.Shape = []int64{3, 0, 7} })), "out of range"},
 		// export / import
 		{"export unknown tensor", "c1", ipc.OpExport, xfer(999, func(*ipc.StateXfer) {}), "unknown tensor 999"},
-		{"import with pending gradients", "c1", ipc.OpImport, xfer(B.id, func(x *ipc.StateXfer) {
-			x.ExpAvg.Bytes, x.ExpAvgSq.Bytes = int64(B.nbytes()), int64(B.nbytes())
-		}), "not yet applied"},
 		{"export parts overlap", "c1", ipc.OpExport, xfer(A.id, func(x *ipc.StateXfer) { x.ExpAvgSq.Offset = x.ExpAvg.Offset + 4 }), "overlap"},
 		{"export into the param", "c1", ipc.OpExport, xfer(A.id, func(x *ipc.StateXfer) { x.ExpAvgSq = aParam }), "overlaps the parameter"},
 		{"export amsgrad without max_exp_avg_sq", "c1", ipc.OpExport, xfer(C.id, func(x *ipc.StateXfer) {
@@ -572,6 +569,13 @@ func TestAccumulateThenApply(t *testing.T) {
 				if !bytes.Equal(got, ts.mirror.ExpAvg) || w.server(i).Pending() != k+1 {
 					t.Fatalf("%s: export between micro-batches: state equal %v, pending %d", ts.name,
 						bytes.Equal(got, ts.mirror.ExpAvg), w.server(i).Pending())
+				}
+				// An import between them sets the state their step starts from
+				// (here the same state, with the step count too) and keeps them.
+				x.Step = ts.mirror.Step
+				w.must(w.client, ipc.OpImport, x)
+				if w.server(i).Pending() != k+1 || w.server(i).Step != ts.mirror.Step {
+					t.Fatalf("%s: import between micro-batches: pending %d step %d", ts.name, w.server(i).Pending(), w.server(i).Step)
 				}
 			}
 		}

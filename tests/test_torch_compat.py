@@ -814,6 +814,38 @@ def test_state_read_between_micro_batches_leaves_them_pending() -> None:
             assert_models_equal(ref, model, f"accumulated step {s + 1}")
 
 
+@pytest.mark.parametrize("how", ["zero_in_place", "assign_tensor", "step_changed", "state_cleared", "load_state_dict"])
+def test_state_changes_between_micro_batches_count_at_the_step(how: str) -> None:
+    """An edit of opt.state, or a load_state_dict, between the micro-batches of an accumulated
+    step: torch uses it at that step, on the gradients accumulated so far and to come (the
+    edit was lost, and the load applied the first micro-batch's sum early, before; red team)."""
+    model = make_model()
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP, grad_accumulation_steps=2) as opt:
+        saved: dict[str, Any] = {}
+        for s in range(4):
+            ropt.zero_grad()
+            opt.zero_grad()
+            if s == 1:
+                saved = {"ref": copy.deepcopy(ropt.state_dict()), "mine": copy.deepcopy(opt.state_dict())}
+            for micro in range(2):
+                x, y = batch(29, 2 * s + micro)
+                fwd_bwd(ref, x, y, scale=0.5)
+                fwd_bwd(model, x, y, scale=0.5)
+                if s == 2 and micro == 0:
+                    if how == "load_state_dict":
+                        ropt.load_state_dict(saved["ref"])
+                        opt.load_state_dict(saved["mine"])
+                    else:
+                        edit_state(ropt, ref, how)
+                        edit_state(opt, model, how)
+            ropt.step()
+            opt.step()
+            assert_models_equal(ref, model, f"{how}, accumulated step {s + 1}")
+        assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), how)
+
+
 @pytest.mark.parametrize("how", ["fractional_step", "wrong_shape", "missing_moment"])
 def test_bad_state_edit_is_refused_before_anything_changes(how: str) -> None:
     sonar_only()

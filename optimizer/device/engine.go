@@ -277,9 +277,8 @@ func (e *Engine) Import(t *Tensor, step int64, src []cuda.DevicePtr) error {
 }
 
 func (e *Engine) transfer(t *Tensor, refs []cuda.DevicePtr, out bool) error {
-	if t.accumN > 0 && !out { // an export leaves them pending: they are not state
-		return fmt.Errorf("tensor %s has %d accumulated gradients not yet applied", t.Name, t.accumN)
-	}
+	// Accumulated gradients are not state: a transfer leaves them pending (an
+	// import sets the state their step starts from).
 	state := []cuda.DevicePtr{t.m, t.v}
 	if t.Hyper.Amsgrad {
 		state = append(state, t.vmax)

@@ -531,11 +531,17 @@ class SonarAdamW(torch.optim.AdamW):
     def advance(self, p: nn.Parameter) -> tuple[int, dict[str, Any]]:
         """The expert tensor's next step: count it (the state appears at the first one, as
         torch's does) and return that step's scalars (of p's group)."""
+        if self._handed_over_since_step and self._state_edited(p):
+            # changed since the step's first hand-over (between micro-batches): written back
+            # now, once the requests already sent are answered; the micro-batches accumulated
+            # stay pending on the server, as torch's .grad stays through such an edit
+            self._settle()
+            self._write_back_state([p])
         st = self.state.get(p)
         if not isinstance(st, ExpertState):
             st = self.state[p] = ExpertState(self._fetcher(p), torch.tensor(0.0, dtype=torch.float32),
                                              bool(self._group_of(p)["amsgrad"]))
-        st.forget_moments()  # read after the last write-back: the server's change with this step
+        st.forget_moments()  # the server's change with this step
         step_t = st["step"]
         step_t += 1
         step = step_t.item()
@@ -802,14 +808,23 @@ class SonarAdamW(torch.optim.AdamW):
                 self._grads_this_step[i] = 1
                 self._hand_over(p, torch.zeros_like(p), owned=False)
 
-    def _write_back_state(self) -> None:
+    def _state_edited(self, p: nn.Parameter) -> bool:
+        """Whether p's ``opt.state`` differs from what the server holds (see _write_back_state)."""
+        st = self.state.get(p)
+        known = self._server_steps.get(id(p), 0)
+        if isinstance(st, ExpertState):
+            return not st.unchanged(known)
+        return bool(st) or known > 0
+
+    def _write_back_state(self, only: list[nn.Parameter] | None = None) -> None:
         """Give the server what the script did to the expert tensors' ``opt.state`` since their
         last update, as torch would use it at the next one: moments read and changed, or
         assigned; a changed ``step``; a plain dict set in the ExpertState's place; the state
         deleted or cleared (torch starts such a tensor afresh). Everything is checked before the
         server is told anything. Called where nothing is in flight."""
         work: dict[bool, list[tuple[nn.Parameter, int, dict[str, torch.Tensor] | None]]] = {}
-        for i, (name, p) in self._experts.items():
+        experts = self._experts.items() if only is None else [(id(p), self._experts[id(p)]) for p in only]
+        for i, (name, p) in experts:
             st = self.state.get(p)
             known = self._server_steps.get(i, 0)
             if isinstance(st, ExpertState):
@@ -1003,7 +1018,7 @@ class SonarAdamW(torch.optim.AdamW):
         loads them), all or nothing: it replaces every parameter's state, the expert
         moments on the server."""
         self._check_usable()
-        self._drain()
+        self._settle()  # micro-batches accumulated so far stay pending: torch keeps .grad through a load
         old_state, old_groups = self.state, self.param_groups
         try:
             clipping = state_dict.get("sonar_expert_clipping")
