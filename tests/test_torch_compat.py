@@ -846,6 +846,93 @@ def test_state_changes_between_micro_batches_count_at_the_step(how: str) -> None
         assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), how)
 
 
+def test_state_order_and_state_dict_post_hooks_as_torch() -> None:
+    """opt.state and state_dict()["state"] list the tensors in torch's order (each at its first
+    step, in the groups' order), and state_dict post-hooks see the expert entries: a hook that
+    drops the state or casts it acts on them too (red team round 2: experts came first, in
+    backward's order, and were put back after the hooks ran)."""
+    model = make_model(num_layers=3)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    names = {id(p): n for m in (ref, model) for n, p in m.named_parameters()}
+    with SonarAdamW(model, **HP) as opt:
+        run_both(ref, ropt, model, opt, 2, seed=31, where="train", skip=(2,))
+        run_both(ref, ropt, model, opt, 1, seed=31, where="layer 2 joins", first=2)
+        assert [names[id(p)] for p in opt.state] == [names[id(p)] for p in ropt.state]
+        assert list(opt.state_dict()["state"]) == list(ropt.state_dict()["state"])
+
+        def bf16(o: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+            sd["state"] = {i: {k: v.to(torch.bfloat16) for k, v in st.items()} for i, st in sd["state"].items()}
+            return sd
+
+        def drop(o: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+            sd["state"] = {}
+            return sd
+
+        for hook in (bf16, drop):
+            handles = [o.register_state_dict_post_hook(hook) for o in (ropt, opt)]
+            assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), hook.__name__)
+            for h in handles:
+                h.remove()
+        run_both(ref, ropt, model, opt, 1, seed=31, where="after the hooks", first=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_expert_tensor_moved_to_another_group(dtype: torch.dtype) -> None:
+    """An expert tensor a script moves from one existing group to another takes that group's
+    options at its next step (red team round 2: the old group's were kept)."""
+    model = make_model(dtype)
+    ref = clone_model(model)
+
+    def groups(m: torch.nn.Module) -> list[dict[str, Any]]:
+        rest = [p for n, p in m.named_parameters() if n != "layers.0.mlp.experts.gate_up_proj"]
+        return [{"params": [named(m, "layers.0.mlp.experts.gate_up_proj")]},
+                {"params": rest, "lr": 5e-3, "betas": (0.8, 0.9), "weight_decay": 0.2}]
+
+    ropt = torch.optim.AdamW(groups(ref), **HP)
+    with SonarAdamW(groups(model), **HP) as opt:
+        run_both(ref, ropt, model, opt, 2, seed=32, where="before", dtype=dtype)
+        for o in (ropt, opt):
+            moved = o.param_groups[0]["params"].pop()
+            o.param_groups[1]["params"].append(moved)
+        run_both(ref, ropt, model, opt, 2, seed=32, where="after the move", dtype=dtype, first=2)
+
+
+def test_adam_style_weight_decay_is_refused_before_anything_changes() -> None:
+    """decoupled_weight_decay=False in an expert tensor's group (Adam with L2 weight decay, as
+    torch.optim.Adam) is not what sonard computes: refused at the next backward, before any
+    expert update (red team round 2: ignored for the experts)."""
+    sonar_only()
+    model = make_model()
+    with SonarAdamW(model, **HP) as opt:
+        train_step(model, opt, *batch(33, 0))
+        opt.param_groups[0]["decoupled_weight_decay"] = False
+        before = snapshot(model)
+        opt.zero_grad()
+        with pytest.raises(ValueError, match="decoupled_weight_decay"):
+            fwd_bwd(model, *batch(33, 1))
+        assert_snapshot_equal(before, model, "after the refusal", expert_names(model))
+
+
+def test_compiled_step_runs_as_written() -> None:
+    """torch.compile(opt.step): SonarAdamW.step is not traced (the expert updates go through
+    sonard) and runs eagerly; float32 training equals eager torch.optim.AdamW (it raised
+    'Expected scalars to be on CPU, got meta' after the expert updates, before)."""
+    sonar_only()
+    model = make_model()
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP) as opt:
+        step = torch.compile(opt.step, backend="aot_eager")
+        for s in range(3):
+            x, y = batch(34, s)
+            train_step(ref, ropt, x, y)
+            opt.zero_grad()
+            fwd_bwd(model, x, y)
+            step()
+            assert_models_equal(ref, model, f"step {s + 1}")
+
+
 @pytest.mark.parametrize("how", ["fractional_step", "wrong_shape", "missing_moment"])
 def test_bad_state_edit_is_refused_before_anything_changes(how: str) -> None:
     sonar_only()

@@ -23,6 +23,7 @@ import subprocess
 import time
 import warnings
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from fractions import Fraction
 from typing import Any
@@ -364,7 +365,7 @@ class SonarAdamW(torch.optim.AdamW):
         self._in_module = module_experts(params, model)  # the module's layout, where a module is given
         self._order = {pid: i for i, pid in enumerate(self._names)}  # the module's parameter order
         self._groups_key: tuple[int, ...] = ()
-        self._group_by_param: dict[int, dict[str, Any]] = {}
+        self._group_by_param: dict[int, tuple[dict[str, Any], int]] = {}
         self._pred = expert_params
         self._started = False
         self._closed = False
@@ -421,6 +422,8 @@ class SonarAdamW(torch.optim.AdamW):
         # (None: the k-th), and the expert tensors whose step it completed since step()
         self._ends_step: bool | None = None
         self._completed: set[int] = set()
+        self._ordered: set[int] = set()  # parameters whose opt.state entry is in torch's place (_order_state)
+        self._ordered_in: Any = None  # the opt.state dict _ordered is about
         self._options = BackendOptions(timeout=timeout, split_experts=split_experts,
                                        grad_accumulation_steps=grad_accumulation_steps,
                                        max_expert_grad_norm=max_expert_grad_norm, ring_layers=ring_layers,
@@ -509,16 +512,18 @@ class SonarAdamW(torch.optim.AdamW):
         return "parameter"
 
     def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
-        """p's parameter group. The map is rebuilt only when the groups themselves change
-        (add_param_group, load_state_dict), not on every gradient."""
+        """p's parameter group. The map (each parameter's group and place in it) is rebuilt
+        when the groups change (add_param_group, load_state_dict) or p is no longer where the
+        map has it (a script moved it to another group), not on every gradient."""
         key = tuple(id(g) for g in self.param_groups)
-        if key != self._groups_key:
+        found = self._group_by_param.get(id(p)) if key == self._groups_key else None
+        if found is None or not (found[1] < len(found[0]["params"]) and found[0]["params"][found[1]] is p):
             self._groups_key = key
-            self._group_by_param = {id(q): g for g in self.param_groups for q in g["params"]}
-        g = self._group_by_param.get(id(p))
-        if g is None:
-            raise KeyError("parameter not in any group")
-        return g
+            self._group_by_param = {id(q): (g, i) for g in self.param_groups for i, q in enumerate(g["params"])}
+            found = self._group_by_param.get(id(p))
+            if found is None:
+                raise KeyError("parameter not in any group")
+        return found[0]
 
     def _hyper_of(self, p: torch.Tensor) -> dict[str, Any]:
         """The hyper-parameters the server checks at registration (those of p's group)."""
@@ -740,6 +745,7 @@ class SonarAdamW(torch.optim.AdamW):
     def _hand_over(self, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
         """Hand one expert gradient to the backend. owned: grad is p.grad, freed there."""
         if not self._handed_over_since_step:
+            self._check_expert_groups()
             self._write_back_state()  # nothing is in flight before the first hand-over of a step
             self._handed_over_since_step = True
         t = time.perf_counter()
@@ -807,6 +813,15 @@ class SonarAdamW(torch.optim.AdamW):
                 self._backend.check(p)
                 self._grads_this_step[i] = 1
                 self._hand_over(p, torch.zeros_like(p), owned=False)
+
+    def _check_expert_groups(self) -> None:
+        """Refuse, before any expert update of the step, options of the expert tensors' groups
+        that sonard does not reproduce: ``decoupled_weight_decay=False`` turns torch's update into
+        Adam's with L2 weight decay (torch.optim.Adam's), a script may set it in a group."""
+        for name, p in self._experts.values():
+            if not self._group_of(p).get("decoupled_weight_decay", True):
+                raise ValueError(f"expert tensor {name} is in a parameter group with decoupled_weight_decay=False "
+                                 "(Adam with L2 weight decay): sonard reproduces AdamW's decoupled weight decay only")
 
     def _state_edited(self, p: nn.Parameter) -> bool:
         """Whether p's ``opt.state`` differs from what the server holds (see _write_back_state)."""
@@ -876,8 +891,9 @@ class SonarAdamW(torch.optim.AdamW):
         return int(value)
 
     # ------------------------------------------------------------ optimizer
+    @torch.compiler.disable  # the expert updates go through sonard: torch.compile runs this as written
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Apply hand-set expert gradients, wait for the expert updates, clip the dense
         gradients and step them with torch's AdamW."""
         loss = None
@@ -902,6 +918,7 @@ class SonarAdamW(torch.optim.AdamW):
                     self._step_zeroed_grads()
             self._drain()
             self._dense_step(grad_scale, found_inf)
+            self._order_state()
         finally:
             for i in self._overflowed:
                 self._experts[i][1].grad = None
@@ -914,6 +931,24 @@ class SonarAdamW(torch.optim.AdamW):
             if not self._closed:
                 self._hook_experts()
         return loss
+
+    def _order_state(self) -> None:
+        """torch creates a tensor's state at its first step, in the groups' order; the expert
+        tensors' appear during backward, in backward's order. The entries that appeared since
+        the last step are put in the groups' order (after the older ones), as torch has them,
+        for scripts and state_dict hooks that go by the order of opt.state."""
+        if self.state is not self._ordered_in:  # replaced by the script or load_state_dict
+            self._ordered, self._ordered_in = set(), self.state
+        new = [k for k in self.state if id(k) not in self._ordered]
+        if not new:
+            return
+        place = {id(q): i for i, q in enumerate(q for g in self.param_groups for q in g["params"])}
+        old = [(k, v) for k, v in self.state.items() if id(k) in self._ordered]
+        new.sort(key=lambda k: place.get(id(k), len(place)))
+        items = old + [(k, self.state[k]) for k in new]
+        self.state.clear()  # the same dict: a script may hold it
+        self.state.update(items)
+        self._ordered = {id(k) for k in self.state}
 
     def _dense_step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         """torch.optim.AdamW.step over the dense parameters (after clipping)."""
@@ -992,12 +1027,8 @@ class SonarAdamW(torch.optim.AdamW):
         into torch.optim.AdamW over the same parameters and trains on bitwise."""
         self._check_usable()
         self._settle()  # micro-batches still to come stay pending: torch's state is that before the step
-        if not self._handed_over_since_step:
-            self._write_back_state()
-        sd = super().state_dict()
-        index: dict[int, int] = {}  # as torch numbers the parameters in state_dict
-        for p in (p for g in self.param_groups for p in g["params"]):
-            index.setdefault(id(p), len(index))
+        self._write_back_state()  # nothing is in flight now
+        entries: dict[int, dict[str, Any]] = {}
         by_amsgrad: dict[bool, list[nn.Parameter]] = {}
         for _, p in self._experts.values():
             if isinstance(self.state.get(p), ExpertState):
@@ -1008,7 +1039,18 @@ class SonarAdamW(torch.optim.AdamW):
                     moments = xfer.fetch(p)
                     entry: dict[str, Any] = {"step": self.state[p]["step"].clone()}
                     entry.update((k, v) for k, v in moments.items() if amsgrad or k != "max_exp_avg_sq")
-                    sd["state"][index[id(p)]] = entry
+                    entries[id(p)] = entry
+        # torch's state_dict packs self.state and runs the state_dict hooks on the result: it
+        # packs a view of it with the expert entries fetched, so that the hooks see them
+        live = self.state
+        view: defaultdict[torch.Tensor, Any] = defaultdict(dict)
+        for k, v in live.items():
+            view[k] = entries.get(id(k), v)
+        self.state = view
+        try:
+            sd = super().state_dict()
+        finally:
+            self.state = live
         if self._clipper is not None:
             sd["sonar_expert_clipping"] = self._clipper.state()
         return sd
