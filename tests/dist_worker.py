@@ -79,6 +79,9 @@ DDP_CASES = [
     ("batched-fp32-no_sync-accum2", "batched", torch.float32, 1.0, False, False, 2, 4, (4, 32), "after"),
     # few tokens, many experts: some experts get no token on this rank, some on no rank at all
     ("modulelist-find_unused-clip", "modulelist", torch.float32, 1.0, True, True, 1, 8, (1, 6), "by-hand"),
+    # every second step's backward under no_sync, then step(): torch steps with the rank-local
+    # .grad, and so must SonarAdamW (it skipped the experts; red team, 2026-12-06)
+    ("batched-fp32-local-steps", "batched", torch.float32, None, False, False, 1, 4, (2, 32), "local-steps"),
 ]
 DDP_STEPS = 4
 
@@ -109,11 +112,14 @@ def ddp_case(rank: int, world: int, server: str, case: tuple) -> None:
         if how == "by-hand" and register_ddp_comm_hook(mddp, opt) is not opt.ddp_hook:
             raise Mismatch(f"{name}: register_ddp_comm_hook by hand made a second hook")
         assert len(opt.named_expert_parameters()) == len(expert_names)
+        local_steps = 0
         for step in range(DDP_STEPS):
+            local = how == "local-steps" and step % 2 == 1  # no all-reduce at all in this step
+            local_steps += local
             # reference: DDP's built-in averaging all-reduce, dense-only clipping, AdamW over all
             micro = next(rdata).chunk(accum)
             for i, m in enumerate(micro):
-                with rddp.no_sync() if i < accum - 1 else contextlib.nullcontext():
+                with rddp.no_sync() if i < accum - 1 or local else contextlib.nullcontext():
                     loss, _ = rddp(m, labels=m)
                     loss.backward()
             unused_everywhere += sum(p.grad is None for n, p in ref.named_parameters() if n in expert_names)
@@ -124,11 +130,11 @@ def ddp_case(rank: int, world: int, server: str, case: tuple) -> None:
             # Sonar: experts applied during backward from the all-reduced buckets
             micro = next(mdata).chunk(accum)
             for i, m in enumerate(micro):
-                with mddp.no_sync() if i < accum - 1 else contextlib.nullcontext():
+                with mddp.no_sync() if i < accum - 1 or local else contextlib.nullcontext():
                     loss, _ = mddp(m, labels=m)
                     loss.backward()
             kept = [n for n, p in mine.named_parameters() if n in expert_names and p.grad is not None]
-            if kept:
+            if kept and not local:
                 raise Mismatch(f"{name} step {step + 1}: expert gradients kept after backward: {kept[:3]}")
             opt.step()
             opt.zero_grad()
@@ -139,14 +145,15 @@ def ddp_case(rank: int, world: int, server: str, case: tuple) -> None:
         st = opt.stats()
         if st["namespace"] != f"rank{rank}" or st["server"]["errors"]:
             raise Mismatch(f"{name}: stats {st}")
-    same_on_all_ranks(list(mine.parameters()), name)
+    if how != "local-steps":  # the local steps' updates differ from rank to rank, as torch's do
+        same_on_all_ranks(list(mine.parameters()), name)
     handed = hook.counts["handed_in_hooks"] + hook.counts["handed_at_end"] + hook.counts["handed_after_reduce"]
     if find_unused:
         if unused_everywhere == 0:
             raise Mismatch(f"{name}: no expert went unused on every rank: the case does not test what it should")
         if handed != DDP_STEPS * len(expert_names) - unused_everywhere:
             raise Mismatch(f"{name}: {handed} expert gradients handed over, counts {hook.counts}")
-    elif handed != DDP_STEPS * len(expert_names) or hook.counts["handed_after_reduce"]:
+    elif handed != (DDP_STEPS - local_steps) * len(expert_names) or hook.counts["handed_after_reduce"]:
         raise Mismatch(f"{name}: {handed} expert gradients handed over, counts {hook.counts}")
     say(rank, f"OK {name} counts {hook.counts} unused-everywhere {unused_everywhere}")
 

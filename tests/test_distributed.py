@@ -66,7 +66,7 @@ def test_ddp_comm_hook_is_bitwise_torch_adamw(shared_server: str) -> None:
     outs = launch("ddp", 2, shared_server)
     for r, out in enumerate(outs):
         for case in ("batched-fp32-noclip", "batched-fp32-clip-bucketview", "batched-bf16-clip",
-                     "batched-fp32-no_sync-accum2", "modulelist-find_unused-clip"):
+                     "batched-fp32-no_sync-accum2", "modulelist-find_unused-clip", "batched-fp32-local-steps"):
             assert f"[rank {r}] OK {case}" in out, out
     st = server_stats(shared_server)
     assert st["errors"] == 0 and st["step_items"] > 0

@@ -910,10 +910,13 @@ class SonarAdamW(torch.optim.AdamW):
                 raise RuntimeError(
                     "SonarAdamW was stepped by a GradScaler it was not given: its expert tensors were updated "
                     "during backward with still-scaled gradients. Pass grad_scaler=scaler to SonarAdamW")
-            if not self._external_grads:  # gradients set by hand, or produced outside the hooks
-                for i, (_, p) in self._experts.items():
-                    if p.grad is not None and i not in self._overflowed:
-                        self._take(p)
+            # Gradients set by hand, or produced outside the hooks: under DDP (external
+            # gradients) those of a backward DDP did not all-reduce (no_sync, then step()), or
+            # of a tensor DDP does not reduce; torch steps with them, so does this.
+            for i, (_, p) in self._experts.items():
+                if p.grad is not None and i not in self._overflowed:
+                    self._take(p)
+            if not self._external_grads:
                 if self._zeroed_grads and not (found_inf is not None and bool(found_inf.item())):
                     self._step_zeroed_grads()
             self._drain()
