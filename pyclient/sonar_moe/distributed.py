@@ -124,7 +124,9 @@ class DDPExpertHook:
                     "DDP all-reduced the gradients of a second backward before opt.step(): SonarAdamW applies the "
                     "expert gradients during backward, so this would apply two steps where torch.optim.AdamW takes "
                     "one. Accumulate with ddp.no_sync() (or accelerator.accumulate(model), as Trainer does) for all "
-                    "but the last micro-batch, then call opt.step()")
+                    "but the last micro-batch, then call opt.step(). (Reentrant activation checkpointing, "
+                    "torch.utils.checkpoint(use_reentrant=True), runs backward passes inside backward and ends up "
+                    "here too: use use_reentrant=False)")
             self._queued = True
             _engine.queue_callback(self._end_of_backward)  # runs before DDP's finalize (queued later)
         if not self.after_reduce:
