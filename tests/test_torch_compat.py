@@ -337,6 +337,21 @@ def test_step_boundary_set_by_the_loop(dtype: torch.dtype) -> None:
         assert_snapshot_equal(before, model, "after the refused backward", expert_names(model))
 
 
+@pytest.mark.parametrize("option", ["max_expert_grad_norm", "grad_scaler"])
+def test_step_boundary_refuses_accumulation_where_options_do(option: str) -> None:
+    """set_step_boundary(False) accumulates micro-batches: refused with max_expert_grad_norm
+    (it would clip each) and grad_scaler, as grad_accumulation_steps > 1 is (red team round 3:
+    the boundary went around that refusal)."""
+    sonar_only()
+    kw: dict[str, Any] = ({"max_expert_grad_norm": 1.0} if option == "max_expert_grad_norm"
+                          else {"grad_scaler": torch.amp.GradScaler("cpu")})
+    with SonarAdamW(make_model(), **HP, **kw) as opt:
+        opt.set_step_boundary(True)
+        with pytest.raises(ValueError, match=option):
+            opt.set_step_boundary(False)
+        assert opt.step_boundary is True
+
+
 # torch's Optimizer.zero_grad(set_to_none=False) keeps a zero .grad for every parameter that had
 # one: AdamW then steps a tensor that the next backward leaves without a gradient (weight decay,
 # decaying moments). SonarAdamW frees each expert gradient in backward, so it must step such tensors itself (red team,
@@ -875,6 +890,16 @@ def test_state_order_and_state_dict_post_hooks_as_torch() -> None:
             for h in handles:
                 h.remove()
         run_both(ref, ropt, model, opt, 1, seed=31, where="after the hooks", first=3)
+        # entries deleted and made again take torch's place (red team: they kept their old one)
+        for first, edit in ((4, "clear"), (5, "delete")):
+            for o, m in ((ropt, ref), (opt, model)):
+                if edit == "clear":
+                    o.state.clear()
+                else:
+                    del o.state[named(m, "layers.1.mlp.experts.down_proj")], o.state[named(m, "embed.weight")]
+            run_both(ref, ropt, model, opt, 1, seed=31, where=f"after {edit}", first=first)
+            assert list(opt.state_dict()["state"]) == list(ropt.state_dict()["state"]), edit
+            assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), edit)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -898,19 +923,26 @@ def test_expert_tensor_moved_to_another_group(dtype: torch.dtype) -> None:
         run_both(ref, ropt, model, opt, 2, seed=32, where="after the move", dtype=dtype, first=2)
 
 
-def test_adam_style_weight_decay_is_refused_before_anything_changes() -> None:
+@pytest.mark.parametrize("when", ["between_steps", "between_micro_batches"])
+def test_adam_style_weight_decay_is_refused_before_anything_changes(when: str) -> None:
     """decoupled_weight_decay=False in an expert tensor's group (Adam with L2 weight decay, as
-    torch.optim.Adam) is not what sonard computes: refused at the next backward, before any
-    expert update (red team round 2: ignored for the experts)."""
+    torch.optim.Adam) is not what sonard computes: refused at the step's first expert update,
+    before any (red team rounds 2 and 3: ignored for the experts; then set between
+    micro-batches, it still was)."""
     sonar_only()
     model = make_model()
-    with SonarAdamW(model, **HP) as opt:
-        train_step(model, opt, *batch(33, 0))
-        opt.param_groups[0]["decoupled_weight_decay"] = False
-        before = snapshot(model)
+    with SonarAdamW(model, **HP, grad_accumulation_steps=2) as opt:
+        for micro in range(2):
+            fwd_bwd(model, *batch(33, micro))
+        opt.step()
         opt.zero_grad()
+        before = snapshot(model)
+        if when == "between_steps":
+            opt.param_groups[0]["decoupled_weight_decay"] = False
+        fwd_bwd(model, *batch(33, 2))  # accumulated: nothing applied yet
+        opt.param_groups[0]["decoupled_weight_decay"] = False
         with pytest.raises(ValueError, match="decoupled_weight_decay"):
-            fwd_bwd(model, *batch(33, 1))
+            fwd_bwd(model, *batch(33, 3))
         assert_snapshot_equal(before, model, "after the refusal", expert_names(model))
 
 

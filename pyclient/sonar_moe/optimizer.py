@@ -412,6 +412,7 @@ class SonarAdamW(torch.optim.AdamW):
         # a script that clears, deletes or changes opt.state[p] is caught by comparing with it.
         self._server_steps: dict[int, int] = {}
         self._handed_over_since_step = False  # the first hand-over after step() writes state back first
+        self._applied_since_step = False  # the first expert update after step() checks the groups' options first
         # torch keeps a tensor's .grad until zero_grad(set_to_none=True); sonar frees an expert
         # tensor's in backward. The expert tensors torch would still hold a .grad for, and those
         # whose .grad zero_grad(set_to_none=False) would have made a zero tensor: torch steps
@@ -536,6 +537,9 @@ class SonarAdamW(torch.optim.AdamW):
     def advance(self, p: nn.Parameter) -> tuple[int, dict[str, Any]]:
         """The expert tensor's next step: count it (the state appears at the first one, as
         torch's does) and return that step's scalars (of p's group)."""
+        if not self._applied_since_step:  # no expert update of this step yet: options checked first
+            self._check_expert_groups()
+            self._applied_since_step = True
         if self._handed_over_since_step and self._state_edited(p):
             # changed since the step's first hand-over (between micro-batches): written back
             # now, once the requests already sent are answered; the micro-batches accumulated
@@ -708,7 +712,15 @@ class SonarAdamW(torch.optim.AdamW):
         left); None (the default), the ``grad_accumulation_steps``-th backward since ``step()``
         completes it. So a step of more or fewer micro-batches than ``grad_accumulation_steps``
         (Trainer carries a stream's last micro-batch into the next epoch's first step) is
-        summed as torch sums it into ``.grad``."""
+        summed as torch sums it into ``.grad``. ``False`` (accumulation) is refused where
+        ``grad_accumulation_steps > 1`` would be: with ``max_expert_grad_norm`` or ``grad_scaler``."""
+        if ends_step is False and self.max_expert_grad_norm is not None:
+            raise ValueError("set_step_boundary(False) accumulates micro-batches, and max_expert_grad_norm would clip "
+                             "each of them, not their sum: not supported (as grad_accumulation_steps > 1)")
+        if ends_step is False and self.grad_scaler is not None:
+            raise ValueError("set_step_boundary(False) accumulates micro-batches, and with grad_scaler a micro-batch "
+                             "whose gradient overflows could not be taken back from the sum: not supported (as "
+                             "grad_accumulation_steps > 1)")
         self._ends_step = ends_step
         self._backend.set_step_boundary(ends_step)
 
@@ -745,7 +757,7 @@ class SonarAdamW(torch.optim.AdamW):
     def _hand_over(self, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
         """Hand one expert gradient to the backend. owned: grad is p.grad, freed there."""
         if not self._handed_over_since_step:
-            self._check_expert_groups()
+            self._forget_deleted_state()
             self._write_back_state()  # nothing is in flight before the first hand-over of a step
             self._handed_over_since_step = True
         t = time.perf_counter()
@@ -901,6 +913,7 @@ class SonarAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         self._check_usable()
+        self._forget_deleted_state()
         # Set by GradScaler.step around this call (this class supports AMP scaling itself): the
         # scale the dense gradients still carry (None: already unscaled), whether any overflowed.
         grad_scale = getattr(self, "grad_scale", None)
@@ -930,10 +943,18 @@ class SonarAdamW(torch.optim.AdamW):
             self._zeroed_grads.clear()
             self._completed.clear()
             self._handed_over_since_step = False
+            self._applied_since_step = False
             self._data_parallel_check_due = True
             if not self._closed:
                 self._hook_experts()
         return loss
+
+    def _forget_deleted_state(self) -> None:
+        """Entries the script deleted (``del opt.state[p]``, ``clear()``) since the last step: a
+        new one for the same tensor is a new entry, placed as torch places it (_order_state).
+        Called before anything of the step can create entries again."""
+        if self._ordered and self.state is self._ordered_in:
+            self._ordered &= {id(k) for k in self.state}
 
     def _order_state(self) -> None:
         """torch creates a tensor's state at its first step, in the groups' order; the expert
