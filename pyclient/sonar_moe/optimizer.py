@@ -774,17 +774,17 @@ class SonarAdamW(torch.optim.AdamW):
 
     def _drain(self) -> None:
         """Wait for every expert update (sending what is pending, applying accumulated gradients)."""
-        t = time.perf_counter()
-        try:
-            self._backend.drain()
-        finally:
-            self._wait_s += time.perf_counter() - t
+        self._timed_wait(self._backend.drain)
 
     def _settle(self) -> None:
         """Wait for every expert request sent, applying nothing that waits for more micro-batches."""
+        self._timed_wait(self._backend.settle)
+
+    def _timed_wait(self, wait: Callable[[], None]) -> None:
+        """Run a wait of the backend, counted in stats()' wait seconds."""
         t = time.perf_counter()
         try:
-            self._backend.settle()
+            wait()
         finally:
             self._wait_s += time.perf_counter() - t
 
@@ -851,23 +851,19 @@ class SonarAdamW(torch.optim.AdamW):
         server is told anything. Called where nothing is in flight."""
         work: dict[bool, list[tuple[nn.Parameter, int, dict[str, torch.Tensor] | None]]] = {}
         experts = self._experts.items() if only is None else [(id(p), self._experts[id(p)]) for p in only]
-        for i, (name, p) in experts:
+        for _, (name, p) in experts:
+            if not self._state_edited(p):
+                continue
             st = self.state.get(p)
-            known = self._server_steps.get(i, 0)
-            if isinstance(st, ExpertState):
-                if st.unchanged(known):
-                    continue
-                held = st.held_moments()
-                step = self._state_step(name, st)
-            elif st:  # a dict set by the script: torch would use it as it is
-                self._check_loaded(name, p, st)
-                held = {k: v for k, v in st.items() if k in STATE_KEYS and isinstance(v, torch.Tensor)}
-                step = self._state_step(name, st)
-            elif known:  # cleared or deleted: torch starts afresh
+            if not st:  # cleared or deleted while the server holds a state: torch starts afresh
                 work.setdefault(bool(self._group_of(p)["amsgrad"]), []).append((p, 0, None))
                 continue
-            else:
-                continue
+            if isinstance(st, ExpertState):
+                held = st.held_moments()
+            else:  # a dict set by the script: torch would use it as it is
+                self._check_loaded(name, p, st)
+                held = {k: v for k, v in st.items() if k in STATE_KEYS and isinstance(v, torch.Tensor)}
+            step = self._state_step(name, st)
             for k, v in held.items():
                 if v.shape != p.shape:
                     raise ValueError(f"opt.state of expert tensor {name}: {k} has shape {tuple(v.shape)}, want "
