@@ -487,3 +487,61 @@ def test_sonar_trainer_expert_clipping_logs_global_norm(tmp_path: Path) -> None:
         want = float(torch.clamp(0.05 / (torch.tensor(prev["grad_norm"], dtype=torch.float32) + 1e-6), max=1.0))
         assert cur["expert_grad_scale"] == want < 1.0
     assert all(h["grad_norm"] > h["dense_grad_norm"] for h in logs)
+
+
+class DenseClipping(Trainer):
+    """The stock Trainer clipping the dense parameters only (SonarTrainer's reference)."""
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        dense = [p for n, p in model.named_parameters() if n not in experts(model)]
+        return self.accelerator.clip_grad_norm_(dense, self.args.max_grad_norm)
+
+
+@pytest.fixture
+def cuda_like_scaler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """accelerate scales the loss with a GradScaler for fp16=True on CUDA only; there is no GPU
+    here, so each Accelerator with fp16 gets the CPU GradScaler it would make on CUDA (the same
+    class and calls: scale, unscale_ in clip_grad_norm_, step, update; fp16 autocast on CPU)."""
+    import accelerate
+
+    made = accelerate.Accelerator.__init__
+
+    def init(self: Any, *a: Any, **kw: Any) -> None:
+        made(self, *a, **kw)
+        if str(self.state.mixed_precision) == "fp16" and self.scaler is None:
+            self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+            self.native_amp = True  # as on CUDA: unscale_gradients (clip_grad_norm_) unscales
+
+    monkeypatch.setattr(accelerate.Accelerator, "__init__", init)
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_sonar_trainer_fp16_with_accelerates_grad_scaler(tmp_path: Path, cuda_like_scaler: None, optim: str,
+                                                         clip: float) -> None:
+    """fp16=True where accelerate makes a GradScaler (every CUDA fp16 run): SonarTrainer hands it
+    to SonarAdamW, which unscales each expert gradient as the stock Trainer's path does, and
+    ends where the stock Trainer (clipping the dense parameters, as SonarTrainer does) ends.
+    Before, SonarTrainer raised "stepped by a GradScaler it was not given" at the first step,
+    after the experts were updated with still-scaled gradients."""
+    a = args(tmp_path, fp16=True, optim=optim, gradient_accumulation_steps=1, max_steps=4, max_grad_norm=clip)
+    ref, mine = olmoe(), olmoe()
+    rt = DenseClipping(model=ref, args=a, train_dataset=Windows())
+    rt.train()
+    assert rt.accelerator.scaler is not None
+    st = SonarTrainer(model=mine, args=a, train_dataset=Windows())
+    st.train()
+    opt = unwrap_sonar(st.optimizer)
+    assert opt is not None and opt.grad_scaler is st.accelerator.scaler
+    if clip:
+        assert opt.last_dense_grad_norm is not None and float(opt.last_dense_grad_norm) > clip  # it clipped
+    close_sonar(st)
+    assert_same(ref, mine)
+
+
+def test_sonar_trainer_fp16_scaler_with_accumulation_is_refused(tmp_path: Path, cuda_like_scaler: None) -> None:
+    """fp16 loss scaling and accumulation: refused before anything is trained, naming bf16."""
+    st = SonarTrainer(model=olmoe(), args=args(tmp_path, fp16=True, gradient_accumulation_steps=2),
+                      train_dataset=Windows())
+    with pytest.raises(ValueError, match="bf16=True"):
+        st.create_optimizer()

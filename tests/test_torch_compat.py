@@ -439,6 +439,67 @@ def test_grad_scaler_bitwise(dtype: torch.dtype) -> None:
             assert scaler.get_scale() == rscaler.get_scale()
 
 
+SCALER_FLAGS = [{}, {"foreach": True}, {"fused": True}]
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("flags", SCALER_FLAGS, ids=["single", "foreach", "fused"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_grad_scaler_with_flags_and_clipping(dtype: torch.dtype, flags: dict[str, Any], clip: float | None) -> None:
+    """GradScaler hands the scale to a torch AdamW built with fused=True (its kernel divides by
+    it) and unscales any other with unscale_ (a multiply by the reciprocal). With max_grad_norm
+    the reference is AMP's recipe: scaler.unscale_(opt), clip_grad_norm_(dense), scaler.step(opt).
+    A red team found fused=True with max_grad_norm clipping the still-scaled dense gradients
+    (norm 10927 for torch's 2.67) and dividing the expert ones where unscale_ multiplies."""
+    if clip is not None:
+        sonar_only()  # the torch stand-in does not clip
+    model = make_model(dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP, **flags)
+    rdense = [dict(ref.named_parameters())[k] for k in dense_names(ref)]
+    rscaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    with SonarAdamW(model, **HP, **flags, grad_scaler=scaler, max_grad_norm=clip) as opt:
+        for s in range(4):
+            x, y = batch(8, s, dtype)
+            ropt.zero_grad()
+            rscaler.scale(loss_of(ref, x, y)).backward()
+            if clip is not None:
+                rscaler.unscale_(ropt)
+                rnorm = torch.nn.utils.clip_grad_norm_(rdense, clip)
+            rscaler.step(ropt)
+            rscaler.update()
+            scaler_step(model, opt, scaler, x, y)
+            assert_models_equal(ref, model, f"GradScaler {flags} clip={clip} step {s + 1}")
+            if clip is not None:
+                assert opt.last_dense_grad_norm is not None and torch.equal(opt.last_dense_grad_norm, rnorm)
+                assert float(rnorm) > clip  # the clipping acted
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_grad_scaler_with_groups_differing_in_fused(dtype: torch.dtype) -> None:
+    """A fused=True group in an AdamW built without it: GradScaler unscales every gradient
+    with unscale_ (the optimizer does not take the scale), so the fused group's kernel gets
+    unscaled gradients. Sonar left the other group's dense gradients scaled (red team)."""
+    model = make_model(dtype)
+    ref = clone_model(model)
+
+    def groups(m: nn.Module) -> list[dict[str, Any]]:
+        named = list(m.named_parameters())
+        return [{"params": [p for n, p in named if p.dim() >= 2], "fused": True},
+                {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+
+    ropt = torch.optim.AdamW(groups(ref), **HP)
+    rscaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    with SonarAdamW(groups(model), model=model, **HP, grad_scaler=scaler) as opt:
+        for s in range(3):
+            x, y = batch(8, s, dtype)
+            scaler_step(ref, ropt, rscaler, x, y)
+            scaler_step(model, opt, scaler, x, y)
+            assert_models_equal(ref, model, f"mixed fused groups step {s + 1}")
+
+
 def test_grad_scaler_inf_in_one_expert_tensor() -> None:
     """torch skips the whole step; SonarAdamW (experts already applied during backward) skips the
     tensor whose gradient is not finite and the dense step, and backs the scale off as torch does."""

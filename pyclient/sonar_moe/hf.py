@@ -107,12 +107,22 @@ class SonarTrainer(Trainer):
                 # Trainer dropped it (a new train() with model_init, hyperparameter_search):
                 # its session, and its private sonard, go with it
                 self._built.close()
+            extra: dict[str, Any] = {}
+            scaler = getattr(self.accelerator, "scaler", None)  # fp16 where accelerate scales the loss (CUDA)
+            if scaler is not None and "grad_scaler" not in self.sonar_kwargs:
+                if a.gradient_accumulation_steps > 1:
+                    raise ValueError(
+                        "SonarTrainer with fp16=True and gradient_accumulation_steps > 1: accelerate scales the "
+                        "loss with a GradScaler, and SonarAdamW cannot take an overflowing micro-batch back out of "
+                        "the expert gradients summed on the server. Use bf16=True (no loss scaling), or "
+                        "gradient_accumulation_steps=1")
+                extra["grad_scaler"] = scaler  # accelerate steps SonarAdamW through it (scaler.step)
             self.optimizer = self._built = SonarAdamW(
                 groups,
                 max_grad_norm=float(a.max_grad_norm) if a.max_grad_norm and a.max_grad_norm > 0 else None,
                 grad_accumulation_steps=a.gradient_accumulation_steps,
                 model=target,
-                **{**adamw, **self.sonar_kwargs},
+                **{**adamw, **extra, **self.sonar_kwargs},
             )
         return self.optimizer
 

@@ -667,7 +667,7 @@ class SonarAdamW(torch.optim.AdamW):
         assert grad is not None
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             scale = torch.tensor(self.grad_scaler.get_scale(), dtype=torch.float64)
-            if self._group_of(p)["fused"]:  # torch's fused kernel divides by the scale
+            if self._fused_unscales(self._group_of(p)):  # torch's fused kernel divides by the scale
                 grad.div_(scale.float().to(grad.device))
             else:  # as GradScaler.unscale_ does: multiply by the float32 reciprocal of the scale
                 grad.mul_(scale.reciprocal().float().to(grad.device))
@@ -979,11 +979,15 @@ class SonarAdamW(torch.optim.AdamW):
                 self._clipper.skip_step()
             return
         dense_grads = [g for g in (p.grad for p in dense) if g is not None]
-        if grad_scale is not None and not any(g["fused"] for g in self.param_groups):
+        if grad_scale is not None:
+            # What GradScaler.unscale_ does (a multiply by the float32 reciprocal) for the
+            # gradients torch's fused kernel would not be handed the scale for.
             inv_scale = grad_scale.double().reciprocal().float()
-            for g in dense_grads:
-                g.mul_(inv_scale.to(g.device))
-            grad_scale = found_inf = None
+            for group in self.param_groups:
+                if not self._fused_unscales(group):
+                    for q in group["params"]:
+                        if id(q) not in self._experts and q.grad is not None:
+                            q.grad.mul_(inv_scale.to(q.grad.device))
         if self.nonfinite == "skip" and not all(bool(torch.isfinite(g).all()) for g in dense_grads):
             self._skipped_nonfinite += 1
             log.warning("skipping the dense step: a dense gradient is not finite")
@@ -1009,9 +1013,17 @@ class SonarAdamW(torch.optim.AdamW):
                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                  foreach=dense_foreach(group, params), capturable=group["capturable"],
                  differentiable=group["differentiable"],
-                 fused=group["fused"], grad_scale=grad_scale if group["fused"] else None,
-                 found_inf=found_inf if group["fused"] else None,
+                 fused=group["fused"], grad_scale=grad_scale if self._fused_unscales(group) else None,
+                 found_inf=found_inf if self._fused_unscales(group) else None,
                  decoupled_weight_decay=group["decoupled_weight_decay"])
+
+    def _fused_unscales(self, group: Mapping[str, Any]) -> bool:
+        """Whether torch's fused kernel would take this group's gradients still scaled and
+        divide them by the scale itself. GradScaler hands the scale to torch.optim.AdamW only
+        when it was built with ``fused=True``; otherwise its ``unscale_`` multiplies every
+        gradient by the reciprocal first. With ``max_grad_norm`` the reference is AMP's recipe
+        ``scaler.unscale_(opt)``, clip, ``scaler.step(opt)``: unscaled before the fused kernel too."""
+        return bool(group["fused"]) and bool(self.defaults.get("fused")) and self.max_grad_norm is None
 
     def _clip_globally(self, dense: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
         """expert_clipping: this step's global norm (the server's expert norms and the dense
