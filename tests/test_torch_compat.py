@@ -307,6 +307,31 @@ def test_grad_accumulation_two_backwards_one_step(dtype: torch.dtype) -> None:
             assert_models_equal(ref, model, f"accumulated step {s + 1}")
 
 
+@pytest.mark.parametrize("ring_layers", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_close_applies_no_unfinished_step(dtype: torch.dtype, ring_layers: int) -> None:
+    """A loop that stops (an error) after a micro-batch's backward, before step(), inside
+    ``with SonarAdamW(...)``: torch applies nothing without step(), and neither does close().
+    It applied the pending micro-batch as a whole step when a request was in flight (red team)."""
+    model = make_model(dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP, grad_accumulation_steps=2, ring_layers=ring_layers) as opt:
+        for s in range(3):
+            for micro in range(2):
+                x, y = batch(6, 2 * s + micro, dtype)
+                fwd_bwd(ref, x, y, scale=0.5)
+                fwd_bwd(model, x, y, scale=0.5)
+                if s == 2:
+                    break  # the error: the third step never comes
+            else:
+                ropt.step()
+                opt.step()
+                ropt.zero_grad()
+                opt.zero_grad()
+    assert_models_equal(ref, model, "after close() with a micro-batch pending")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_step_boundary_set_by_the_loop(dtype: torch.dtype) -> None:
     """set_step_boundary: the training loop says which backward completes a step (as Trainer

@@ -473,7 +473,10 @@ class ServerBackend(ABC):
     def close(self) -> None:
         try:
             if self._conn.in_flight and self._conn.server_alive:
-                self.drain()
+                # Only the updates already sent are waited for: gradients still queued, and
+                # micro-batches summed for a step that never came to step(), are dropped, as
+                # torch applies nothing without step() (drain() would apply them).
+                self._steps.wait()
         finally:
             self._end_session()
             self._close_memory()
