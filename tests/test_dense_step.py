@@ -50,7 +50,8 @@ def test_dense_step_matches_torch_adamw(hyper: str, clip: float | None, dtype: t
     with sonar(mine, max_grad_norm=clip, **kw) as opt:
         group = opt.param_groups[0]
         # The test covers the path it means to: foreach for float32, torch's own flag otherwise.
-        assert dense_foreach(group, list(mine.parameters())) is (True if dtype == torch.float32 else None)
+        steps = [torch.tensor(0.0) for _ in mine.parameters()]
+        assert dense_foreach(group, list(mine.parameters()), steps) is (True if dtype == torch.float32 else None)
         for step in range(6):
             x = torch.randn(8, 37, generator=gen).to(dtype)
             for m, o in ((ref, ropt), (mine, opt)):
@@ -74,6 +75,7 @@ def group_of(**over: Any) -> dict[str, Any]:
 
 
 F32 = [torch.zeros(3), torch.zeros(2, 2)]
+INT64_STEPS = [torch.zeros(3), torch.zeros(2, 2)]  # F32, with int64 step tensors
 
 
 @pytest.mark.parametrize("group,params,want", [
@@ -92,7 +94,34 @@ F32 = [torch.zeros(3), torch.zeros(2, 2)]
     (group_of(), [torch.zeros(3, dtype=torch.float64)], None),
     (group_of(), [torch.zeros(3, dtype=torch.complex64)], None),
     (group_of(), [], None),
+    (group_of(), INT64_STEPS, None),  # a loaded state's int64 steps: foreach refuses them
 ], ids=["default", "foreach-false", "foreach-true", "fused", "capturable", "differentiable", "tensor-lr",
-        "tensor-beta", "tensor-decay", "tensor-eps", "bf16", "mixed-fp16", "fp64", "complex", "empty"])
+        "tensor-beta", "tensor-decay", "tensor-eps", "bf16", "mixed-fp16", "fp64", "complex", "empty", "int64-step"])
 def test_dense_foreach_rule(group: dict[str, Any], params: list[torch.Tensor], want: bool | None) -> None:
-    assert dense_foreach(group, params) is want
+    steps = [torch.tensor(3, dtype=torch.int64) if params is INT64_STEPS else torch.tensor(3.0) for _ in params]
+    assert dense_foreach(group, params, steps) is want
+
+
+def test_int64_steps_of_a_loaded_state_train_as_torch() -> None:
+    """torch keeps a loaded state's int64 ``step`` tensors and its single-tensor path trains on;
+    the foreach path Sonar takes for float32 refused them ("same dtype"), after the expert
+    updates of the step (red team round 4)."""
+    ref = model(torch.float32, 5)
+    mine = copy.deepcopy(ref)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(5)
+    with sonar(mine, lr=1e-2) as opt:
+        for step in range(4):
+            x = torch.randn(8, 37, generator=gen)
+            for m, o in ((ref, ropt), (mine, opt)):
+                m(x).pow(2).mean().backward()
+                o.step()
+                o.zero_grad()
+            if step == 1:
+                sd = ropt.state_dict()
+                for st in sd["state"].values():
+                    st["step"] = st["step"].to(torch.int64)
+                ropt.load_state_dict(copy.deepcopy(sd))  # load_state_dict keeps the dict's tensors
+                opt.load_state_dict(copy.deepcopy(sd))
+        for (n, a), b in zip(ref.named_parameters(), mine.parameters(), strict=True):
+            assert torch.equal(a, b), f"{n} differs"

@@ -134,6 +134,27 @@ def test_expert_clipping_state_dict_round_trip() -> None:
     torch.optim.AdamW(tm.build(cfg, 8).parameters()).load_state_dict(sd)
 
 
+def test_refused_load_leaves_the_clipping_state() -> None:
+    """A state_dict refused by torch's own checks (another number of groups) changes nothing,
+    the clipping estimate and next factor neither (red team: the factor became the refused
+    dict's, and training drifted from a twin that never tried the load)."""
+    cfg = tm.MoEConfig(num_layers=2, hidden=32, intermediate=48, num_experts=4)
+    m = tm.build(cfg, 8)
+    with sonar_moe.SonarAdamW(m, max_grad_norm=CLIP, expert_clipping="running") as opt:
+        for _i, x in zip(range(3), data(22)):
+            loss, _ = m(x, labels=x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        before = copy.deepcopy(opt.state_dict())
+        bad = copy.deepcopy(before)
+        bad["param_groups"].append(dict(bad["param_groups"][0], params=[]))
+        bad["sonar_expert_clipping"].update(scale=1.0, ema=42.0, steps=77)
+        with pytest.raises(ValueError, match="parameter groups"):
+            opt.load_state_dict(bad)
+        assert opt.state_dict()["sonar_expert_clipping"] == before["sonar_expert_clipping"]
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(expert_clipping="global", max_grad_norm=1.0), "expert_clipping must be"),
     (dict(expert_clipping="prev_global"), "set max_grad_norm"),

@@ -278,7 +278,9 @@ def test_second_backward_before_step_raises(how: str) -> None:
         loss.backward(retain_graph=how == "retain_graph")
         sd = copy.deepcopy(opt.state_dict())  # first: it waits for the updates of this backward
         snap = snapshot(model)
-        with pytest.raises(RuntimeError, match="grad_accumulation_steps"):
+        # retain_graph: the graph's saved expert tensors were updated by the first backward, so
+        # autograd raises its in-place error first (as with torch's own optimizer-in-backward)
+        with pytest.raises(RuntimeError, match="grad_accumulation_steps|modified by an inplace operation"):
             if how == "retain_graph":
                 loss.backward()
             else:
@@ -509,7 +511,7 @@ def test_grad_scaler_with_groups_differing_in_fused(dtype: torch.dtype) -> None:
     model = make_model(dtype)
     ref = clone_model(model)
 
-    def groups(m: nn.Module) -> list[dict[str, Any]]:
+    def groups(m: torch.nn.Module) -> list[dict[str, Any]]:
         named = list(m.named_parameters())
         return [{"params": [p for n, p in named if p.dim() >= 2], "fused": True},
                 {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
@@ -1009,12 +1011,15 @@ def test_expert_tensor_moved_to_another_group(dtype: torch.dtype) -> None:
         run_both(ref, ropt, model, opt, 2, seed=32, where="after the move", dtype=dtype, first=2)
 
 
+@pytest.mark.parametrize(("flag", "value"), [("decoupled_weight_decay", False), ("differentiable", True),
+                                             ("capturable", True)])
 @pytest.mark.parametrize("when", ["between_steps", "between_micro_batches"])
-def test_adam_style_weight_decay_is_refused_before_anything_changes(when: str) -> None:
+def test_adam_style_weight_decay_is_refused_before_anything_changes(when: str, flag: str, value: bool) -> None:
     """decoupled_weight_decay=False in an expert tensor's group (Adam with L2 weight decay, as
     torch.optim.Adam) is not what sonard computes: refused at the step's first expert update,
     before any (red team rounds 2 and 3: ignored for the experts; then set between
-    micro-batches, it still was)."""
+    micro-batches, it still was). So are differentiable and capturable, which a loaded
+    state_dict's groups carry into the optimizer (round 4: accepted, other bits)."""
     sonar_only()
     model = make_model()
     with SonarAdamW(model, **HP, grad_accumulation_steps=2) as opt:
@@ -1024,10 +1029,10 @@ def test_adam_style_weight_decay_is_refused_before_anything_changes(when: str) -
         opt.zero_grad()
         before = snapshot(model)
         if when == "between_steps":
-            opt.param_groups[0]["decoupled_weight_decay"] = False
+            opt.param_groups[0][flag] = value
         fwd_bwd(model, *batch(33, 2))  # accumulated: nothing applied yet
-        opt.param_groups[0]["decoupled_weight_decay"] = False
-        with pytest.raises(ValueError, match="decoupled_weight_decay"):
+        opt.param_groups[0][flag] = value
+        with pytest.raises(ValueError, match=flag):
             fwd_bwd(model, *batch(33, 3))
         assert_snapshot_equal(before, model, "after the refusal", expert_names(model))
 
@@ -1190,3 +1195,124 @@ def test_tensor_hyperparameters_bitwise(dtype: torch.dtype, case: str) -> None:
     ropt = torch.optim.AdamW(ref.parameters(), **TENSOR_CASES[case]())
     with SonarAdamW(model, **TENSOR_CASES[case]()) as opt:
         run_both(ref, ropt, model, opt, 4, seed=23, where=case, dtype=dtype)
+
+
+class Experts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 24, 16) * 0.2)
+        self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 24) * 0.2)
+
+
+class DetachedUse(torch.nn.Module):
+    """Batched experts also read through .detach() on a path with gradients, recorded before
+    their main use (an auxiliary loss training the input with the experts held fixed): that
+    path's backward runs after the experts' gradient is final. ``copy``: it reads a copy."""
+
+    def __init__(self, copy: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.copy = copy
+        self.inp = torch.nn.Linear(12, 16)
+        self.experts = Experts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        gate_up: torch.Tensor = self.experts.gate_up_proj
+        fixed = gate_up.detach().clone() if self.copy else gate_up.detach()
+        aux = torch.einsum("th,eih->tei", h, fixed).pow(2).mean()
+        a = torch.nn.functional.silu(torch.einsum("th,eih->tei", h, gate_up))
+        return torch.einsum("tei,ehi->teh", a, self.experts.down_proj).pow(2).mean() + aux
+
+
+def test_expert_tensor_read_after_its_update_raises_torchs_inplace_error() -> None:
+    """A backward node that reads an expert tensor after the server updated it (during that
+    backward) raises torch's in-place modification error, as torch's own optimizer-in-backward
+    does, instead of silently computing with the new values (red team: 256/256 elements of the
+    input layer off after 3 steps). Reading a copy (what the error asks for) trains as torch."""
+    sonar_only()
+    model = DetachedUse(copy=False)
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(1))
+    with SonarAdamW(model, **HP):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            model(x).backward()
+    model = DetachedUse(copy=True)
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP) as opt:
+        for _ in range(3):
+            for m, o in ((ref, ropt), (model, opt)):
+                o.zero_grad()
+                m(x).backward()
+                o.step()
+        assert_models_equal(ref, model, "reading a copy")
+
+
+def _tie_by_storage(model: TinyExpertModel) -> None:
+    named(model, "layers.1.mlp.experts.down_proj").data = named(model, "layers.0.mlp.experts.down_proj").data
+
+
+def _alias_buffer(model: TinyExpertModel) -> None:
+    experts = model.get_submodule("layers.0.mlp.experts")
+    experts.register_buffer("flat", named(model, "layers.0.mlp.experts.gate_up_proj").detach().view(-1),
+                            persistent=False)
+
+
+def _tie_dense_to_expert(model: TinyExpertModel) -> None:
+    experts = model.get_submodule("layers.0.mlp.experts")
+    experts.register_parameter("extra", torch.nn.Parameter(named(model, "layers.0.mlp.experts.down_proj").detach()[0]))
+
+
+@pytest.mark.parametrize(("tie", "names", "dense"), [
+    (_tie_by_storage, "layers.0.mlp.experts.down_proj and layers.1.mlp.experts.down_proj", "down_proj"),
+    (_alias_buffer, "layers.0.mlp.experts.gate_up_proj shares its memory with layers.0.mlp.experts.flat",
+     "layers.0.mlp.experts.gate_up_proj"),
+    (_tie_dense_to_expert, "layers.0.mlp.experts.down_proj shares its memory with layers.0.mlp.experts.extra",
+     "layers.0.mlp.experts.down_proj"),
+], ids=["two-experts", "buffer-view", "dense-view"])
+def test_expert_tensor_sharing_memory_is_refused(tie: Callable[[TinyExpertModel], None], names: str,
+                                                 dense: str) -> None:
+    """An expert tensor moves into shared memory the server updates: one that shares its memory
+    with another tensor (tied parameters, a buffer viewing it) would be untied silently, where
+    torch keeps them tied (red team: every parameter off after 3 steps), so it is refused,
+    naming both, before anything is registered."""
+    sonar_only()
+    model = make_model()
+    tie(model)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=re.escape(names) + ".*share"):
+        SonarAdamW(model, **HP)
+    assert_snapshot_equal(before, model, "after the refusal")
+    with SonarAdamW(model, **HP, expert_params=lambda n, p: p.dim() >= 3 and dense not in n) as opt:
+        train_step(model, opt, *batch(3, 0))  # leaving the tied tensors dense is the way out
+
+
+def test_expert_params_choosing_a_0d_tensor_is_refused_clearly() -> None:
+    sonar_only()
+    model = make_model()
+    model.temp = torch.nn.Parameter(torch.tensor(0.5))
+    with pytest.raises(ValueError, match="expert tensor temp has 0 dimensions"):
+        SonarAdamW(model, **HP, expert_params=lambda n, p: True)
+
+
+@pytest.mark.parametrize("step", [-1.0, float("nan"), 1e30, 2.5, [1.0, 2.0]], ids=["negative", "nan", "huge",
+                                                                                 "fraction", "two"])
+def test_load_state_dict_with_a_bad_expert_step_changes_nothing(step: Any) -> None:
+    """A loaded expert state whose step sonard cannot count is refused before anything
+    changes: the groups, the dense state and every expert state stay (red team: the groups and
+    the first expert tensors' state were replaced before the server refused the last one)."""
+    sonar_only()
+    model = make_model()
+    with SonarAdamW(model, **HP) as opt:
+        train_step(model, opt, *batch(40, 0))
+        before = copy.deepcopy(opt.state_dict())
+        bad = copy.deepcopy(before)
+        bad["param_groups"][0]["lr"] = 0.5
+        last = max(i for i, p in enumerate(model.parameters()) if p.dim() >= 3)
+        bad["state"][last]["step"] = torch.tensor(step)
+        for st in bad["state"].values():
+            st["exp_avg"].fill_(123.0)
+        with pytest.raises(ValueError, match="'step'"):
+            opt.load_state_dict(bad)
+        assert_state_dicts_equal(opt.state_dict(), before, "after the refused load")
+        train_step(model, opt, *batch(40, 1))  # and it trains on

@@ -402,6 +402,12 @@ class ServerBackend(ABC):
         e.micro += 1
         apply = e.micro >= self._options.grad_accumulation_steps if self._ends_step is None else self._ends_step
         step, scalars = self._next_step(e) if apply else (0, {})
+        if apply:
+            # The server changes the parameter in place behind autograd's back: bump its version
+            # as torch's in-place ops do, so that a node of this backward that saved the tensor
+            # (a detached use recorded earlier in the forward) and has not run yet raises torch's
+            # "modified by an inplace operation" instead of reading the updated values.
+            torch.autograd.graph.increment_version(e.param)
         items = [{"tensor": tid, "grad": {"seg": staged.seg, "off": staged.off + i * e.part_bytes, "nbytes": e.part_bytes},
                   "apply": apply, "step": step, "scalars": scalars} for i, tid in enumerate(e.tids)]
         if apply:

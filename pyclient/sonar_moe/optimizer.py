@@ -99,7 +99,7 @@ def torch_foreach_cpu_scalars(group: Mapping[str, Any], step: float, dtype: torc
     return scalars
 
 
-def dense_foreach(group: Mapping[str, Any], params: list[torch.Tensor]) -> bool | None:
+def dense_foreach(group: Mapping[str, Any], params: list[torch.Tensor], steps: list[torch.Tensor]) -> bool | None:
     """The ``foreach`` flag for torch's ``adam()`` over a group's dense parameters.
 
     torch's default (``foreach=None``) on CPU is the single-tensor path, one Python-level
@@ -109,13 +109,16 @@ def dense_foreach(group: Mapping[str, Any], params: list[torch.Tensor]) -> bool 
     other bits), so for float32 tensors on CPU it gives the single-tensor path's bits with
     less overhead per tensor (GraniteMoe's 58 dense tensors: 1.35 against 1.83 ms a step,
     docs/results-history.md). Taken there only, with plain float hyper-parameters and neither
-    fused, capturable nor differentiable; anything else keeps the group's own flag."""
+    fused, capturable nor differentiable, and float32 ``step`` tensors (a loaded state may hold
+    int64 ones, which the single-tensor path takes and foreach refuses); anything else keeps
+    the group's own flag."""
     foreach = group["foreach"]
     if foreach is not None or group["fused"] or group["capturable"] or group["differentiable"] or not params:
         return foreach
     if any(isinstance(x, torch.Tensor) for x in (group["lr"], *group["betas"], group["weight_decay"], group["eps"])):
         return foreach
-    if all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params):
+    if (all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+            and all(t.dtype == torch.float32 for t in steps)):
         return True
     return foreach
 
@@ -253,6 +256,48 @@ def _check_expert(name: str, p: torch.Tensor) -> None:
         raise TypeError(f"expert tensor {name} has dtype {p.dtype}: float32 and bfloat16 are supported")
     if not p.is_leaf:
         raise ValueError(f"expert tensor {name} is not a leaf tensor")
+    if not 1 <= p.dim() <= 8:
+        raise ValueError(f"expert tensor {name} has {p.dim()} dimensions: expert tensors have 1 to 8 (an "
+                         "expert_params predicate chose it; leave it dense)")
+
+
+def _check_unaliased(new: list[tuple[str, nn.Parameter]], others: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Refuse expert tensors whose memory another tensor shares (tied parameters, a buffer or
+    view of them, experts cut from one flat buffer): their memory moves into shared memory the
+    server updates, which would untie them silently (torch keeps them tied)."""
+    storages: dict[int, str] = {}
+    mine: set[int] = set()
+    for name, p in new:
+        if id(p) in mine:  # the same tensor twice (torch warns of duplicate parameters)
+            continue
+        mine.add(id(p))
+        ptr = p.untyped_storage().data_ptr()
+        if ptr:
+            if ptr in storages:
+                raise ValueError(f"expert tensors {storages[ptr]} and {name} share their memory: {_UNTIE}")
+            storages[ptr] = name
+    for oname, t in others:
+        if id(t) in mine or t.device.type == "meta":
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in storages:
+            raise ValueError(f"expert tensor {storages[ptr]} shares its memory with {oname}: {_UNTIE}")
+
+
+_UNTIE = ("SonarAdamW moves an expert tensor into shared memory that sonard updates, which would untie them "
+          "silently. Give each its own memory (a clone), or leave the tensor dense with expert_params=")
+
+
+def _loaded_step(value: Any) -> torch.Tensor:
+    """The ``step`` of a loaded expert state as the 0-dim float32 tensor torch keeps: a whole
+    number of steps float32 counts exactly (0 to 2**24), refused otherwise before anything changes."""
+    t = torch.as_tensor(value).detach()
+    if t.numel() != 1:
+        raise ValueError(f"'step' has {t.numel()} elements, want 1")
+    x = float(t.reshape(()).item())
+    if not (math.isfinite(x) and x == int(x) and 0 <= x <= 2**24):
+        raise ValueError(f"'step' is {x}: sonard counts whole steps from 0 to 2**24")
+    return torch.tensor(x, dtype=torch.float32)
 
 
 class ExpertState(dict):
@@ -363,6 +408,7 @@ class SonarAdamW(torch.optim.AdamW):
             params = model
         given, self._names = torch_params(params, model)
         self._in_module = module_experts(params, model)  # the module's layout, where a module is given
+        self._module = params if isinstance(params, nn.Module) else model
         self._order = {pid: i for i, pid in enumerate(self._names)}  # the module's parameter order
         self._groups_key: tuple[int, ...] = ()
         self._group_by_param: dict[int, tuple[dict[str, Any], int]] = {}
@@ -469,6 +515,7 @@ class SonarAdamW(torch.optim.AdamW):
                 new.append((label, p))
         if not new:
             return
+        _check_unaliased(new, self._tensors_beside(new))
         for _, p in new:
             owner = _owner(p)
             if owner is not None and owner is not self:
@@ -494,6 +541,16 @@ class SonarAdamW(torch.optim.AdamW):
             self._registered[id(p)] = {"amsgrad": h["amsgrad"], "maximize": h["maximize"]}
             _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
         self._hook_experts()
+
+    def _tensors_beside(self, new: list[tuple[str, nn.Parameter]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every other tensor that could share memory with the new expert tensors: the
+        parameters of every group and the module's parameters and buffers."""
+        for g in self.param_groups:
+            for name, p in zip(group_names(g, self._names), g["params"]):
+                yield name or self._label(p), p
+        if self._module is not None:
+            yield from self._module.named_parameters(remove_duplicate=False)
+            yield from self._module.named_buffers(remove_duplicate=False)
 
     def _hook_experts(self) -> None:
         """Hook the gradients of expert tensors that require them (a tensor frozen now is
@@ -829,11 +886,18 @@ class SonarAdamW(torch.optim.AdamW):
     def _check_expert_groups(self) -> None:
         """Refuse, before any expert update of the step, options of the expert tensors' groups
         that sonard does not reproduce: ``decoupled_weight_decay=False`` turns torch's update into
-        Adam's with L2 weight decay (torch.optim.Adam's), a script may set it in a group."""
+        Adam's with L2 weight decay (torch.optim.Adam's), a script may set it in a group;
+        ``differentiable`` and ``capturable`` (not offered, but a loaded state_dict's groups may
+        carry them) are torch's other arithmetic."""
         for name, p in self._experts.values():
-            if not self._group_of(p).get("decoupled_weight_decay", True):
+            group = self._group_of(p)
+            if not group.get("decoupled_weight_decay", True):
                 raise ValueError(f"expert tensor {name} is in a parameter group with decoupled_weight_decay=False "
                                  "(Adam with L2 weight decay): sonard reproduces AdamW's decoupled weight decay only")
+            for flag in ("differentiable", "capturable"):  # e.g. from a loaded state_dict's groups
+                if group.get(flag):
+                    raise ValueError(f"expert tensor {name} is in a parameter group with {flag}=True: torch's "
+                                     f"{flag} arithmetic is not reproduced by sonard; set the group's {flag} to False")
 
     def _state_edited(self, p: nn.Parameter) -> bool:
         """Whether p's ``opt.state`` differs from what the server holds (see _write_back_state)."""
@@ -1011,7 +1075,7 @@ class SonarAdamW(torch.optim.AdamW):
             adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad=group["amsgrad"],
                  has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                 foreach=dense_foreach(group, params), capturable=group["capturable"],
+                 foreach=dense_foreach(group, params, state_steps), capturable=group["capturable"],
                  differentiable=group["differentiable"],
                  fused=group["fused"], grad_scale=grad_scale if self._fused_unscales(group) else None,
                  found_inf=found_inf if self._fused_unscales(group) else None,
@@ -1094,6 +1158,7 @@ class SonarAdamW(torch.optim.AdamW):
         self._check_usable()
         self._settle()  # micro-batches accumulated so far stay pending: torch keeps .grad through a load
         old_state, old_groups = self.state, self.param_groups
+        old_clipping = self._clipper.state() if self._clipper is not None else None
         try:
             clipping = state_dict.get("sonar_expert_clipping")
             if clipping is not None and self._clipper is not None:
@@ -1104,23 +1169,32 @@ class SonarAdamW(torch.optim.AdamW):
                 self._check_loaded(name, p, loaded[id(p)])
         except BaseException:
             self.state, self.param_groups = old_state, old_groups
+            if self._clipper is not None and old_clipping is not None:
+                self._clipper.load(old_clipping)  # a refused dict changes nothing, the clipping factor neither
             raise
-        for amsgrad in (False, True):
-            ps = [p for _, p in self._experts.values() if bool(self._group_of(p)["amsgrad"]) == amsgrad]
-            if not ps:
-                continue
-            with self._backend.state_transfer(amsgrad) as xfer:
-                for p in ps:
-                    st = loaded[id(p)]
-                    if st:
-                        step = torch.as_tensor(st["step"]).detach().to(torch.float32).cpu().clone().reshape(())
-                        xfer.store(p, int(step.item()), st)
-                        self.state[p] = ExpertState(self._fetcher(p), step, amsgrad)
-                        self._server_steps[id(p)] = int(step.item())
-                    else:  # no state in the dict: as torch, the tensor starts afresh
-                        xfer.store(p, 0, {})
-                        self.state.pop(p, None)
-                        self._server_steps[id(p)] = 0
+        done = 0
+        try:
+            for amsgrad in (False, True):
+                ps = [p for _, p in self._experts.values() if bool(self._group_of(p)["amsgrad"]) == amsgrad]
+                if not ps:
+                    continue
+                with self._backend.state_transfer(amsgrad) as xfer:
+                    for p in ps:
+                        st = loaded[id(p)]
+                        if st:
+                            step = _loaded_step(st["step"])
+                            xfer.store(p, int(step.item()), st)
+                            self.state[p] = ExpertState(self._fetcher(p), step, amsgrad)
+                            self._server_steps[id(p)] = int(step.item())
+                        else:  # no state in the dict: as torch, the tensor starts afresh
+                            xfer.store(p, 0, {})
+                            self.state.pop(p, None)
+                            self._server_steps[id(p)] = 0
+                        done += 1
+        except SonarError as e:  # checked above: the server failed (or refused) mid-way
+            raise SonarError(f"load_state_dict failed after the state of {done} of {len(self._experts)} expert "
+                             f"tensors went to sonard, so the optimizer's state is partly loaded: load a "
+                             f"state_dict again before training on ({e})") from e
 
     def _check_loaded(self, name: str, p: nn.Parameter, st: Mapping[str, Any] | None) -> None:
         """Refuse, before the server is touched, state the server could not take."""
@@ -1134,6 +1208,10 @@ class SonarAdamW(torch.optim.AdamW):
             return
         if "step" not in st:
             raise ValueError(f"state of expert tensor {name} has no 'step'")
+        try:
+            _loaded_step(st["step"])
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise ValueError(f"state of expert tensor {name}: {e}") from e
         for k in STATE_KEYS:
             v = st.get(k)
             if v is None:
