@@ -89,7 +89,8 @@ type Tensor interface {
 	StateBytes() int64
 	// Damage is nil for an intact tensor, else why its parameter and
 	// state may be partly updated (a memory fault interrupted an update);
-	// such a tensor refuses steps and exports until its state is imported.
+	// such a tensor refuses steps and exports until its state is imported
+	// (or, when the fault spoiled only the accumulated sum, it is discarded).
 	Damage() error
 }
 
@@ -135,6 +136,11 @@ type Session interface {
 	Export(t Tensor, dst []Ref) error
 	// Import replaces t's state and step count with src.
 	Import(t Tensor, step int64, src []Ref) error
+	// Discard drops t's accumulated gradients not yet applied (and a
+	// damage mark that concerns that sum alone), leaving its parameter,
+	// state and step count as they are; it reports whether anything was
+	// pending. It cannot fail for a tensor of the session.
+	Discard(t Tensor) (bool, error)
 	// Close frees every tensor's state and closes the session's segments
 	// and events.
 	Close() error

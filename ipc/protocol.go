@@ -40,6 +40,10 @@ const (
 	// The client's own memory as a segment of gradients (optional: a
 	// client falls back to shared memory when it is refused).
 	OpAttachProcess = "attach_process" // AttachProcess -> AttachReply
+	// Dropping accumulated micro-batch gradients (optional: an older
+	// server answers it "unknown op"; HelloReply.Features names
+	// FeatureDiscard where it is served).
+	OpDiscard = "discard" // Discard -> DiscardReply
 )
 
 // Limits on what one message may ask for.
@@ -269,6 +273,22 @@ type StepReply struct {
 // implements StepItem.GradScale and Step.Norms.
 const FeatureGradScale = "grad_scale"
 
+// FeatureDiscard is named in HelloReply.Features by a server that serves
+// OpDiscard.
+const FeatureDiscard = "discard"
+
+// Discard drops the gradients accumulated (Step items with Apply false) and
+// not yet applied of some tensors of the session, as torch's zero_grad drops
+// .grad; their optimizer state and step count stay as they are.
+type Discard struct {
+	Tensors []uint32 `msgpack:"tensors"`
+}
+
+// DiscardReply says how many of the tensors had something pending.
+type DiscardReply struct {
+	Discarded int `msgpack:"discarded"`
+}
+
 // StateXfer moves one tensor's optimizer state through shared memory, in
 // the tensor's dtype: export copies the server's state into the referenced
 // memory (and returns the step in the reply), import copies it from there.
@@ -467,6 +487,22 @@ func (s *Step) Validate() error {
 				return fmt.Errorf("item %d: non-finite scalar", i)
 			}
 		}
+	}
+	return nil
+}
+
+// Validate checks a Discard body's shape (the server checks that the
+// tensors are the session's).
+func (d *Discard) Validate() error {
+	if len(d.Tensors) == 0 || len(d.Tensors) > MaxItems {
+		return fmt.Errorf("%d tensors (want 1..%d)", len(d.Tensors), MaxItems)
+	}
+	seen := make(map[uint32]bool, len(d.Tensors))
+	for i, id := range d.Tensors {
+		if seen[id] {
+			return fmt.Errorf("tensors[%d]: tensor %d appears twice", i, id)
+		}
+		seen[id] = true
 	}
 	return nil
 }

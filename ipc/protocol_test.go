@@ -271,6 +271,40 @@ func TestStepValidate(t *testing.T) {
 	}
 }
 
+func TestDiscardValidate(t *testing.T) {
+	ids := func(n int) []uint32 {
+		out := make([]uint32, n)
+		for i := range out {
+			out[i] = uint32(i + 1)
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		name    string
+		tensors []uint32
+		wantErr string
+	}{
+		{"one", []uint32{7}, ""},
+		{"max items", ids(MaxItems), ""},
+		{"tensor id 0 (the server refuses it as unknown)", []uint32{0}, ""},
+		{"none", nil, "0 tensors (want 1..4096)"},
+		{"too many", ids(MaxItems + 1), "4097 tensors"},
+		{"duplicate", []uint32{3, 4, 3}, "tensors[2]: tensor 3 appears twice"},
+	} {
+		d := Discard{Tensors: tc.tensors}
+		err := d.Validate()
+		if tc.wantErr == "" {
+			if err != nil {
+				t.Errorf("%s: %v", tc.name, err)
+			}
+			continue
+		}
+		if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+			t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.wantErr)
+		}
+	}
+}
+
 func TestEncodeReply(t *testing.T) {
 	cases := []struct {
 		name string

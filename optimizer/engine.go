@@ -85,7 +85,8 @@ type Tensor struct {
 	accumBuf buffer
 	// damage is set when a memory fault interrupted an update half way:
 	// the parameter and state are partly updated and the tensor refuses
-	// updates and exports until ImportState replaces its state.
+	// updates and exports until ImportState replaces its state (or, when
+	// only the accumulated sum was spoiled, Discard drops it).
 	damage error
 }
 
@@ -197,7 +198,8 @@ func (e *FaultError) Error() string {
 	if e.Partial {
 		what = "its parameter and optimizer state may be partly updated: the tensor refuses updates and exports until its state is imported again (load_state_dict)"
 		if e.Op == "accumulate" {
-			what = "its accumulated gradient is partly summed: the tensor refuses updates and exports until its state is imported again (load_state_dict)"
+			what = "its accumulated gradient is partly summed and was dropped (parameter and state intact): the tensor refuses updates and exports " +
+				"until its pending gradients are discarded (zero_grad) or its state is imported again (load_state_dict)"
 		}
 	}
 	return fmt.Sprintf("tensor %q: %s interrupted by a %v; %s", e.Tensor, e.Op, e.Fault, what)
@@ -349,6 +351,41 @@ func (t *Tensor) addToAccum(lo, hi int, g []byte) {
 func (t *Tensor) dropAccum() {
 	t.accumBuf.free()
 	t.accum, t.accumCount = nil, 0
+}
+
+// Discard drops the gradients accumulated and not yet applied (the
+// accumulation buffer, freed, and its count), as torch's zero_grad drops
+// .grad; the parameter, the optimizer state and the step count stay as they
+// are. A damage mark left by an interrupted accumulation is cleared too:
+// such a fault spoiled the pending sum alone (it was dropped then; the
+// parameter and state were not touched), and that sum is what is discarded.
+// The mark of an interrupted apply or import stays: only ImportState
+// replaces a state that may be partly updated. Discard reports whether
+// anything was pending, a spoiled sum included.
+func (t *Tensor) Discard() bool {
+	had := t.accumCount > 0
+	t.dropAccum()
+	if t.damage != nil && sumDamage(t.damage) {
+		t.damage = nil
+		had = true
+	}
+	return had
+}
+
+// sumDamage reports whether a damage mark concerns the accumulated gradient
+// alone: a fault or failed read while a micro-batch was added to the sum
+// (Accumulate, AccumulateFrom, or the accumulation an apply starts with),
+// which returns before the parameter or state is touched.
+func sumDamage(err error) bool {
+	var fe *FaultError
+	if errors.As(err, &fe) {
+		return fe.Op == "accumulate"
+	}
+	var re *ReadError
+	if errors.As(err, &re) {
+		return re.Op == "accumulate"
+	}
+	return false
 }
 
 // Apply performs one AdamW step. With grad == nil it applies the accumulated

@@ -41,6 +41,11 @@ type ReadError struct {
 }
 
 func (e *ReadError) Error() string {
+	if e.Op == "accumulate" {
+		return fmt.Sprintf("tensor %q: %s interrupted by a failed gradient read (%v); its accumulated gradient is partly "+
+			"summed and was dropped (parameter and state intact): the tensor refuses updates and exports until its pending "+
+			"gradients are discarded (zero_grad) or its state is imported again (load_state_dict)", e.Tensor, e.Op, e.Err)
+	}
 	return fmt.Sprintf("tensor %q: %s interrupted by a failed gradient read (%v); its parameter and optimizer state "+
 		"may be partly updated: the tensor refuses updates and exports until its state is imported again (load_state_dict)",
 		e.Tensor, e.Op, e.Err)

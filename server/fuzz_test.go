@@ -36,6 +36,7 @@ func FuzzHandle(f *testing.F) {
 	f.Add(seed(ipc.OpExport, ipc.StateXfer{Tensor: 3, ExpAvg: ipc.MemRef{Seg: 2, Bytes: 1024}, ExpAvgSq: ipc.MemRef{Seg: 2, Offset: 1024, Bytes: 1024}}))
 	f.Add(seed(ipc.OpImport, ipc.StateXfer{Tensor: 3, Step: 9, ExpAvg: ipc.MemRef{Seg: 2, Bytes: 1024}, ExpAvgSq: ipc.MemRef{Seg: 2, Offset: 1024, Bytes: 1024}}))
 	f.Add(seed(ipc.OpDetach, ipc.Detach{Seg: 1}))
+	f.Add(seed(ipc.OpDiscard, ipc.Discard{Tensors: []uint32{3}}))
 	f.Add(seed(ipc.OpAttach, ipc.Attach{Shm: "sonar-../../x", Size: 4096}))
 	dir := f.TempDir()
 	n := 0

@@ -214,7 +214,8 @@ func (s *Server) Handle(client string, req ipc.Request) (any, error) {
 func knownOp(op string) string {
 	switch op {
 	case ipc.OpHello, ipc.OpAttach, ipc.OpRegister, ipc.OpStep, ipc.OpExport, ipc.OpImport,
-		ipc.OpDetach, ipc.OpStats, ipc.OpPing, ipc.OpBye, ipc.OpShutdown, ipc.OpAttachCUDA, ipc.OpCUDAEvent, ipc.OpAttachProcess:
+		ipc.OpDetach, ipc.OpStats, ipc.OpPing, ipc.OpBye, ipc.OpShutdown, ipc.OpAttachCUDA, ipc.OpCUDAEvent, ipc.OpAttachProcess,
+		ipc.OpDiscard:
 		return op
 	}
 	return "unknown"
@@ -251,6 +252,8 @@ func (s *Server) handle(client string, req ipc.Request) (any, error) {
 		return decode(req, func(x ipc.StateXfer) (any, error) { return s.transfer(s.sess(client), x, false) })
 	case ipc.OpDetach:
 		return decode(req, func(d ipc.Detach) (any, error) { return s.detach(s.sess(client), d) })
+	case ipc.OpDiscard:
+		return decode(req, func(d ipc.Discard) (any, error) { return s.discard(s.sess(client), d) })
 	case ipc.OpStats:
 		return s.stats(), nil
 	case ipc.OpPing:
@@ -297,7 +300,7 @@ func (s *Server) hello(ss *session, h ipc.Hello) (any, error) {
 	s.log.Info("client connected", zap.String("client", ss.client), clip.Field("name", h.Client), zap.Int("pid", h.PID),
 		clip.Field("torch", h.Torch), zap.Int("threads", h.Threads), clip.Field("capability", h.Capability), zap.String("sqrt", name))
 	rep := ipc.HelloReply{Server: Version, Protocol: ipc.Version, PID: os.Getpid(), Workers: s.Workers, Sqrt: name,
-		ISA: optimizer.KernelISA().String(), ReconnectGraceMillis: s.ReconnectGrace.Milliseconds(), Features: []string{ipc.FeatureGradScale}}
+		ISA: optimizer.KernelISA().String(), ReconnectGraceMillis: s.ReconnectGrace.Milliseconds(), Features: []string{ipc.FeatureGradScale, ipc.FeatureDiscard}}
 	if b := s.backends["cuda"]; b != nil {
 		rep.CUDA = b.Describe()
 	}
@@ -705,6 +708,51 @@ func (s *Server) transfer(ss *session, x ipc.StateXfer, out bool) (any, error) {
 		return nil, err
 	}
 	return ipc.ExportReply{Step: t.state.Step(), Amsgrad: t.hyper.Amsgrad}, nil
+}
+
+// discard drops the accumulated gradients (micro-batches of step items
+// that did not apply) of the request's tensors, as torch's zero_grad drops
+// .grad: a client abandoned the step they were for. Their parameters,
+// optimizer state and step counts stay as they are. Every tensor is checked
+// first (ipc.Discard.Validate refused an empty list and duplicates); the
+// drops touch no client memory and cannot fail, so the request does all or
+// nothing. A damaged tensor is accepted: its partial sum was dropped when
+// the fault marked it, and when that sum was all the fault spoiled (an
+// interrupted accumulation) the mark is cleared, the tensor usable again
+// without an import; the mark of an interrupted apply or import stays
+// (optimizer.Tensor.Discard). Requests of a session run one at a time in
+// arrival order (Handle holds s.mu; the transports keep each client's
+// order), so a discard drops exactly the micro-batches sent before it.
+func (s *Server) discard(ss *session, d ipc.Discard) (any, error) {
+	type drop struct {
+		t  *tensor
+		bs backend.Session
+	}
+	drops := make([]drop, 0, len(d.Tensors))
+	for i, id := range d.Tensors {
+		t := ss.tensors[id]
+		if t == nil {
+			return nil, fmt.Errorf("tensors[%d]: unknown tensor %d", i, id)
+		}
+		bs, err := s.backendSession(ss, t.seg.backend) // open: it created the tensor
+		if err != nil {
+			return nil, err
+		}
+		drops = append(drops, drop{t, bs})
+	}
+	var rep ipc.DiscardReply
+	for _, dr := range drops {
+		had, err := dr.bs.Discard(dr.t.state)
+		if err != nil {
+			return nil, fmt.Errorf("tensor %s: %w", dr.t.name, err)
+		}
+		if had {
+			rep.Discarded++
+		}
+	}
+	s.log.Debug("accumulated gradients discarded", zap.String("client", ss.client), zap.Int("tensors", len(drops)),
+		zap.Int("discarded", rep.Discarded))
+	return rep, nil
 }
 
 func (s *Server) detach(ss *session, d ipc.Detach) (any, error) {

@@ -362,6 +362,14 @@ func (s *session) Import(bt backend.Tensor, step int64, src []backend.Ref) error
 	return s.explain(t.ImportState(step, mem[0], mem[1], mem[2]))
 }
 
+func (s *session) Discard(bt backend.Tensor) (bool, error) {
+	t, err := own(bt)
+	if err != nil {
+		return false, err
+	}
+	return t.Discard(), nil
+}
+
 func (s *session) Close() error {
 	for _, t := range s.tensors {
 		t.Free()

@@ -281,6 +281,14 @@ func (s *session) Import(bt backend.Tensor, step int64, src []backend.Ref) error
 	return s.b.engine.Import(t, step, p)
 }
 
+func (s *session) Discard(bt backend.Tensor) (bool, error) {
+	t, err := own(bt)
+	if err != nil {
+		return false, err
+	}
+	return s.b.engine.Discard(t), nil
+}
+
 // Close frees the session's device state, closes its allocations and its
 // event. Every request waited for its kernels, so none is running.
 func (s *session) Close() error {

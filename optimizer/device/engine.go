@@ -204,6 +204,22 @@ func (e *Engine) Step(wait *cuda.Event, items []Item) error {
 	return nil
 }
 
+// Discard drops t's accumulated gradients not yet applied (accumN, and the
+// accumulation buffer, freed as an apply frees it), as torch's zero_grad
+// drops .grad; the parameter, state and step count stay as they are. It
+// reports whether anything was pending. No kernel may still use the buffer:
+// every Step waits for its own. A buffer a failed Step left behind with
+// nothing counted in it is freed too.
+func (e *Engine) Discard(t *Tensor) bool {
+	had := t.accumN > 0
+	t.accumN = 0
+	if t.accum != 0 {
+		_ = e.Dev.Free(t.accum) // as Step frees it after an apply
+		t.accum = 0
+	}
+	return had
+}
+
 func (e *Engine) queue(wait *cuda.Event, items []Item) error {
 	if wait != nil {
 		if err := e.Stream.WaitEvent(wait); err != nil {
