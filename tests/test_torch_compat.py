@@ -1316,3 +1316,56 @@ def test_load_state_dict_with_a_bad_expert_step_changes_nothing(step: Any) -> No
             opt.load_state_dict(bad)
         assert_state_dicts_equal(opt.state_dict(), before, "after the refused load")
         train_step(model, opt, *batch(40, 1))  # and it trains on
+
+
+@pytest.mark.parametrize("ring_layers", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_zero_grad_drops_the_micro_batches_of_a_skipped_step(dtype: torch.dtype, ring_layers: int) -> None:
+    """A step abandoned after its first micro-batch (the next one's forward failed: out of
+    memory, a bad batch) and zero_grad(): torch drops the gradient summed so far, and so does
+    sonard (discard). It was summed into the next step, which then raised "received gradient
+    3 before step()" at every step (red team round 4)."""
+    model = make_model(dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP, grad_accumulation_steps=2, ring_layers=ring_layers) as opt:
+        for s in range(4):
+            for o in (ropt, opt):
+                o.zero_grad()
+            for micro in range(2):
+                x, y = batch(50, 2 * s + micro, dtype)
+                fwd_bwd(ref, x, y, scale=0.5)
+                fwd_bwd(model, x, y, scale=0.5)
+                if s == 1:
+                    break  # the second micro-batch failed: the step is skipped
+            else:
+                ropt.step()
+                opt.step()
+            assert_models_equal(ref, model, f"step {s + 1}")
+
+
+def test_zero_grad_after_an_interrupted_backward_warns_and_trains_on() -> None:
+    """An error raised part-way through a backward (after a layer's experts were updated) and
+    caught: zero_grad() ends that step (training goes on; it raised "received gradient 2 before
+    step()" at every later step), warning that the updates made cannot be taken back."""
+    sonar_only()
+    model = make_model()
+    fail = {"on": False}
+
+    def boom(grad: torch.Tensor) -> None:
+        if fail["on"]:
+            raise MemoryError("simulated out of memory in backward")
+
+    model.embed.weight.register_hook(boom)  # the last gradient of backward: every layer's experts were updated
+    with SonarAdamW(model, **HP) as opt:
+        train_step(model, opt, *batch(51, 0))
+        fail["on"] = True
+        with pytest.raises(MemoryError):
+            fwd_bwd(model, *batch(51, 1))
+        fail["on"] = False
+        with pytest.warns(UserWarning, match="stay applied"):
+            opt.zero_grad()
+        for s in range(2, 4):
+            train_step(model, opt, *batch(51, s))
+        # one step, the interrupted one (applied during its backward), two more
+        assert all(float(st["step"]) == 4.0 for p, st in opt.state.items() if p.dim() >= 3)

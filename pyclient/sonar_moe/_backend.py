@@ -153,6 +153,10 @@ class ExpertBackend(Protocol):
 
     def settle(self) -> None:
         """Send what is pending and wait for every reply, leaving accumulated micro-batches pending."""
+
+    def abandon(self) -> list[str]:
+        """After settle(): drop the micro-batches accumulated for a step that will not come (the
+        server's discard); the names of the tensors that had some."""
         ...
 
     def check(self, param: nn.Parameter) -> None:
@@ -282,6 +286,7 @@ class ServerBackend(ABC):
         self._ends_step: bool | None = None  # set_step_boundary
         self._server_workers = int(hello.get("workers") or 0)  # the server's CPU update workers
         self._server_isa = str(hello.get("isa") or "")  # the vector instructions of its CPU kernels
+        self._features = set(hello.get("features") or [])
 
     # ------------------------------------------------------------ path-specific
     def default_ring_layers(self, conn: Connection) -> int:
@@ -454,6 +459,18 @@ class ServerBackend(ABC):
         self._steps.flush()
         self._steps.wait()
 
+    def abandon(self) -> list[str]:
+        e_pending = [e for e in self._experts.values() if e.micro > 0]
+        if not e_pending:
+            return []
+        if "discard" not in self._features:
+            raise SonarError("dropping the micro-batches of a step abandoned before step() needs a sonard with the "
+                             "'discard' operation; this one is older: update sonard")
+        self._conn.call("discard", {"tensors": [tid for e in e_pending for tid in e.tids]})
+        for e in e_pending:
+            e.micro = 0
+        return [e.name for e in e_pending]
+
     @contextlib.contextmanager
     def state_transfer(self, amsgrad: bool) -> Iterator[StateTransfer]:
         xfer = self._open_transfer(amsgrad)
@@ -565,6 +582,9 @@ class NoExperts:
 
     def settle(self) -> None:
         pass
+
+    def abandon(self) -> list[str]:
+        return []
 
     def check(self, param: nn.Parameter) -> None:
         pass

@@ -717,7 +717,8 @@ class SonarAdamW(torch.optim.AdamW):
                 f"grad_accumulation_steps={self.grad_accumulation_steps}: SonarAdamW applies AdamW to each expert "
                 "tensor during backward, so backward() twice before step() would apply two steps. For gradient "
                 "accumulation over k backward passes per step() pass grad_accumulation_steps=k (also with HF "
-                "Trainer); with retain_graph=True call step() between the backward passes")
+                "Trainer); with retain_graph=True call step() between the backward passes. After an error or an "
+                "interrupt part-way through a backward, zero_grad() ends that step")
         self._grads_this_step[id(p)] = n
         self._kept_grads.add(id(p))
         grad = p.grad
@@ -866,13 +867,50 @@ class SonarAdamW(torch.optim.AdamW):
         tensor that had one and steps it even when the next backward gives it no gradient; the
         expert tensors whose ``.grad`` sonar freed are stepped so at ``step()``. (A new gradient
         is added to torch's zero: 0 + g, which is g but for -0.0, and AdamW's result is the same
-        for -0.0 and +0.0: lerp's fma and the squares turn both into the same moments.)"""
+        for -0.0 and +0.0: lerp's fma and the squares turn both into the same moments.)
+        Called after backward passes that no ``step()`` followed, it abandons their step
+        (``_abandon_step``)."""
+        if self._grads_this_step and not self._closed:
+            self._abandon_step()
         super().zero_grad(set_to_none)
         if set_to_none:
             self._kept_grads.clear()
             self._zeroed_grads.clear()
         else:
             self._zeroed_grads = {i for i in self._kept_grads if self._experts[i][1].grad is None}
+
+    def _end_step(self) -> None:
+        """Forget the step's bookkeeping: the next gradient starts a new step."""
+        for i in self._overflowed:
+            self._experts[i][1].grad = None
+        self._overflowed.clear()
+        self._grads_this_step.clear()
+        self._zeroed_grads.clear()
+        self._completed.clear()
+        self._handed_over_since_step = False
+        self._applied_since_step = False
+        self._data_parallel_check_due = True
+        if not self._closed:
+            self._hook_experts()
+
+    def _abandon_step(self) -> None:
+        """zero_grad() after backward passes that no step() followed (an error caught by the
+        script, a skipped batch, an interrupt): torch drops their gradients and applies nothing.
+        The micro-batches summed on the server are dropped as well; the expert tensors already
+        updated during those backward passes (SonarAdamW updates during backward) cannot be
+        taken back, which is warned."""
+        self._settle()
+        dropped = set(self._backend.abandon())
+        updated = [name for i, (name, _) in self._experts.items()
+                   if i in self._grads_this_step and name not in dropped and i not in self._overflowed]
+        self._zeroed_grads.clear()
+        self._end_step()
+        if updated:
+            msg = (f"zero_grad() after a backward that no step() followed: the updates of {len(updated)} expert "
+                   f"tensors made during it stay applied ({', '.join(updated[:3])}{', ...' if len(updated) > 3 else ''}; "
+                   "SonarAdamW updates each expert tensor during backward, where torch would apply nothing)")
+            log.warning("%s", msg)
+            warnings.warn(msg, stacklevel=3)
 
     def _step_zeroed_grads(self) -> None:
         """The expert tensors whose ``.grad`` torch would hold as zeros (zero_grad(set_to_none=False))
@@ -996,17 +1034,7 @@ class SonarAdamW(torch.optim.AdamW):
             self._dense_step(grad_scale, found_inf)
             self._order_state()
         finally:
-            for i in self._overflowed:
-                self._experts[i][1].grad = None
-            self._overflowed.clear()
-            self._grads_this_step.clear()
-            self._zeroed_grads.clear()
-            self._completed.clear()
-            self._handed_over_since_step = False
-            self._applied_since_step = False
-            self._data_parallel_check_due = True
-            if not self._closed:
-                self._hook_experts()
+            self._end_step()
         return loss
 
     def _forget_deleted_state(self) -> None:
