@@ -168,6 +168,8 @@ class Connection:
     _forked_from: int | None = field(init=False, default=None)
     _link_checked: float = field(init=False, default=-1e9)  # monotonic time of send's last link check
     _local: bool = field(init=False, default=False)  # the server shares this machine's clock (traces)
+    # Requests whose send an exception interrupted (Ctrl-C): sent or not, nobody knows (_resolve_unsure).
+    _unsure: set[int] = field(init=False, default_factory=set)
     # The latest requests' latencies (seconds, send to reply handled) and, where the server
     # shares this machine's clock (ipc://, unix://), their traces.
     latencies: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
@@ -225,8 +227,36 @@ class Connection:
             self._pending.pop(rid, None)
             self.check_alive()
             raise SonarServerDied(f"{e}: {self.address}") from e
+        except BaseException:
+            # An interrupt (KeyboardInterrupt, a signal handler's exception) before or just after
+            # the message went out: its reply may never come. The next wait finds out.
+            self._unsure.add(rid)
+            raise
         p.sent_ns = time.monotonic_ns()
         return rid
+
+    def _resolve_unsure(self) -> None:
+        """Requests whose send was interrupted either reached sonard or not. A session's
+        requests run, and are answered, in the order they arrive, so once a ping sent now is
+        answered, any of them still unanswered never arrived: each gets an error reply of its
+        own (its update not made), and nothing waits for it until the timeout."""
+        if not self._unsure:
+            return
+        unsure, self._unsure = set(self._unsure), set()
+
+        def settle(rep: dict[str, Any]) -> None:
+            for rid in sorted(unsure):
+                p = self._pending.pop(rid, None)
+                if p is None:
+                    continue  # it was sent, and answered
+                lost = {"v": PROTOCOL_VERSION, "id": rid, "ok": False,
+                        "error": f"{p.op} request {rid} was interrupted before sonard received it: not executed"}
+                if p.on_reply is not None:
+                    p.on_reply(lost)
+                else:
+                    self._done[rid] = lost
+
+        self.send("ping", {}, settle)
 
     def send_raw(self, frames: list[bytes]) -> None:
         """Send arbitrary frames (tests of the server's input checks)."""
@@ -291,6 +321,7 @@ class Connection:
 
     def wait(self, rid: int | None = None, timeout: float | None = None) -> dict[str, Any]:
         """Wait for reply rid (or for every pending reply when rid is None)."""
+        self._resolve_unsure()
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         while (rid is None and self._pending) or (rid is not None and rid in self._pending):
@@ -310,6 +341,7 @@ class Connection:
 
     def wait_any(self, timeout: float | None = None) -> None:
         """Wait until at least one reply has been handled."""
+        self._resolve_unsure()
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         while not self._poll_or_raise_if_gone(0.05):

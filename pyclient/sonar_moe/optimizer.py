@@ -35,7 +35,7 @@ from torch.optim.adam import adam
 from ._backend import DTYPES, STATE_KEYS, BackendOptions, ExpertBackend, NoExperts
 from ._clipping import MODES as EXPERT_CLIPPING_MODES
 from ._clipping import ExpertClipper
-from ._connection import RequestTrace, SonarError
+from ._connection import RequestTrace, SonarError, SonarServerDied
 from ._cuda_backend import CudaBackend
 from ._params import ExpertPredicate, expert_slices, group_names, is_expert, module_experts, torch_params
 from ._shm_backend import ShmBackend
@@ -67,14 +67,15 @@ def torch_scalars(group: Mapping[str, Any], step: float, dtype: torch.dtype | No
     lr, (beta1, beta2) = group["lr"], group["betas"]
     lr, beta1, beta2 = (x.reshape(()) if isinstance(x, torch.Tensor) else x for x in (lr, beta1, beta2))
     weight1 = 1 - (beta1.to(dtype) if isinstance(beta1, torch.Tensor) and dtype is not None else beta1)
-    wd = float(group["weight_decay"])
+    wd = group["weight_decay"]
+    wd = wd.reshape(()) if isinstance(wd, torch.Tensor) else float(wd)  # a tensor: 1 - lr*wd in its arithmetic
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
     return {
         "decay": _value(1 - lr * wd),
-        "apply_decay": wd != 0,
+        "apply_decay": bool(wd != 0),
         "beta1_w": _value(weight1),
         "beta2": _value(beta2),
         "one_minus_beta2": _value(1 - beta2),
@@ -148,7 +149,7 @@ def torch_fused_scalars(group: Mapping[str, Any], step: float, dtype: torch.dtyp
     decay = float(Fraction(1) - Fraction(lr) * Fraction(wd)) if lanes else 1 - lr * wd
     return {
         "decay": decay,
-        "apply_decay": wd != 0,
+        "apply_decay": bool(wd != 0),
         "beta1_w": 1 - beta1,
         "beta2": beta2,
         "one_minus_beta2": 1 - beta2,
@@ -271,17 +272,30 @@ def _check_unaliased(new: list[tuple[str, nn.Parameter]], others: Iterable[tuple
         if id(p) in mine:  # the same tensor twice (torch warns of duplicate parameters)
             continue
         mine.add(id(p))
-        ptr = p.untyped_storage().data_ptr()
+        ptr = _storage_ptr(p)
         if ptr:
             if ptr in storages:
                 raise ValueError(f"expert tensors {storages[ptr]} and {name} share their memory: {_UNTIE}")
             storages[ptr] = name
     for oname, t in others:
-        if id(t) in mine or t.device.type == "meta":
+        if id(t) in mine:
             continue
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in storages:
+        ptr = _storage_ptr(t)
+        if ptr and ptr in storages:
             raise ValueError(f"expert tensor {storages[ptr]} shares its memory with {oname}: {_UNTIE}")
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """The address of t's storage; 0 where it has none to share (meta, a storage freed or
+    resized to nothing, as FSDP2 leaves its unsharded parameters, a tensor subclass such as
+    DTensor that has no storage of its own)."""
+    if t.device.type == "meta" or type(t) not in (torch.Tensor, nn.Parameter):
+        return 0
+    try:
+        st = t.untyped_storage()
+        return st.data_ptr() if st.nbytes() else 0
+    except RuntimeError:
+        return 0
 
 
 _UNTIE = ("SonarAdamW moves an expert tensor into shared memory that sonard updates, which would untie them "
@@ -298,6 +312,18 @@ def _loaded_step(value: Any) -> torch.Tensor:
     if not (math.isfinite(x) and x == int(x) and 0 <= x <= 2**24):
         raise ValueError(f"'step' is {x}: sonard counts whole steps from 0 to 2**24")
     return torch.tensor(x, dtype=torch.float32)
+
+
+def _grad_hook(opt: weakref.ref[SonarAdamW]) -> Callable[[torch.Tensor], None]:
+    """The post-accumulate-grad hook of an expert tensor. It holds its optimizer weakly: a
+    parameter must not keep alive an optimizer the script dropped without close() (a notebook
+    cell run again kept one more sonard and session each time); once it is gone the gradient
+    stays in ``.grad``, as without an optimizer."""
+    def hook(p: torch.Tensor) -> None:
+        o = opt()
+        if o is not None:
+            o._on_grad(p)
+    return hook
 
 
 class ExpertState(dict):
@@ -453,6 +479,7 @@ class SonarAdamW(torch.optim.AdamW):
         self._hand_over_s = 0.0
         self._wait_s = 0.0
         self._grads_this_step: dict[int, int] = {}
+        self._advanced: set[int] = set()  # expert tensors stepped since the last step() (not refused)
         self._overflowed: set[int] = set()  # experts whose scaled gradient overflowed this step
         # The step each expert tensor's server state is at, as this client last set or sent it:
         # a script that clears, deletes or changes opt.state[p] is caught by comparing with it.
@@ -559,7 +586,7 @@ class SonarAdamW(torch.optim.AdamW):
             return
         for i, (_, p) in self._experts.items():
             if i not in self._hooks and p.requires_grad:
-                self._hooks[i] = p.register_post_accumulate_grad_hook(self._on_grad)
+                self._hooks[i] = p.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self)))
 
     def _label(self, p: torch.Tensor) -> str:
         """A name for a parameter whose name is not known: its place in the groups."""
@@ -582,6 +609,19 @@ class SonarAdamW(torch.optim.AdamW):
             if found is None:
                 raise KeyError("parameter not in any group")
         return found[0]
+
+    def _grouped(self) -> list[tuple[int, tuple[str, nn.Parameter]]]:
+        """The expert tensors in a parameter group now: a script may take one out of its group
+        (or delete the group), after which torch leaves the tensor alone, its .grad unused."""
+        ids = {id(q) for g in self.param_groups for q in g["params"]}
+        return [(i, e) for i, e in self._experts.items() if i in ids]
+
+    def _in_a_group(self, p: torch.Tensor) -> bool:
+        try:
+            self._group_of(p)
+        except KeyError:
+            return False
+        return True
 
     def _hyper_of(self, p: torch.Tensor) -> dict[str, Any]:
         """The hyper-parameters the server checks at registration (those of p's group)."""
@@ -612,6 +652,7 @@ class SonarAdamW(torch.optim.AdamW):
         step_t += 1
         step = step_t.item()
         self._server_steps[id(p)] = int(step)
+        self._advanced.add(id(p))
         g = self._group_of(p)
         if g["fused"]:
             if p.device.type == "cuda":
@@ -630,6 +671,7 @@ class SonarAdamW(torch.optim.AdamW):
                 del self.state[p]
         if self._server_steps.get(id(p)) == step:
             self._server_steps[id(p)] = step - 1
+        self._advanced.discard(id(p))
 
     def _fetcher(self, p: nn.Parameter) -> Callable[[], dict[str, torch.Tensor]]:
         ref = weakref.ref(self)
@@ -692,7 +734,7 @@ class SonarAdamW(torch.optim.AdamW):
     # --------------------------------------------------------------- backward
     def _on_grad(self, p: torch.Tensor) -> None:
         """post-accumulate-grad hook: hand the gradient over and free it."""
-        if p.grad is None:
+        if p.grad is None or not self._in_a_group(p):  # out of every group: torch leaves it alone
             return
         if self._data_parallel_check_due:
             self._data_parallel_check_due = False
@@ -885,6 +927,7 @@ class SonarAdamW(torch.optim.AdamW):
             self._experts[i][1].grad = None
         self._overflowed.clear()
         self._grads_this_step.clear()
+        self._advanced.clear()
         self._zeroed_grads.clear()
         self._completed.clear()
         self._handed_over_since_step = False
@@ -899,10 +942,14 @@ class SonarAdamW(torch.optim.AdamW):
         The micro-batches summed on the server are dropped as well; the expert tensors already
         updated during those backward passes (SonarAdamW updates during backward) cannot be
         taken back, which is warned."""
-        self._settle()
-        dropped = set(self._backend.abandon())
-        updated = [name for i, (name, _) in self._experts.items()
-                   if i in self._grads_this_step and name not in dropped and i not in self._overflowed]
+        try:
+            self._settle()
+        except SonarServerDied:
+            raise
+        except SonarError as e:  # updates refused or lost (an interrupted send): not made, nothing to undo
+            log.warning("abandoning the step: %s", e)
+        self._backend.abandon()
+        updated = [name for i, (name, _) in self._experts.items() if i in self._advanced]
         self._zeroed_grads.clear()
         self._end_step()
         if updated:
@@ -915,7 +962,7 @@ class SonarAdamW(torch.optim.AdamW):
     def _step_zeroed_grads(self) -> None:
         """The expert tensors whose ``.grad`` torch would hold as zeros (zero_grad(set_to_none=False))
         and that got no gradient this step: torch steps them with that zero gradient."""
-        for i, (_, p) in self._experts.items():
+        for i, (_, p) in self._grouped():
             if i in self._zeroed_grads and i not in self._grads_this_step and i not in self._overflowed:
                 self._backend.check(p)
                 self._grads_this_step[i] = 1
@@ -927,7 +974,7 @@ class SonarAdamW(torch.optim.AdamW):
         Adam's with L2 weight decay (torch.optim.Adam's), a script may set it in a group;
         ``differentiable`` and ``capturable`` (not offered, but a loaded state_dict's groups may
         carry them) are torch's other arithmetic."""
-        for name, p in self._experts.values():
+        for _, (name, p) in self._grouped():
             group = self._group_of(p)
             if not group.get("decoupled_weight_decay", True):
                 raise ValueError(f"expert tensor {name} is in a parameter group with decoupled_weight_decay=False "
@@ -952,7 +999,7 @@ class SonarAdamW(torch.optim.AdamW):
         deleted or cleared (torch starts such a tensor afresh). Everything is checked before the
         server is told anything. Called where nothing is in flight."""
         work: dict[bool, list[tuple[nn.Parameter, int, dict[str, torch.Tensor] | None]]] = {}
-        experts = self._experts.items() if only is None else [(id(p), self._experts[id(p)]) for p in only]
+        experts = self._grouped() if only is None else [(id(p), self._experts[id(p)]) for p in only]
         for _, (name, p) in experts:
             if not self._state_edited(p):
                 continue
@@ -1024,7 +1071,7 @@ class SonarAdamW(torch.optim.AdamW):
             # Gradients set by hand, or produced outside the hooks: under DDP (external
             # gradients) those of a backward DDP did not all-reduce (no_sync, then step()), or
             # of a tensor DDP does not reduce; torch steps with them, so does this.
-            for i, (_, p) in self._experts.items():
+            for i, (_, p) in self._grouped():
                 if p.grad is not None and i not in self._overflowed:
                     self._take(p)
             if not self._external_grads:
@@ -1154,7 +1201,7 @@ class SonarAdamW(torch.optim.AdamW):
         self._write_back_state()  # nothing is in flight now
         entries: dict[int, dict[str, Any]] = {}
         by_amsgrad: dict[bool, list[nn.Parameter]] = {}
-        for _, p in self._experts.values():
+        for _, (_, p) in self._grouped():
             if isinstance(self.state.get(p), ExpertState):
                 by_amsgrad.setdefault(bool(self._group_of(p)["amsgrad"]), []).append(p)
         for amsgrad, ps in by_amsgrad.items():
@@ -1192,8 +1239,9 @@ class SonarAdamW(torch.optim.AdamW):
             if clipping is not None and self._clipper is not None:
                 self._clipper.load(clipping)
             super().load_state_dict(state_dict)
-            loaded = {id(p): self.state.get(p) for _, p in self._experts.values()}
-            for name, p in self._experts.values():
+            grouped = [e for _, e in self._grouped()]
+            loaded = {id(p): self.state.get(p) for _, p in grouped}
+            for name, p in grouped:
                 self._check_loaded(name, p, loaded[id(p)])
         except BaseException:
             self.state, self.param_groups = old_state, old_groups
@@ -1203,7 +1251,7 @@ class SonarAdamW(torch.optim.AdamW):
         done = 0
         try:
             for amsgrad in (False, True):
-                ps = [p for _, p in self._experts.values() if bool(self._group_of(p)["amsgrad"]) == amsgrad]
+                ps = [p for _, p in grouped if bool(self._group_of(p)["amsgrad"]) == amsgrad]
                 if not ps:
                     continue
                 with self._backend.state_transfer(amsgrad) as xfer:
@@ -1220,7 +1268,7 @@ class SonarAdamW(torch.optim.AdamW):
                             self._server_steps[id(p)] = 0
                         done += 1
         except SonarError as e:  # checked above: the server failed (or refused) mid-way
-            raise SonarError(f"load_state_dict failed after the state of {done} of {len(self._experts)} expert "
+            raise SonarError(f"load_state_dict failed after the state of {done} of {len(grouped)} expert "
                              f"tensors went to sonard, so the optimizer's state is partly loaded: load a "
                              f"state_dict again before training on ({e})") from e
 
