@@ -240,7 +240,8 @@ func TestCUDAPathOnStandInDriver(t *testing.T) {
 		{"gradient outside the allocation", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Grad.Offset = cudaAlloc - 512 })}},
 			"outside its"},
 		{"wrong step", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Step = 7 })}}, "client step 7 but server is at step 4"},
-		{"amsgrad differs", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Scalars.Amsgrad = false })}}, "amsgrad/maximize differ"},
+		{"amsgrad differs", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Scalars.Amsgrad = false })}},
+			"amsgrad differs from registration (registered amsgrad=true)"},
 		{"nothing accumulated", ipc.Step{Items: []ipc.StepItem{mod(func(it *ipc.StepItem) { it.Grad = ipc.MemRef{} })}}, "nothing accumulated"},
 	} {
 		if _, err := w.call(c, ipc.OpStep, tc.step); err == nil || !strings.Contains(err.Error(), tc.want) {
@@ -288,6 +289,84 @@ func TestCUDAPathOnStandInDriver(t *testing.T) {
 	}
 	if w.f.State(cudatest.IPCClosed)-closed < 2 {
 		t.Errorf("IPC closes %d: the cache keeps at most 1 idle allocation", w.f.State(cudatest.IPCClosed)-closed)
+	}
+}
+
+// TestCUDAMaximizeIsPerStep: on the CUDA path too maximize is each step
+// item's, not the registration's: the kernel descriptor's maximize flag
+// follows the item, for the foreach, fused and fused-double kernels, for
+// tensors registered with maximize false and true.
+func TestCUDAMaximizeIsPerStep(t *testing.T) {
+	w := newCUDAWorld(t)
+	const c = "client"
+	w.must(c, ipc.OpHello, ipc.Hello{Client: "test", PID: 0})
+	pSeg, gSeg := w.attachCUDA(c, w.params), w.attachCUDA(c, w.grads)
+	hyper := ipc.HyperMsg{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 0.01}
+	maxHyper := hyper
+	maxHyper.Maximize = true
+	reg := w.must(c, ipc.OpRegister, ipc.Register{Tensors: []ipc.TensorSpec{
+		{Name: "registered-min", Shape: []int64{64}, DType: "float32", Param: ipc.MemRef{Seg: pSeg, Offset: 0, Bytes: 256}, Hyper: hyper},
+		{Name: "registered-max", Shape: []int64{64}, DType: "float32", Param: ipc.MemRef{Seg: pSeg, Offset: 1024, Bytes: 256}, Hyper: maxHyper},
+	}}).(ipc.RegisterReply)
+	sc := ipc.ScalarsMsg{Decay: 0.99999, ApplyDecay: true, Beta1W: 0.1, Beta2: 0.999, OneMinusB2: 0.001, NegStepSize: -1e-3, BC2Sqrt: 0.0316, Eps: 1e-8}
+	kinds := map[string]struct {
+		kernel  string
+		flagsAt int // of the descriptor's flags (optimizer/device: offFlags, off64Flags)
+		scalars func(ipc.ScalarsMsg) ipc.ScalarsMsg
+	}{
+		"foreach": {"sonar_adamw_f32", 84, func(s ipc.ScalarsMsg) ipc.ScalarsMsg { return s }},
+		"fused": {"sonar_fused_adamw_f32", 84, func(s ipc.ScalarsMsg) ipc.ScalarsMsg {
+			s.Fused, s.LR, s.Beta1, s.WeightDecay = true, 1e-3, 0.9, 0.01
+			s.Beta1W, s.Decay = 1-s.Beta1, 1-s.LR*s.WeightDecay
+			return s
+		}},
+		"fused double": {"sonar_fused64_adamw_f32", 100, func(s ipc.ScalarsMsg) ipc.ScalarsMsg {
+			s.Fused, s.FusedDouble, s.LR, s.Beta1, s.WeightDecay = true, true, 1e-3, 0.9, 0.01
+			s.Beta1W, s.Decay = 1-s.Beta1, 1-s.LR*s.WeightDecay
+			return s
+		}},
+	}
+	const flagMaximize = 4 // optimizer/device's flag bit
+	steps := make([]int64, len(reg.IDs))
+	for _, tc := range []struct {
+		name     string
+		tensor   int // 0: registered with maximize=false, 1: with maximize=true
+		kind     string
+		maximize bool
+	}{
+		{"registered min, foreach maximize", 0, "foreach", true},
+		{"registered min, foreach back to min", 0, "foreach", false},
+		{"registered min, fused maximize", 0, "fused", true},
+		{"registered min, fused double maximize", 0, "fused double", true},
+		{"registered min, fused double back to min", 0, "fused double", false},
+		{"registered max, foreach minimize", 1, "foreach", false},
+		{"registered max, foreach back to max", 1, "foreach", true},
+		{"registered max, fused minimize", 1, "fused", false},
+		{"registered max, fused double minimize", 1, "fused double", false},
+	} {
+		k := kinds[tc.kind]
+		s := k.scalars(sc)
+		s.Maximize = tc.maximize
+		steps[tc.tensor]++
+		it := ipc.StepItem{Tensor: reg.IDs[tc.tensor], Grad: ipc.MemRef{Seg: gSeg, Offset: 0, Bytes: 256}, Apply: true,
+			Step: steps[tc.tensor], Scalars: s}
+		w.f.ClearLog()
+		if _, err := w.call(c, ipc.OpStep, ipc.Step{Items: []ipc.StepItem{it}}); err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if got := strings.TrimSpace(w.f.Kernels()); got != k.kernel {
+			t.Errorf("%s: launched %q, want %q", tc.name, got, k.kernel)
+		}
+		var dims [7]uint32
+		var stream uintptr
+		desc := make([]byte, k.flagsAt+4)
+		w.f.Launch(&dims, &stream, &desc[0], int32(len(desc)))
+		if p := binary.LittleEndian.Uint64(desc[0:]); p != uint64(w.params)+uint64(tc.tensor)*1024 {
+			t.Errorf("%s: descriptor of param %#x, want the tensor's %#x", tc.name, p, uint64(w.params)+uint64(tc.tensor)*1024)
+		}
+		if got := binary.LittleEndian.Uint32(desc[k.flagsAt:])&flagMaximize != 0; got != tc.maximize {
+			t.Errorf("%s: descriptor's maximize flag %v, want the item's %v", tc.name, got, tc.maximize)
+		}
 	}
 }
 

@@ -569,8 +569,12 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 			return nil, fmt.Errorf("item %d (%s): nothing accumulated to apply", i, t.name)
 		}
 		if it.Apply {
-			if it.Scalars.Amsgrad != t.hyper.Amsgrad || it.Scalars.Maximize != t.hyper.Maximize {
-				return nil, fmt.Errorf("item %d (%s): amsgrad/maximize differ from registration", i, t.name)
+			// maximize is the step's (torch lets a script toggle a group's
+			// maximize between steps; the kernels take it from the scalars);
+			// amsgrad must be the registration's: the state's layout
+			// (max_exp_avg_sq) depends on it.
+			if it.Scalars.Amsgrad != t.hyper.Amsgrad {
+				return nil, fmt.Errorf("item %d (%s): amsgrad differs from registration (registered amsgrad=%v)", i, t.name, t.hyper.Amsgrad)
 			}
 			if it.Step != t.state.Step()+1 {
 				return nil, fmt.Errorf("item %d (%s): client step %d but server is at step %d", i, t.name, it.Step, t.state.Step())

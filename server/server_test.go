@@ -454,9 +454,12 @@ func TestBadRequestsChangeNothing(t *testing.T) {
 		{"grad overlaps the param's start", "c1", ipc.OpStep, step(w.item(1, ipc.MemRef{Seg: w.params.id, Offset: int64(B.off) - gB.Bytes + 2, Bytes: gB.Bytes}, true)), "overlaps the parameter"},
 		{"client step behind", "c1", ipc.OpStep, step(mod(w.item(0, g, true), func(it *ipc.StepItem) { it.Step-- })), "client step 1 but server is at step 1"},
 		{"client step ahead", "c1", ipc.OpStep, step(mod(w.item(0, g, true), func(it *ipc.StepItem) { it.Step++ })), "client step 3"},
-		{"amsgrad in step, not registered", "c1", ipc.OpStep, step(mod(w.item(0, g, true), func(it *ipc.StepItem) { it.Scalars.Amsgrad = true })), "amsgrad/maximize differ"},
-		{"amsgrad registered, not in step", "c1", ipc.OpStep, step(mod(w.item(2, w.newGrad(2, 2), true), func(it *ipc.StepItem) { it.Scalars.Amsgrad = false })), "amsgrad/maximize differ"},
-		{"maximize mismatch", "c1", ipc.OpStep, step(mod(w.item(1, gB, true), func(it *ipc.StepItem) { it.Scalars.Maximize = false })), "amsgrad/maximize differ"},
+		{"amsgrad in step, not registered", "c1", ipc.OpStep, step(mod(w.item(0, g, true), func(it *ipc.StepItem) { it.Scalars.Amsgrad = true })),
+			"amsgrad differs from registration (registered amsgrad=false)"},
+		{"amsgrad registered, not in step", "c1", ipc.OpStep, step(mod(w.item(2, w.newGrad(2, 2), true), func(it *ipc.StepItem) { it.Scalars.Amsgrad = false })),
+			"amsgrad differs from registration (registered amsgrad=true)"},
+		{"amsgrad differs, maximize toggled too", "c1", ipc.OpStep, step(mod(w.item(1, gB, true), func(it *ipc.StepItem) { it.Scalars.Amsgrad, it.Scalars.Maximize = true, false })),
+			"amsgrad differs from registration (registered amsgrad=false)"},
 		{"nothing accumulated to apply", "c1", ipc.OpStep, step(w.item(0, ipc.MemRef{}, true)), "nothing accumulated"},
 		{"non-finite scalar", "c1", ipc.OpStep, step(mod(w.item(0, g, true), func(it *ipc.StepItem) { it.Scalars.NegStepSize = math.Inf(-1) })), "non-finite"},
 		{"duplicate item", "c1", ipc.OpStep, step(w.item(0, g, true), w.item(0, g, false)), "appears twice"},
@@ -613,6 +616,123 @@ func TestAccumulateThenApply(t *testing.T) {
 			}
 		}
 		w.checkMirrors()
+	}
+}
+
+// TestMaximizeIsPerStep: torch.optim.AdamW reads a group's maximize at each
+// step, so a script may toggle it; the server takes it from each step item,
+// whatever the registration said. A tensor registered with maximize=false and
+// one registered with maximize=true, stepped with the same gradients and
+// scalars (maximize on, off, on, with one accumulated step), end bitwise equal
+// to each other and to the engine stepped directly with those scalars, on the
+// single-tensor and the fused CPU arithmetic.
+func TestMaximizeIsPerStep(t *testing.T) {
+	flags := []bool{true, false, true, true, false}
+	const accumulatedStep = 3 // 0-based: this step's gradient comes in two micro-batches
+	cases := []struct {
+		name    string
+		dtype   optimizer.DType
+		amsgrad bool
+		fused   bool
+		lanes   int
+	}{
+		{"float32 single-tensor", optimizer.Float32, false, false, 0},
+		{"bfloat16 single-tensor", optimizer.BFloat16, false, false, 0},
+		{"float32 single-tensor amsgrad", optimizer.Float32, true, false, 0},
+		{"float32 fused", optimizer.Float32, false, true, 8},
+		{"bfloat16 fused", optimizer.BFloat16, false, true, 16},
+		{"bfloat16 fused amsgrad, no lanes", optimizer.BFloat16, true, true, 0},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t)
+			const client = "c1"
+			params, grads := h.newSegment("sonar-params", segSize), h.newSegment("sonar-grads", segSize)
+			h.attach(client, params)
+			h.attach(client, grads)
+			const numel = 37 // not a multiple of the fused kernel's lanes: its scalar tail runs too
+			nb := numel * tc.dtype.Size()
+			fill := func(seg *testSegment, off int, sd float64) {
+				if tc.dtype == optimizer.BFloat16 {
+					h.fillBF16(seg, off, numel, sd)
+				} else {
+					h.fillF32(seg, off, numel, sd)
+				}
+			}
+			fill(params, 0, 1)
+			copy(params.mem[1024:1024+nb], params.mem[:nb])
+			base := optimizer.Hyper{LR: 1e-2, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, WeightDecay: 1e-2, Amsgrad: tc.amsgrad}
+			maxHyper := base
+			maxHyper.Maximize = true
+			spec := func(name string, off int, hy optimizer.Hyper) ipc.TensorSpec {
+				return ipc.TensorSpec{Name: name, Shape: []int64{numel}, DType: tc.dtype.String(),
+					Param: ipc.MemRef{Seg: params.id, Offset: int64(off), Bytes: int64(nb)}, Hyper: hyperMsg(hy)}
+			}
+			ids := h.must(client, ipc.OpRegister, ipc.Register{Tensors: []ipc.TensorSpec{
+				spec("registered-min", 0, base), spec("registered-max", 1024, maxHyper)}}).(ipc.RegisterReply).IDs
+			eng := &optimizer.Engine{Workers: 1}
+			mirror, err := optimizer.NewTensor("mirror", tc.dtype, numel, base, bytes.Clone(params.mem[:nb]))
+			if err != nil {
+				t.Fatal(err)
+			}
+			never, err := optimizer.NewTensor("never-maximize", tc.dtype, numel, base, bytes.Clone(params.mem[:nb]))
+			if err != nil {
+				t.Fatal(err)
+			}
+			server := func(k int) *optimizer.Tensor { return engineTensor(h.s.sessions[client].tensors[ids[k]]) }
+			grad := func(slot int) (ipc.MemRef, []byte) {
+				off := slot * 1024
+				fill(grads, off, 1e-2)
+				return ipc.MemRef{Seg: grads.id, Offset: int64(off), Bytes: int64(nb)}, bytes.Clone(grads.mem[off : off+nb])
+			}
+			for i, maximize := range flags {
+				step := int64(i + 1)
+				sc := optimizer.ScalarsFor(base, step)
+				sc.Maximize, sc.Fused, sc.Lanes = maximize, tc.fused, tc.lanes
+				msg := scalarsMsg(sc)
+				msg.Fused, msg.Lanes = tc.fused, tc.lanes
+				if i == accumulatedStep {
+					ref, g := grad(1)
+					h.must(client, ipc.OpStep, ipc.Step{Items: []ipc.StepItem{
+						{Tensor: ids[0], Grad: ref, Step: step, Scalars: msg},
+						{Tensor: ids[1], Grad: ref, Step: step, Scalars: msg}}})
+					if err := eng.Accumulate(mirror, g); err != nil {
+						t.Fatal(err)
+					}
+				}
+				ref, g := grad(0)
+				rep := h.must(client, ipc.OpStep, ipc.Step{Items: []ipc.StepItem{
+					{Tensor: ids[0], Grad: ref, Apply: true, Step: step, Scalars: msg},
+					{Tensor: ids[1], Grad: ref, Apply: true, Step: step, Scalars: msg}}}).(ipc.StepReply)
+				if rep.Applied != 2 {
+					t.Fatalf("step %d: reply %+v", step, rep)
+				}
+				if err := eng.Apply(mirror, g, sc); err != nil {
+					t.Fatal(err)
+				}
+				if i == 0 {
+					neverSc := sc
+					neverSc.Maximize = false
+					if err := eng.Apply(never, g, neverSc); err != nil {
+						t.Fatal(err)
+					}
+					if bytes.Equal(never.Param, params.mem[:nb]) {
+						t.Fatalf("step %d: maximize=%v gave the parameter of maximize=false", step, maximize)
+					}
+				}
+				for k, name := range []string{"registered with maximize=false", "registered with maximize=true"} {
+					st := server(k)
+					param := params.mem[k*1024 : k*1024+nb]
+					if !bytes.Equal(param, mirror.Param) {
+						t.Fatalf("step %d (maximize=%v): %s: param differs from the engine's", step, maximize, name)
+					}
+					if st.Step != step || st.Pending() != 0 || !bytes.Equal(st.ExpAvg, mirror.ExpAvg) ||
+						!bytes.Equal(st.ExpAvgSq, mirror.ExpAvgSq) || !bytes.Equal(st.MaxExpAvgSq, mirror.MaxExpAvgSq) {
+						t.Fatalf("step %d (maximize=%v): %s: state differs from the engine's", step, maximize, name)
+					}
+				}
+			}
+		})
 	}
 }
 
