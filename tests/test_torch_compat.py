@@ -1497,3 +1497,41 @@ def test_expert_tensor_taken_out_of_its_group_is_left_alone(how: str) -> None:
         run_both(ref, ropt, model, opt, 2, seed=55, where="after", first=2)
         assert named(model, target).grad is not None  # left in .grad, as torch leaves it
         # (state_dict() raises KeyError in torch too: opt.state keeps the tensor's entry)
+
+
+@pytest.mark.parametrize("flags", [{}, {"foreach": True}, {"fused": True}], ids=["single", "foreach", "fused"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_maximize_toggled_between_steps(dtype: torch.dtype, flags: dict[str, Any]) -> None:
+    """torch lets a script toggle a group's maximize between steps; sonard refused the next
+    update ("amsgrad/maximize differ from registration") and the optimizer could not go on
+    (red team round 4). maximize is now the step's, on the server too."""
+    model = make_model(dtype)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP, **flags)
+    with SonarAdamW(model, **HP, **flags) as opt:
+        for s, maximize in enumerate([False, True, True, False, True]):
+            for o in (ropt, opt):
+                o.param_groups[0]["maximize"] = maximize
+            run_both(ref, ropt, model, opt, 1, seed=56, where=f"maximize={maximize}", dtype=dtype, first=s)
+
+
+def test_amsgrad_changed_between_steps_is_refused_before_anything_changes() -> None:
+    """amsgrad fixes the state sonard holds (max_exp_avg_sq): a group that turns it off (torch
+    goes on without it) is refused at the step's first expert update, with what to do; the
+    state stays readable (it raised 'unknown segment' when read), and turning it back works."""
+    sonar_only()
+    model = make_model()
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP, amsgrad=True)
+    with SonarAdamW(model, **HP, amsgrad=True) as opt:
+        run_both(ref, ropt, model, opt, 2, seed=57, where="amsgrad")
+        opt.param_groups[0]["amsgrad"] = False
+        p = named(model, "layers.0.mlp.experts.gate_up_proj")
+        assert torch.equal(opt.state[p]["max_exp_avg_sq"], ropt.state[named(ref, "layers.0.mlp.experts.gate_up_proj")]["max_exp_avg_sq"])
+        before = snapshot(model)
+        with pytest.raises(ValueError, match="amsgrad=False.*registered, with amsgrad=True"):
+            fwd_bwd(model, *batch(57, 2))
+        assert_snapshot_equal(before, model, "after the refusal", expert_names(model))
+        opt.param_groups[0]["amsgrad"] = True
+        opt.zero_grad()
+        run_both(ref, ropt, model, opt, 2, seed=57, where="amsgrad back on", first=2)

@@ -445,7 +445,7 @@ class SonarAdamW(torch.optim.AdamW):
         self._backend: ExpertBackend = NoExperts()
         self._experts: dict[int, tuple[str, nn.Parameter]] = {}
         self._hooks: dict[int, Any] = {}
-        self._registered: dict[int, dict[str, bool]] = {}  # amsgrad/maximize the server checks
+        self._registered: dict[int, dict[str, bool]] = {}  # amsgrad as registered: the server's state layout
         self._external_grads = False  # remove_grad_hooks(): the caller hands gradients over
         # At the first expert gradient of each step, sonar_moe.distributed checks that no
         # DistributedDataParallel reduces these experts behind the hooks' back (they would see
@@ -646,7 +646,7 @@ class SonarAdamW(torch.optim.AdamW):
         st = self.state.get(p)
         if not isinstance(st, ExpertState):
             st = self.state[p] = ExpertState(self._fetcher(p), torch.tensor(0.0, dtype=torch.float32),
-                                             bool(self._group_of(p)["amsgrad"]))
+                                             self._registered[id(p)]["amsgrad"])
         st.forget_moments()  # the server's change with this step
         step_t = st["step"]
         step_t += 1
@@ -685,7 +685,7 @@ class SonarAdamW(torch.optim.AdamW):
 
     def _fetch_moments(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
         self._settle()  # micro-batches still to come stay pending: torch's state is that before the step
-        amsgrad = bool(self._group_of(p)["amsgrad"])
+        amsgrad = self._registered[id(p)]["amsgrad"]  # the server's state layout
         with self._backend.state_transfer(amsgrad) as xfer:
             got = xfer.fetch(p)
         return {k: v for k, v in got.items() if amsgrad or k != "max_exp_avg_sq"}
@@ -976,6 +976,11 @@ class SonarAdamW(torch.optim.AdamW):
         carry them) are torch's other arithmetic."""
         for _, (name, p) in self._grouped():
             group = self._group_of(p)
+            if bool(group["amsgrad"]) != self._registered[id(p)]["amsgrad"]:
+                raise ValueError(f"expert tensor {name} is in a parameter group with amsgrad={bool(group['amsgrad'])}, "
+                                 f"but sonard holds its state as registered, with amsgrad="
+                                 f"{self._registered[id(p)]['amsgrad']}: set it back, or build a new SonarAdamW with "
+                                 "this amsgrad and load the old one's state_dict() (maximize may change freely)")
             if not group.get("decoupled_weight_decay", True):
                 raise ValueError(f"expert tensor {name} is in a parameter group with decoupled_weight_decay=False "
                                  "(Adam with L2 weight decay): sonard reproduces AdamW's decoupled weight decay only")
@@ -1005,7 +1010,7 @@ class SonarAdamW(torch.optim.AdamW):
                 continue
             st = self.state.get(p)
             if not st:  # cleared or deleted while the server holds a state: torch starts afresh
-                work.setdefault(bool(self._group_of(p)["amsgrad"]), []).append((p, 0, None))
+                work.setdefault(self._registered[id(p)]["amsgrad"], []).append((p, 0, None))
                 continue
             if isinstance(st, ExpertState):
                 held = st.held_moments()
@@ -1017,7 +1022,7 @@ class SonarAdamW(torch.optim.AdamW):
                 if v.shape != p.shape:
                     raise ValueError(f"opt.state of expert tensor {name}: {k} has shape {tuple(v.shape)}, want "
                                      f"{tuple(p.shape)}")
-            work.setdefault(bool(self._group_of(p)["amsgrad"]), []).append((p, step, held))
+            work.setdefault(self._registered[id(p)]["amsgrad"], []).append((p, step, held))
         for amsgrad, items in work.items():
             with self._backend.state_transfer(amsgrad) as xfer:
                 for p, step, kept in items:
@@ -1203,7 +1208,7 @@ class SonarAdamW(torch.optim.AdamW):
         by_amsgrad: dict[bool, list[nn.Parameter]] = {}
         for _, (_, p) in self._grouped():
             if isinstance(self.state.get(p), ExpertState):
-                by_amsgrad.setdefault(bool(self._group_of(p)["amsgrad"]), []).append(p)
+                by_amsgrad.setdefault(self._registered[id(p)]["amsgrad"], []).append(p)
         for amsgrad, ps in by_amsgrad.items():
             with self._backend.state_transfer(amsgrad) as xfer:
                 for p in ps:
@@ -1251,7 +1256,7 @@ class SonarAdamW(torch.optim.AdamW):
         done = 0
         try:
             for amsgrad in (False, True):
-                ps = [p for _, p in grouped if bool(self._group_of(p)["amsgrad"]) == amsgrad]
+                ps = [p for _, p in grouped if self._registered[id(p)]["amsgrad"] == amsgrad]
                 if not ps:
                     continue
                 with self._backend.state_transfer(amsgrad) as xfer:
@@ -1276,10 +1281,9 @@ class SonarAdamW(torch.optim.AdamW):
         """Refuse, before the server is touched, state the server could not take."""
         g = self._group_of(p)
         registered = self._registered[id(p)]
-        if bool(g["amsgrad"]) != registered["amsgrad"] or bool(g["maximize"]) != registered["maximize"]:
-            raise ValueError(f"the state_dict sets amsgrad={g['amsgrad']}, maximize={g['maximize']} for expert tensor "
-                             f"{name}, registered with amsgrad={registered['amsgrad']}, maximize="
-                             f"{registered['maximize']}: build the SonarAdamW with the options of the state_dict")
+        if bool(g["amsgrad"]) != registered["amsgrad"]:
+            raise ValueError(f"the state_dict sets amsgrad={g['amsgrad']} for expert tensor {name}, registered with "
+                             f"amsgrad={registered['amsgrad']}: build the SonarAdamW with the options of the state_dict")
         if not st:
             return
         if "step" not in st:
