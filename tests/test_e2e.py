@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import sonar_moe
 import tiny_moe as tm
@@ -172,6 +173,22 @@ def test_auto_detection_and_predicate() -> None:
     with sonar_moe.SonarAdamW(model, expert_params=lambda n, p: n.endswith("down_proj")) as opt:
         assert sorted(n for n, _ in opt.named_expert_parameters()) == sorted(
             n for n in tm.expert_param_names(model) if n.endswith("down_proj"))
+
+
+def test_parameter_list_experts_are_one_tensor_per_expert() -> None:
+    """Experts kept as an ``nn.ParameterList``/``ParameterDict`` named ``experts`` are one tensor
+    per expert (each 2-D weight was taken for experts flattened E-fold; red team round 4)."""
+    class Block(nn.Module):
+        def __init__(self, as_dict: bool) -> None:
+            super().__init__()
+            self.num_experts = 4
+            weights = [nn.Parameter(torch.randn(8, 6)) for _ in range(4)]
+            self.experts = (nn.ParameterDict({f"e{i}": w for i, w in enumerate(weights)}) if as_dict
+                            else nn.ParameterList(weights))
+
+    for as_dict in (False, True):
+        found = sonar_moe.find_experts(Block(as_dict))
+        assert len(found) == 4 and all(t.layout == "per-expert" and t.experts == 1 for t in found.values()), found
 
 
 @pytest.mark.parametrize("name,block", [

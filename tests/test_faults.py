@@ -369,3 +369,24 @@ def test_full_dev_shm_gives_clear_errors(tmp_path: Path) -> None:
         "CONSTRUCT: sonar: /dev/shm has no room for the gradient ring" in out, out
     assert "STATE_DICT: sonar: /dev/shm has no room for the state transfer" in out, out
     assert "MiB missing" in out and "ALIVE: True" in out and "AFTER: state of" in out, out
+
+
+def test_server_killed_with_updates_in_flight_says_the_experts_may_be_partly_updated() -> None:
+    """sonard killed (SIGKILL, the OOM killer) while expert updates were in flight: its kernel
+    may have stepped part of a tensor's elements (a red team saw 44-95%), so the error says so,
+    beside the signal (it named the signal only)."""
+    from moe_util import TinyMoE
+
+    torch.manual_seed(0)
+    model = TinyMoE(torch.float32)
+    x = torch.randn(4, 9)
+    with sonar_moe.SonarAdamW(model, lr=1e-2, ring_layers=0, timeout=10.0) as opt:
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+        proc = opt.server_process
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGSTOP)  # the next update stays in flight...
+        threading.Timer(0.5, os.kill, (proc.pid, signal.SIGKILL)).start()  # ...until the kill
+        with pytest.raises(SonarServerDied, match=r"killed by SIGKILL.*in flight.*may be partly updated"):
+            model(x).backward()

@@ -391,7 +391,12 @@ class Connection:
             tail = text[-2000:].strip()
             if tail:
                 log.debug("sonard's log ends:\n%s", tail)
-            raise SonarServerDied(death_cause(self.process.returncode, text), tail)
+            cause = death_cause(self.process.returncode, text)
+            steps = sum(1 for p in self._pending.values() if p.op == "step")
+            if steps:
+                cause += (f"; {steps} expert update request(s) were in flight: their expert tensors may be partly "
+                          "updated (restore the model from a checkpoint before using it)")
+            raise SonarServerDied(cause, tail)
 
     def _read_log(self) -> str:
         """The end of the private server's log (a crash's goroutine dump can be long: 4 MiB)."""

@@ -14,7 +14,7 @@ whose path says *shared* is not one (shared experts see every token: dense), nor
 class name ends in ``SharedExperts``. Inside a
 container, a parameter is an expert tensor when
 
-* the container is a ``ModuleList``/``ModuleDict`` of experts, or the parameter sits under a
+* the container is a ``ModuleList``/``ModuleDict`` (``ParameterList``/``ParameterDict``) of experts, or the parameter sits under a
   child named ``<i>`` or ``expert_<i>``: one tensor per expert (*per-expert*); the tensors of a
   container go to the server in one request;
 * it has 3 or more dimensions: ``[E, ...]`` (*batched*);
@@ -23,7 +23,7 @@ container, a parameter is an expert tensor when
 * it is 2-D with ``k * E`` rows: experts flattened into ``[E * I, H]`` (DBRX, *flattened*);
 
 and never when it lives under a router or gate (JetMoe keeps its attention router inside the
-experts module). ``E`` comes from the container (its length, or an attribute such as
+experts module) or in an adapter a tuner layer added (peft's LoRA: ``lora_A``/``lora_B``). ``E`` comes from the container (its length, or an attribute such as
 ``num_experts``), else from the modules above it, else from the model's config. Outside
 containers, an MoE block that holds an expert count ``E`` and ``nn.Embedding(E, ...)`` tables
 keeps one expert per row (Doge, *embedding-rows*). Routers, gates, shared experts and
@@ -84,7 +84,8 @@ def find_experts(module: nn.Module) -> dict[str, ExpertTensor]:
             continue  # inside a container already looked through
         if _is_container(path, m):
             containers.append(path)
-            count = len(m) if isinstance(m, (nn.ModuleList, nn.ModuleDict)) else _count(path, modules, config)
+            count = (len(m) if isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict))
+                     else _count(path, modules, config))
             for rel, p in m.named_parameters():
                 t = _classify(path, m, rel, p, count)
                 if t is not None:
@@ -140,12 +141,27 @@ def _routes(m: nn.Module, rel: str) -> bool:
     return False
 
 
+def _adapter(m: nn.Module, rel: str) -> bool:
+    """Whether the parameter ``rel`` of ``m`` belongs to an adapter a tuner layer added (peft's
+    LoRA on an experts module or on one expert's Linear: ``lora_A``/``lora_B`` [r*E, in], whose
+    rows would pass for flattened experts). Such layers name their adapter attributes in
+    ``adapter_layer_names``/``other_param_names`` (peft's ``BaseTunerLayer``); adapters stay dense."""
+    owner = m
+    for comp in rel.split(".")[:-1]:
+        names = (*getattr(owner, "adapter_layer_names", ()), *getattr(owner, "other_param_names", ()))
+        if comp in names:
+            return True
+        owner = getattr(owner, comp)
+    return False
+
+
 def _classify(path: str, m: nn.Module, rel: str, p: torch.Tensor, count: int | None) -> ExpertTensor | None:
-    if _routes(m, rel):
+    if _routes(m, rel) or _adapter(m, rel):
         return None
     name = _join(path, rel)
     first = rel.split(".", 1)[0]
-    if isinstance(m, (nn.ModuleList, nn.ModuleDict)) or ("." in rel and _ONE_EXPERT.fullmatch(first)):
+    if (isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict))
+            or ("." in rel and _ONE_EXPERT.fullmatch(first))):
         return ExpertTensor(name, "per-expert", 1, path)
     if p.dim() >= 3:
         return ExpertTensor(name, "batched", p.shape[0], path)
