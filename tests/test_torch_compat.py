@@ -1535,3 +1535,40 @@ def test_amsgrad_changed_between_steps_is_refused_before_anything_changes() -> N
         opt.param_groups[0]["amsgrad"] = True
         opt.zero_grad()
         run_both(ref, ropt, model, opt, 2, seed=57, where="amsgrad back on", first=2)
+
+
+def test_state_dict_from_a_signal_handler_inside_an_update_is_refused_clearly() -> None:
+    """A preemption handler (SIGTERM, SIGUSR1) that saves opt.state_dict() runs wherever the
+    loop is. Inside SonarAdamW's own update code (here: as its backward hook starts handing a
+    gradient over, reached through the interpreter's trace hook) the step is half sent: it
+    raises a clear error at once (a red team saw it wait 10 s for a reply the interrupted code
+    held, then fail), and training stays torch's, bit for bit; between the hooks it works."""
+    sonar_only()
+    model = make_model()
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    errors: list[BaseException] = []
+    saved: list[dict[str, Any]] = []
+    with SonarAdamW(model, **HP) as opt:
+        def handler() -> None:  # what the signal handler does
+            try:
+                saved.append(opt.state_dict())
+            except RuntimeError as e:
+                errors.append(e)
+
+        def trace(frame: Any, event: str, arg: Any) -> Any:
+            if event == "call" and frame.f_code.co_name == "_take" and not errors:
+                handler()
+            return None
+
+        run_both(ref, ropt, model, opt, 1, seed=58, where="before")
+        sys.settrace(trace)
+        try:
+            run_both(ref, ropt, model, opt, 1, seed=58, where="the step the handler interrupted", first=1)
+        finally:
+            sys.settrace(None)
+        assert len(errors) == 1 and "in the middle of an update" in str(errors[0]) and not saved
+        run_both(ref, ropt, model, opt, 2, seed=58, where="after", first=2)
+        handler()  # outside an update: the state, as torch's
+        assert len(saved) == 1
+        assert_state_dicts_equal(saved[0], ropt.state_dict(), "state_dict after the handler")

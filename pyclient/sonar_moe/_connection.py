@@ -175,6 +175,10 @@ class Connection:
     latencies: deque[float] = field(init=False, default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     traces: deque[RequestTrace] = field(init=False, default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     _got_ns: int = field(init=False, default=0)  # when _recv last returned a reply's bytes
+    # Replies received and not yet handled, with when their bytes came: a signal handler that
+    # waits on this connection (a checkpoint saved from SIGTERM's handler) while the code it
+    # interrupted holds a reply it received handles that reply first instead of waiting for it.
+    _inbox: deque[tuple[bytes, int]] = field(init=False, default_factory=deque)
     answered: int = field(init=False, default=0)  # replies handled since the connection opened
     # How a blocking receive waits: the backend that knows torch's threads sets it
     # (_openmp.choose_waiter); direct by default.
@@ -196,6 +200,7 @@ class Connection:
         self._closed = True
         self._pending.clear()
         self._done.clear()
+        self._inbox.clear()
 
     def _check_process(self) -> None:
         if self._forked_from is not None:
@@ -288,13 +293,12 @@ class Connection:
             return self._drain()
         # One blocking receive (the channel's); a closed connection is seen by the caller's
         # link check when the timeout passes (every 50 ms in wait()).
-        raw = self.waiter.receive(self._recv, timeout)
-        if raw is None:
+        if self.waiter.receive(self._recv, timeout) is None and not self._inbox:
             return 0
-        self._dispatch(raw, self._got_ns, time.monotonic_ns())
+        n = self._dispatch_inbox(time.monotonic_ns())
         # A reply to nothing pending would be refused anyway; with nothing pending (a request that
         # was waited for), asking the socket for more costs a system call for nothing.
-        return 1 + (self._drain() if self._pending else 0)
+        return n + (self._drain() if self._pending else 0)
 
     def _recv(self, timeout: float) -> bytes | None:
         """The next reply's bytes, or None when none comes within timeout seconds (0: only one
@@ -306,17 +310,25 @@ class Connection:
         if raw is None:
             return None
         self._got_ns = time.monotonic_ns()
+        self._inbox.append((raw, self._got_ns))
         return raw
+
+    def _dispatch_inbox(self, woke: int = 0) -> int:
+        """Handle the replies received and not handled yet; how many."""
+        n = 0
+        while self._inbox:
+            raw, got = self._inbox.popleft()
+            self._dispatch(raw, got, woke or got)
+            n += 1
+        return n
 
     def _drain(self) -> int:
         """Handle every reply already in the socket."""
-        n = 0
+        n = self._dispatch_inbox()
         while self._chan.ready():
-            raw = self._recv(0.0)
-            if raw is None:
+            if self._recv(0.0) is None:
                 break
-            self._dispatch(raw, self._got_ns, self._got_ns)
-            n += 1
+            n += self._dispatch_inbox()
         return n
 
     def wait(self, rid: int | None = None, timeout: float | None = None) -> dict[str, Any]:

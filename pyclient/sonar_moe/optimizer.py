@@ -479,6 +479,7 @@ class SonarAdamW(torch.optim.AdamW):
         self._hand_over_s = 0.0
         self._wait_s = 0.0
         self._grads_this_step: dict[int, int] = {}
+        self._busy = 0  # depth of SonarAdamW's own update code running (hooks, step()): state_dict() refuses then
         self._advanced: set[int] = set()  # expert tensors stepped since the last step() (not refused)
         self._overflowed: set[int] = set()  # experts whose scaled gradient overflowed this step
         # The step each expert tensor's server state is at, as this client last set or sent it:
@@ -740,7 +741,11 @@ class SonarAdamW(torch.optim.AdamW):
             self._data_parallel_check_due = False
             from .distributed import check_local_gradients  # distributed imports this module
             check_local_gradients(self)
-        self._take(p)
+        self._busy += 1
+        try:
+            self._take(p)
+        finally:
+            self._busy -= 1
 
     def _take(self, p: torch.Tensor) -> None:
         """Hand p.grad (this backward's final gradient of expert p) over, after the checks
@@ -1070,6 +1075,7 @@ class SonarAdamW(torch.optim.AdamW):
         # scale the dense gradients still carry (None: already unscaled), whether any overflowed.
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        self._busy += 1
         try:
             if found_inf is not None and self.grad_scaler is None and self._experts:
                 raise RuntimeError(
@@ -1088,6 +1094,7 @@ class SonarAdamW(torch.optim.AdamW):
             self._dense_step(grad_scale, found_inf)
             self._order_state()
         finally:
+            self._busy -= 1
             self._end_step()
         return loss
 
@@ -1204,6 +1211,11 @@ class SonarAdamW(torch.optim.AdamW):
         """torch.optim.AdamW's state_dict, the expert moments fetched from the server: it loads
         into torch.optim.AdamW over the same parameters and trains on bitwise."""
         self._check_usable()
+        if self._busy:
+            raise RuntimeError(
+                "SonarAdamW.state_dict() was called while SonarAdamW was in the middle of an update: a signal "
+                "handler interrupted its backward hook or step() and asked for the state there, where the step "
+                "is half sent. Set a flag in the handler and save the checkpoint after step() returns")
         self._settle()  # micro-batches still to come stay pending: torch's state is that before the step
         self._write_back_state()  # nothing is in flight now
         entries: dict[int, dict[str, Any]] = {}
