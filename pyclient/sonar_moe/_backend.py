@@ -154,6 +154,10 @@ class ExpertBackend(Protocol):
     def settle(self) -> None:
         """Send what is pending and wait for every reply, leaving accumulated micro-batches pending."""
 
+    def pending(self) -> bool:
+        """Whether micro-batches of a step not applied yet are summed on the server."""
+        ...
+
     def abandon(self) -> list[str]:
         """After settle(): drop the micro-batches accumulated for a step that will not come (the
         server's discard); the names of the tensors that had some."""
@@ -404,9 +408,16 @@ class ServerBackend(ABC):
     def _queue(self, e: Expert, staged: Staged) -> None:
         """Queue the step of e's staged gradient: one request per expert slice with
         split_experts, else one per MoE block (group_key); applied at the k-th micro-batch."""
-        e.micro += 1
-        apply = e.micro >= self._options.grad_accumulation_steps if self._ends_step is None else self._ends_step
-        step, scalars = self._next_step(e) if apply else (0, {})
+        micro = e.micro + 1
+        apply = micro >= self._options.grad_accumulation_steps if self._ends_step is None else self._ends_step
+        try:
+            # advance() may refuse (a group's options): then nothing is counted, the micro-batches
+            # summed so far stay pending (zero_grad() discards them) and the staged copy is freed
+            step, scalars = self._counter.advance(e.param) if apply else (0, {})
+        except BaseException:
+            self._release(staged.token)
+            raise
+        e.micro = 0 if apply else micro
         if apply:
             # The server changes the parameter in place behind autograd's back: bump its version
             # as torch's in-place ops do, so that a node of this backward that saved the tensor
@@ -430,8 +441,9 @@ class ServerBackend(ABC):
                 it["grad_scale"] = clipper.scale
 
     def _next_step(self, e: Expert) -> tuple[int, dict[str, Any]]:
+        step = self._counter.advance(e.param)
         e.micro = 0
-        return self._counter.advance(e.param)
+        return step
 
     def _make_room(self) -> bool:
         """Wait for a reply, or send incomplete layers; False when nothing is outstanding."""
@@ -458,6 +470,9 @@ class ServerBackend(ABC):
     def settle(self) -> None:
         self._steps.flush()
         self._steps.wait()
+
+    def pending(self) -> bool:
+        return any(e.micro > 0 for e in self._experts.values())
 
     def abandon(self) -> list[str]:
         e_pending = [e for e in self._experts.values() if e.micro > 0]
@@ -582,6 +597,9 @@ class NoExperts:
 
     def settle(self) -> None:
         pass
+
+    def pending(self) -> bool:
+        return False
 
     def abandon(self) -> list[str]:
         return []

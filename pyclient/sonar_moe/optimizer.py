@@ -36,6 +36,7 @@ from ._backend import DTYPES, STATE_KEYS, BackendOptions, ExpertBackend, NoExper
 from ._clipping import MODES as EXPERT_CLIPPING_MODES
 from ._clipping import ExpertClipper
 from ._connection import RequestTrace, SonarError, SonarServerDied
+from ._interrupts import HELD
 from ._cuda_backend import CudaBackend
 from ._params import ExpertPredicate, expert_slices, group_names, is_expert, module_experts, torch_params
 from ._shm_backend import ShmBackend
@@ -314,6 +315,12 @@ def _loaded_step(value: Any) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float32)
 
 
+def _options_key(group: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The options of a group an expert update uses, comparable (tensors as their values)."""
+    return (_value(group["lr"]), _value(group["betas"][0]), _value(group["betas"][1]), float(group["eps"]),
+            _value(group["weight_decay"]), bool(group["maximize"]))
+
+
 def _grad_hook(opt: weakref.ref[SonarAdamW]) -> Callable[[torch.Tensor], None]:
     """The post-accumulate-grad hook of an expert tensor. It holds its optimizer weakly: a
     parameter must not keep alive an optimizer the script dropped without close() (a notebook
@@ -481,6 +488,7 @@ class SonarAdamW(torch.optim.AdamW):
         self._grads_this_step: dict[int, int] = {}
         self._busy = 0  # depth of SonarAdamW's own update code running (hooks, step()): state_dict() refuses then
         self._advanced: set[int] = set()  # expert tensors stepped since the last step() (not refused)
+        self._used: dict[int, tuple[Any, ...]] = {}  # the group options each one's latest update used
         self._overflowed: set[int] = set()  # experts whose scaled gradient overflowed this step
         # The step each expert tensor's server state is at, as this client last set or sent it:
         # a script that clears, deletes or changes opt.state[p] is caught by comparing with it.
@@ -654,6 +662,7 @@ class SonarAdamW(torch.optim.AdamW):
         step = step_t.item()
         self._server_steps[id(p)] = int(step)
         self._advanced.add(id(p))
+        self._used[id(p)] = _options_key(self._group_of(p))
         g = self._group_of(p)
         if g["fused"]:
             if p.device.type == "cuda":
@@ -741,11 +750,12 @@ class SonarAdamW(torch.optim.AdamW):
             self._data_parallel_check_due = False
             from .distributed import check_local_gradients  # distributed imports this module
             check_local_gradients(self)
-        self._busy += 1
-        try:
-            self._take(p)
-        finally:
-            self._busy -= 1
+        with HELD:  # a Ctrl-C meanwhile comes when the hand-over is whole (see _interrupts)
+            self._busy += 1
+            try:
+                self._take(p)
+            finally:
+                self._busy -= 1
 
     def _take(self, p: torch.Tensor) -> None:
         """Hand p.grad (this backward's final gradient of expert p) over, after the checks
@@ -859,7 +869,12 @@ class SonarAdamW(torch.optim.AdamW):
                              f"match {entry[0]} {tuple(param.shape)} {param.dtype} {param.device}")
         self._check_usable()
         self._backend.check(param)  # type: ignore[arg-type]
-        self._hand_over(param, grad, owned=False)
+        with HELD:
+            self._busy += 1
+            try:
+                self._hand_over(param, grad, owned=False)
+            finally:
+                self._busy -= 1
 
     def _hand_over(self, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
         """Hand one expert gradient to the backend. owned: grad is p.grad, freed there."""
@@ -919,8 +934,10 @@ class SonarAdamW(torch.optim.AdamW):
         for -0.0 and +0.0: lerp's fma and the squares turn both into the same moments.)
         Called after backward passes that no ``step()`` followed, it abandons their step
         (``_abandon_step``)."""
-        if self._grads_this_step and not self._closed:
-            self._abandon_step()
+        if not self._closed and (self._grads_this_step or self._backend.pending()):
+            # (pending without gradients this step: a step() that raised before applying them)
+            with HELD:
+                self._abandon_step()
         super().zero_grad(set_to_none)
         if set_to_none:
             self._kept_grads.clear()
@@ -942,6 +959,20 @@ class SonarAdamW(torch.optim.AdamW):
         self._data_parallel_check_due = True
         if not self._closed:
             self._hook_experts()
+
+    def _warn_late_changes(self) -> None:
+        """Options of a group changed after its expert tensors were updated this step (between
+        the last backward and step(), e.g. an lr set in Trainer's on_pre_optimizer_step): torch
+        uses them at this step, the updates already made did not; they count from the next."""
+        late = [name for i, (name, p) in self._grouped()
+                if i in self._advanced and self._used.get(i) != _options_key(self._group_of(p))]
+        if late:
+            msg = (f"the options (lr, betas, eps, weight_decay or maximize) of {len(late)} expert tensors' groups "
+                   f"changed after this step's update of them during backward ({', '.join(late[:3])}"
+                   f"{', ...' if len(late) > 3 else ''}): torch would use the new values at this step, SonarAdamW "
+                   "uses them from the next one. Change them after step() (where schedulers run)")
+            log.warning("%s", msg)
+            warnings.warn(msg, stacklevel=4)
 
     def _abandon_step(self) -> None:
         """zero_grad() after backward passes that no step() followed (an error caught by the
@@ -1075,27 +1106,29 @@ class SonarAdamW(torch.optim.AdamW):
         # scale the dense gradients still carry (None: already unscaled), whether any overflowed.
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        self._busy += 1
-        try:
-            if found_inf is not None and self.grad_scaler is None and self._experts:
-                raise RuntimeError(
-                    "SonarAdamW was stepped by a GradScaler it was not given: its expert tensors were updated "
-                    "during backward with still-scaled gradients. Pass grad_scaler=scaler to SonarAdamW")
-            # Gradients set by hand, or produced outside the hooks: under DDP (external
-            # gradients) those of a backward DDP did not all-reduce (no_sync, then step()), or
-            # of a tensor DDP does not reduce; torch steps with them, so does this.
-            for i, (_, p) in self._grouped():
-                if p.grad is not None and i not in self._overflowed:
-                    self._take(p)
-            if not self._external_grads:
-                if self._zeroed_grads and not (found_inf is not None and bool(found_inf.item())):
-                    self._step_zeroed_grads()
-            self._drain()
-            self._dense_step(grad_scale, found_inf)
-            self._order_state()
-        finally:
-            self._busy -= 1
-            self._end_step()
+        with HELD:  # a Ctrl-C meanwhile comes when the step is whole (see _interrupts)
+            self._busy += 1
+            try:
+                if found_inf is not None and self.grad_scaler is None and self._experts:
+                    raise RuntimeError(
+                        "SonarAdamW was stepped by a GradScaler it was not given: its expert tensors were updated "
+                        "during backward with still-scaled gradients. Pass grad_scaler=scaler to SonarAdamW")
+                # Gradients set by hand, or produced outside the hooks: under DDP (external
+                # gradients) those of a backward DDP did not all-reduce (no_sync, then step()), or
+                # of a tensor DDP does not reduce; torch steps with them, so does this.
+                for i, (_, p) in self._grouped():
+                    if p.grad is not None and i not in self._overflowed:
+                        self._take(p)
+                if not self._external_grads:
+                    if self._zeroed_grads and not (found_inf is not None and bool(found_inf.item())):
+                        self._step_zeroed_grads()
+                self._drain()
+                self._warn_late_changes()
+                self._dense_step(grad_scale, found_inf)
+                self._order_state()
+            finally:
+                self._busy -= 1
+                self._end_step()
         return loss
 
     def _forget_deleted_state(self) -> None:
