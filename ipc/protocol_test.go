@@ -179,15 +179,7 @@ func TestRegisterValidate(t *testing.T) {
 	for _, tc := range cases {
 		r := Register{Tensors: tc.tensors}
 		err := r.Validate()
-		if tc.wantErr == "" {
-			if err != nil {
-				t.Errorf("%s: %v", tc.name, err)
-			}
-			continue
-		}
-		if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
-			t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.wantErr)
-		}
+		checkValidate(t, tc.name, err, tc.wantErr)
 	}
 }
 
@@ -259,15 +251,7 @@ func TestStepValidate(t *testing.T) {
 	for _, tc := range cases {
 		s := Step{Items: tc.items}
 		err := s.Validate()
-		if tc.wantErr == "" {
-			if err != nil {
-				t.Errorf("%s: %v", tc.name, err)
-			}
-			continue
-		}
-		if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
-			t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.wantErr)
-		}
+		checkValidate(t, tc.name, err, tc.wantErr)
 	}
 }
 
@@ -293,15 +277,7 @@ func TestDiscardValidate(t *testing.T) {
 	} {
 		d := Discard{Tensors: tc.tensors}
 		err := d.Validate()
-		if tc.wantErr == "" {
-			if err != nil {
-				t.Errorf("%s: %v", tc.name, err)
-			}
-			continue
-		}
-		if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
-			t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.wantErr)
-		}
+		checkValidate(t, tc.name, err, tc.wantErr)
 	}
 }
 
@@ -406,5 +382,17 @@ func TestCUDABodies(t *testing.T) {
 	}
 	if _, ok := m["cuda"]; ok {
 		t.Errorf("hello reply without CUDA carries a cuda key: %v", m)
+	}
+}
+
+// checkValidate reports a Validate error that is not the one a case wants
+// ("" wants none; otherwise an error containing want).
+func checkValidate(t *testing.T, name string, err error, want string) {
+	t.Helper()
+	switch {
+	case want == "" && err != nil:
+		t.Errorf("%s: %v", name, err)
+	case want != "" && (err == nil || !strings.Contains(err.Error(), want)):
+		t.Errorf("%s: error %v, want one containing %q", name, err, want)
 	}
 }
