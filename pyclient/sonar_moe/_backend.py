@@ -158,9 +158,9 @@ class ExpertBackend(Protocol):
         """Whether micro-batches of a step not applied yet are summed on the server."""
         ...
 
-    def abandon(self) -> list[str]:
+    def abandon(self) -> None:
         """After settle(): drop the micro-batches accumulated for a step that will not come (the
-        server's discard); the names of the tensors that had some."""
+        server's discard)."""
         ...
 
     def check(self, param: nn.Parameter) -> None:
@@ -474,17 +474,16 @@ class ServerBackend(ABC):
     def pending(self) -> bool:
         return any(e.micro > 0 for e in self._experts.values())
 
-    def abandon(self) -> list[str]:
+    def abandon(self) -> None:
         e_pending = [e for e in self._experts.values() if e.micro > 0]
         if not e_pending:
-            return []
+            return
         if "discard" not in self._features:
             raise SonarError("dropping the micro-batches of a step abandoned before step() needs a sonard with the "
                              "'discard' operation; this one is older: update sonard")
         self._conn.call("discard", {"tensors": [tid for e in e_pending for tid in e.tids]})
         for e in e_pending:
             e.micro = 0
-        return [e.name for e in e_pending]
 
     @contextlib.contextmanager
     def state_transfer(self, amsgrad: bool) -> Iterator[StateTransfer]:
@@ -601,8 +600,8 @@ class NoExperts:
     def pending(self) -> bool:
         return False
 
-    def abandon(self) -> list[str]:
-        return []
+    def abandon(self) -> None:
+        pass
 
     def check(self, param: nn.Parameter) -> None:
         pass

@@ -14,6 +14,7 @@ README's "Limits" lists those cases.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -622,8 +623,7 @@ class SonarAdamW(torch.optim.AdamW):
     def _grouped(self) -> list[tuple[int, tuple[str, nn.Parameter]]]:
         """The expert tensors in a parameter group now: a script may take one out of its group
         (or delete the group), after which torch leaves the tensor alone, its .grad unused."""
-        ids = {id(q) for g in self.param_groups for q in g["params"]}
-        return [(i, e) for i, e in self._experts.items() if i in ids]
+        return [(i, e) for i, e in self._experts.items() if self._in_a_group(e[1])]
 
     def _in_a_group(self, p: torch.Tensor) -> bool:
         try:
@@ -750,12 +750,8 @@ class SonarAdamW(torch.optim.AdamW):
             self._data_parallel_check_due = False
             from .distributed import check_local_gradients  # distributed imports this module
             check_local_gradients(self)
-        with HELD:  # a Ctrl-C meanwhile comes when the hand-over is whole (see _interrupts)
-            self._busy += 1
-            try:
-                self._take(p)
-            finally:
-                self._busy -= 1
+        with self._updating():
+            self._take(p)
 
     def _take(self, p: torch.Tensor) -> None:
         """Hand p.grad (this backward's final gradient of expert p) over, after the checks
@@ -869,12 +865,8 @@ class SonarAdamW(torch.optim.AdamW):
                              f"match {entry[0]} {tuple(param.shape)} {param.dtype} {param.device}")
         self._check_usable()
         self._backend.check(param)  # type: ignore[arg-type]
-        with HELD:
-            self._busy += 1
-            try:
-                self._hand_over(param, grad, owned=False)
-            finally:
-                self._busy -= 1
+        with self._updating():
+            self._hand_over(param, grad, owned=False)
 
     def _hand_over(self, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
         """Hand one expert gradient to the backend. owned: grad is p.grad, freed there."""
@@ -945,6 +937,17 @@ class SonarAdamW(torch.optim.AdamW):
         else:
             self._zeroed_grads = {i for i in self._kept_grads if self._experts[i][1].grad is None}
 
+    @contextlib.contextmanager
+    def _updating(self) -> Iterator[None]:
+        """SonarAdamW's own update code (a hook's hand-over, step()): a Ctrl-C meanwhile comes
+        when it is whole (see _interrupts), and state_dict() refuses to run inside it."""
+        with HELD:
+            self._busy += 1
+            try:
+                yield
+            finally:
+                self._busy -= 1
+
     def _end_step(self) -> None:
         """Forget the step's bookkeeping: the next gradient starts a new step."""
         for i in self._overflowed:
@@ -988,7 +991,6 @@ class SonarAdamW(torch.optim.AdamW):
             log.warning("abandoning the step: %s", e)
         self._backend.abandon()
         updated = [name for i, (name, _) in self._experts.items() if i in self._advanced]
-        self._zeroed_grads.clear()
         self._end_step()
         if updated:
             msg = (f"zero_grad() after a backward that no step() followed: the updates of {len(updated)} expert "
@@ -1106,8 +1108,7 @@ class SonarAdamW(torch.optim.AdamW):
         # scale the dense gradients still carry (None: already unscaled), whether any overflowed.
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        with HELD:  # a Ctrl-C meanwhile comes when the step is whole (see _interrupts)
-            self._busy += 1
+        with self._updating():
             try:
                 if found_inf is not None and self.grad_scaler is None and self._experts:
                     raise RuntimeError(
@@ -1127,7 +1128,6 @@ class SonarAdamW(torch.optim.AdamW):
                 self._dense_step(grad_scale, found_inf)
                 self._order_state()
             finally:
-                self._busy -= 1
                 self._end_step()
         return loss
 
