@@ -29,7 +29,12 @@ def test_refused_step_is_not_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sonar_optimizer, "torch_scalars", scalars)
     params = dict(model.named_parameters())
     experts = [params[n] for n in expert_names(model)]
-    with sonar_moe.SonarAdamW(model) as opt:
+    # The scalars are made once a step for the tensors of a group alike: the first layer's
+    # experts get a group of their own, so that the poisoned scalars reach one layer only.
+    first = [params[n] for n in expert_names(model) if ".0." in n]
+    assert 0 < len(first) < len(experts)
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    with sonar_moe.SonarAdamW([{"params": first}, {"params": rest, "lr": 2e-3}], model=model) as opt:
         x, y = batch(0, 0)
         fwd_bwd(model, x, y)
         opt.step()
@@ -42,7 +47,7 @@ def test_refused_step_is_not_counted(monkeypatch: pytest.MonkeyPatch) -> None:
         assert poisoned, "the refusal was not provoked"
         # The refused tensors stayed at step 1, the others moved to 2; the client counts as the
         # server does (a state_dict is the server's count), and training goes on without errors.
-        index = {id(q): i for i, q in enumerate(model.parameters())}
+        index = {id(q): i for i, q in enumerate(q for g in opt.param_groups for q in g["params"])}  # state_dict's
 
         def steps() -> tuple[list[int], list[int]]:
             sd = opt.state_dict()["state"]

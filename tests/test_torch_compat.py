@@ -1061,6 +1061,46 @@ def test_compiled_step_runs_as_written() -> None:
             assert_models_equal(ref, model, f"step {s + 1}")
 
 
+@pytest.mark.parametrize("backend,compiled_autograd", [("aot_eager", False), ("inductor", False), ("aot_eager", True)],
+                         ids=["aot_eager", "inductor", "compiled_autograd"])
+def test_compiled_model_trains_as_torchs(backend: str, compiled_autograd: bool, tmp_path: Any,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile(model), the usual way to compile training: the forward and backward run as
+    compiled graphs, and the expert tensors' post-accumulate-grad hooks still fire as each
+    gradient is final (AccumulateGrad stays outside the graph). With compiled autograd the
+    backward itself is traced, hooks included: dynamo breaks the graph at SonarAdamW's hook and
+    runs it as written. Bitwise against torch.optim.AdamW on a copy compiled the same way
+    (inductor's kernels are its own, the same for both copies)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a fresh compile, not a cached one
+    torch._dynamo.reset()
+    model = make_model(seed=5)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+
+    def compiled(m: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        if not compiled_autograd:
+            cm = torch.compile(m, backend=backend)
+            return lambda x, y: loss_of(cm, x, y).backward()
+
+        @torch.compile(backend=backend)
+        def fwd_bwd_compiled(x: torch.Tensor, y: torch.Tensor) -> None:
+            loss_of(m, x, y).backward()
+        return fwd_bwd_compiled
+
+    with torch._dynamo.config.patch(compiled_autograd=compiled_autograd), SonarAdamW(model, **HP) as opt:
+        run_ref, run = compiled(ref), compiled(model)
+        for s in range(4):
+            x, y = batch(35, s)
+            ropt.zero_grad()
+            run_ref(x, y)
+            ropt.step()
+            opt.zero_grad()
+            run(x, y)
+            opt.step()
+            assert_models_equal(ref, model, f"{backend}, step {s + 1}")
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("how", ["fractional_step", "wrong_shape", "missing_moment"])
 def test_bad_state_edit_is_refused_before_anything_changes(how: str) -> None:
     sonar_only()

@@ -13,10 +13,18 @@ Python signal handlers, so other threads (autograd's device threads) need nothin
 
 from __future__ import annotations
 
+import importlib
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
+
+# signal.signal of the C module that ``signal`` wraps (CPython's ``_signal``): it takes and
+# returns plain numbers and callables. ``signal.signal`` converts both to enums on every call,
+# which took 10 of the 11 us that holding and giving back SIGINT cost (a hold runs in every
+# gradient hook: bench/hooks.py).
+_set_handler: Callable[[int, Any], Any] = importlib.import_module("_signal").signal
 
 
 class HeldInterrupt:
@@ -30,13 +38,13 @@ class HeldInterrupt:
     def __enter__(self) -> HeldInterrupt:
         if self._depth == 0 and threading.current_thread() is threading.main_thread():
             try:
-                old = signal.signal(signal.SIGINT, self._hold)
+                old = _set_handler(signal.SIGINT, self._hold)
             except (ValueError, OSError):  # not the main interpreter: nothing to hold
                 old = None
             if callable(old):
                 self._installed = old
             elif old is not None:  # SIG_IGN/SIG_DFL: no Python exception can come; leave it as it was
-                signal.signal(signal.SIGINT, old)
+                _set_handler(signal.SIGINT, old)
         self._depth += 1
         return self
 
@@ -46,7 +54,7 @@ class HeldInterrupt:
         if self._depth or self._installed is None:
             return
         handler, self._installed = self._installed, None
-        signal.signal(signal.SIGINT, handler)
+        _set_handler(signal.SIGINT, handler)
         caught, self._caught = self._caught, None
         if caught is not None:
             handler(*caught)  # Python's default raises KeyboardInterrupt here

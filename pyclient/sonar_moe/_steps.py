@@ -26,6 +26,7 @@ class _Group:
     size: int = 0
     items: list[Item] = field(default_factory=list)
     tokens: list[Any] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)  # the items' tensors (per-expert requests: hundreds)
 
 
 class StepQueue:
@@ -55,11 +56,12 @@ class StepQueue:
         grp = self._groups[key]
         if self._open is not None and self._open is not grp and self._open.items:
             self._send_group(self._open)  # another layer's gradients arrive: that one is as complete as it gets
-        if any(i["tensor"] == item["tensor"] for i in grp.items):
+        if item["tensor"] in grp.names:
             self._send_group(grp)  # an earlier backward left this layer incomplete (experts without tokens)
         self._open = grp
         grp.items.append(item)
         grp.tokens.append(token)
+        grp.names.add(item["tensor"])
         if len(grp.items) >= grp.size:
             self._send_group(grp)
 
@@ -93,7 +95,7 @@ class StepQueue:
 
     def _send_group(self, grp: _Group) -> None:
         items, tokens = grp.items, grp.tokens
-        grp.items, grp.tokens = [], []
+        grp.items, grp.tokens, grp.names = [], [], set()
         self.send(items, tokens)
 
     def _on_reply(self, tokens: list[Any], items: list[Item], rep: dict[str, Any]) -> None:

@@ -326,7 +326,10 @@ def _grad_hook(opt: weakref.ref[SonarAdamW]) -> Callable[[torch.Tensor], None]:
     """The post-accumulate-grad hook of an expert tensor. It holds its optimizer weakly: a
     parameter must not keep alive an optimizer the script dropped without close() (a notebook
     cell run again kept one more sonard and session each time); once it is gone the gradient
-    stays in ``.grad``, as without an optimizer."""
+    stays in ``.grad``, as without an optimizer. Never traced by torch.compile: a backward
+    run inside a compiled function, or by compiled autograd, calls it as written (it talks to
+    sonard; dynamo tracing it only found graph breaks, at every backward)."""
+    @torch.compiler.disable
     def hook(p: torch.Tensor) -> None:
         o = opt()
         if o is not None:
@@ -446,6 +449,9 @@ class SonarAdamW(torch.optim.AdamW):
         self._order = {pid: i for i, pid in enumerate(self._names)}  # the module's parameter order
         self._groups_key: tuple[int, ...] = ()
         self._group_by_param: dict[int, tuple[dict[str, Any], int]] = {}
+        # A step's scalars, computed once for the expert tensors of a group that share a step and
+        # a dtype (a layer of per-expert tensors: hundreds of hooks alike); cleared every step.
+        self._scalars_made: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._pred = expert_params
         self._started = False
         self._closed = False
@@ -610,7 +616,7 @@ class SonarAdamW(torch.optim.AdamW):
         """p's parameter group. The map (each parameter's group and place in it) is rebuilt
         when the groups change (add_param_group, load_state_dict) or p is no longer where the
         map has it (a script moved it to another group), not on every gradient."""
-        key = tuple(id(g) for g in self.param_groups)
+        key = tuple(map(id, self.param_groups))
         found = self._group_by_param.get(id(p)) if key == self._groups_key else None
         if found is None or not (found[1] < len(found[0]["params"]) and found[0]["params"][found[1]] is p):
             self._groups_key = key
@@ -623,7 +629,8 @@ class SonarAdamW(torch.optim.AdamW):
     def _grouped(self) -> list[tuple[int, tuple[str, nn.Parameter]]]:
         """The expert tensors in a parameter group now: a script may take one out of its group
         (or delete the group), after which torch leaves the tensor alone, its .grad unused."""
-        return [(i, e) for i, e in self._experts.items() if self._in_a_group(e[1])]
+        held = {id(q) for g in self.param_groups for q in g["params"]}  # one pass, not one lookup each
+        return [(i, e) for i, e in self._experts.items() if i in held]
 
     def _in_a_group(self, p: torch.Tensor) -> bool:
         try:
@@ -662,15 +669,32 @@ class SonarAdamW(torch.optim.AdamW):
         step = step_t.item()
         self._server_steps[id(p)] = int(step)
         self._advanced.add(id(p))
-        self._used[id(p)] = _options_key(self._group_of(p))
         g = self._group_of(p)
-        if g["fused"]:
-            if p.device.type == "cuda":
-                return int(step), torch_fused_cuda_scalars(g, step)
-            return int(step), torch_fused_scalars(g, step, p.dtype)
-        if g["foreach"] and p.device.type == "cpu":
-            return int(step), torch_foreach_cpu_scalars(g, step, p.dtype)
-        return int(step), torch_scalars(g, step, p.dtype)
+        options = self._used[id(p)] = _options_key(g)
+        return int(step), self._scalars(g, options, step, p)
+
+    def _scalars(self, g: dict[str, Any], options: tuple[Any, ...], step: float, p: torch.Tensor) -> dict[str, Any]:
+        """The scalars of p's step `step` in group g (whose _options_key is `options`), as the
+        torch path the group chooses computes them. Those of plain float hyper-parameters are
+        made once a step for every tensor alike; any other kind (a tensor, a NumPy number) is
+        computed in its own arithmetic, so each time."""
+        kind = "fused" if g["fused"] else "foreach" if g["foreach"] else "single"
+        plain = all(type(x) in (float, int) for x in (g["lr"], *g["betas"], g["weight_decay"]))
+        key = (kind, step, p.dtype, p.device.type, options, float(g["eps"]), bool(g["amsgrad"]))
+        made = self._scalars_made.get(key) if plain else None
+        if made is not None:
+            return made
+        if kind == "fused":
+            made = torch_fused_cuda_scalars(g, step) if p.device.type == "cuda" else torch_fused_scalars(g, step, p.dtype)
+        elif kind == "foreach" and p.device.type == "cpu":
+            made = torch_foreach_cpu_scalars(g, step, p.dtype)
+        else:
+            made = torch_scalars(g, step, p.dtype)
+        if plain:
+            if len(self._scalars_made) > 64:
+                self._scalars_made.clear()
+            self._scalars_made[key] = made
+        return made
 
     def retreat(self, p: nn.Parameter, step: int) -> None:
         """The server refused step `step` of p: the step was not taken."""
@@ -957,6 +981,7 @@ class SonarAdamW(torch.optim.AdamW):
         self._advanced.clear()
         self._zeroed_grads.clear()
         self._completed.clear()
+        self._scalars_made.clear()
         self._handed_over_since_step = False
         self._applied_since_step = False
         self._data_parallel_check_due = True
