@@ -545,3 +545,48 @@ def test_sonar_trainer_fp16_scaler_with_accumulation_is_refused(tmp_path: Path, 
                       train_dataset=Windows())
     with pytest.raises(ValueError, match="bf16=True"):
         st.create_optimizer()
+
+
+def gradient_layers(model: torch.nn.Module) -> list[int]:
+    """Hooks on every decoder layer's parameters: the layer of each gradient, in the order
+    backward finishes them (read after training; one list over all steps)."""
+    seen: list[int] = []
+    for name, p in model.named_parameters():
+        if ".layers." in name:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            p.register_post_accumulate_grad_hook(lambda _p, layer=layer: seen.append(layer))
+    return seen
+
+
+def olmoe_layers(layers: int, seed: int = 0) -> OlmoeForCausalLM:
+    cfg = OlmoeConfig(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                      max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    return OlmoeForCausalLM(cfg)
+
+
+def test_sonar_trainer_torch_compile_keeps_one_layer_of_gradients(tmp_path: Path) -> None:
+    """torch_compile=True: a stock Trainer compiles the whole model, whose backward is then one
+    graph that gives every gradient at once (measured, docs/results-history.md: SonarAdamW's
+    peak was torch's, the expert gradients of every layer alive together). SonarTrainer
+    compiles each decoder layer on its own (accelerate's regional compilation), so backward
+    finishes the layers' gradients one layer after another, the last layer first, as eager
+    backward does; training equals the stock Trainer's, compiled as it compiles."""
+    a = args(tmp_path, max_grad_norm=0.0, gradient_accumulation_steps=1, max_steps=3, torch_compile=True,
+             torch_compile_backend="aot_eager")
+    torch._dynamo.reset()
+    ref, mine = olmoe_layers(4), olmoe_layers(4)
+    Trainer(model=ref, args=a, train_dataset=Windows()).train()
+    torch._dynamo.reset()
+    order = gradient_layers(mine)
+    trainer = SonarTrainer(model=mine, args=a, train_dataset=Windows())
+    trainer.train()
+    close_sonar(trainer)
+    torch._dynamo.reset()
+    assert_same(ref, mine)
+    per_step = len(order) // a.max_steps
+    assert per_step and len(order) == per_step * a.max_steps
+    for s in range(a.max_steps):
+        got = order[s * per_step:(s + 1) * per_step]
+        assert got == sorted(got, reverse=True), f"step {s + 1}: gradients finished in layer order {got}"

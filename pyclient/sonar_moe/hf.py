@@ -43,9 +43,11 @@ current values.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -89,6 +91,28 @@ class SonarTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.sonar_kwargs = dict(sonar_kwargs or {})
         self._unclipped_dense_norm: float | None = None
+
+    @contextlib.contextmanager
+    def _compiled_per_layer(self) -> Iterator[None]:
+        """With ``torch_compile``, accelerate compiles the model while ``train()`` prepares it:
+        meanwhile it compiles each decoder layer on its own (its regional compilation) instead of
+        the whole model. The backward of one compiled graph gives all of its gradients at once,
+        so a whole-model graph keeps every layer's expert gradients alive together, as without
+        Sonar (measured: docs/results-history.md, 2026-12-06); per layer, backward finishes a
+        layer's gradients before it starts the next. accelerate's plugin is shared by the
+        process's Trainers: its setting is put back afterwards."""
+        plugin = getattr(self.accelerator.state, "dynamo_plugin", None)
+        if (plugin is None or plugin.use_regional_compilation
+                or str(getattr(plugin.backend, "value", plugin.backend)).upper() == "NO"):
+            yield
+            return
+        plugin.use_regional_compilation = True
+        log.info("SonarTrainer compiles each decoder layer on its own (regional compilation): a whole-model graph "
+                 "would keep the expert gradients of every layer alive until its backward ends")
+        try:
+            yield
+        finally:
+            plugin.use_regional_compilation = False
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -157,10 +181,12 @@ class SonarTrainer(Trainer):
         return dict(kwargs)  # torch.optim.AdamW's defaults for the rest, which SonarAdamW shares
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """Trainer's train(); afterwards the optimizer counts micro-batches again (its
+        """Trainer's train(), compiling each decoder layer on its own where ``torch_compile``
+        is set (_compiled_per_layer); afterwards the optimizer counts micro-batches again (its
         ``grad_accumulation_steps``), for a script that goes on with it by hand."""
         try:
-            return super().train(*args, **kwargs)
+            with self._compiled_per_layer():
+                return super().train(*args, **kwargs)
         finally:
             opt = unwrap_sonar(self.optimizer)
             if opt is not None and not opt.closed:
