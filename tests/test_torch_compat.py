@@ -25,7 +25,7 @@ import time
 import warnings
 from threading import settrace as threading_settrace
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -1079,7 +1079,7 @@ def test_compiled_model_trains_as_torchs(backend: str, compiled_autograd: bool, 
 
     def compiled(m: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], None]:
         if not compiled_autograd:
-            cm = torch.compile(m, backend=backend)
+            cm = cast(torch.nn.Module, torch.compile(m, backend=backend))  # an OptimizedModule
             return lambda x, y: loss_of(cm, x, y).backward()
 
         @torch.compile(backend=backend)
