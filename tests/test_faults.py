@@ -25,6 +25,7 @@ import sonar_moe
 from sonar_moe import Connection, SonarRefused, SonarServerDied, start_private_server, torch_scalars
 from sonar_moe._connection import death_cause
 from sonar_moe._shm import SHM_DIR, Segment
+from lifetime_util import stop
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False, "maximize": False}
@@ -386,7 +387,7 @@ def test_server_killed_with_updates_in_flight_says_the_experts_may_be_partly_upd
         opt.zero_grad()
         proc = opt.server_process
         assert proc is not None
-        os.kill(proc.pid, signal.SIGSTOP)  # the next update stays in flight...
+        stop(proc.pid)  # every thread stopped: the next update stays in flight...
         threading.Timer(0.5, os.kill, (proc.pid, signal.SIGKILL)).start()  # ...until the kill
         with pytest.raises(SonarServerDied, match=r"killed by SIGKILL.*in flight.*may be partly updated"):
             model(x).backward()
