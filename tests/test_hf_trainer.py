@@ -20,17 +20,17 @@ from hf_util import Windows
 transformers.logging.set_verbosity_error()
 
 
-def olmoe(seed: int = 0) -> OlmoeForCausalLM:
-    cfg = OlmoeConfig(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+def olmoe(seed: int = 0, layers: int = 2) -> OlmoeForCausalLM:
+    cfg = OlmoeConfig(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
                       max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     return OlmoeForCausalLM(cfg)
 
 
-def granite(seed: int = 0) -> GraniteMoeForCausalLM:
+def granite(seed: int = 0, layers: int = 2) -> GraniteMoeForCausalLM:
     """A tiny GraniteMoe with non-unit multipliers (scaled embedding, residual, attention, logits)."""
-    cfg = GraniteMoeConfig(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+    cfg = GraniteMoeConfig(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
                            max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                            embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25,
@@ -558,14 +558,6 @@ def gradient_layers(model: torch.nn.Module) -> list[int]:
     return seen
 
 
-def olmoe_layers(layers: int, seed: int = 0) -> OlmoeForCausalLM:
-    cfg = OlmoeConfig(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
-                      max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(seed)
-    return OlmoeForCausalLM(cfg)
-
-
 def test_sonar_trainer_torch_compile_keeps_one_layer_of_gradients(tmp_path: Path) -> None:
     """torch_compile=True: a stock Trainer compiles the whole model, whose backward is then one
     graph that gives every gradient at once (measured, docs/results-history.md: SonarAdamW's
@@ -576,7 +568,7 @@ def test_sonar_trainer_torch_compile_keeps_one_layer_of_gradients(tmp_path: Path
     a = args(tmp_path, max_grad_norm=0.0, gradient_accumulation_steps=1, max_steps=3, torch_compile=True,
              torch_compile_backend="aot_eager")
     torch._dynamo.reset()
-    ref, mine = olmoe_layers(4), olmoe_layers(4)
+    ref, mine = olmoe(layers=4), olmoe(layers=4)
     Trainer(model=ref, args=a, train_dataset=Windows()).train()
     torch._dynamo.reset()
     order = gradient_layers(mine)

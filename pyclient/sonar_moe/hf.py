@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 import torch
+from accelerate.utils import DynamoBackend
 from safetensors import safe_open
 from transformers import PreTrainedModel, Trainer
 from transformers.core_model_loading import revert_weight_conversion
@@ -102,8 +103,7 @@ class SonarTrainer(Trainer):
         layer's gradients before it starts the next. accelerate's plugin is shared by the
         process's Trainers: its setting is put back afterwards."""
         plugin = getattr(self.accelerator.state, "dynamo_plugin", None)
-        if (plugin is None or plugin.use_regional_compilation
-                or str(getattr(plugin.backend, "value", plugin.backend)).upper() == "NO"):
+        if plugin is None or plugin.use_regional_compilation or plugin.backend == DynamoBackend.NO:
             yield
             return
         plugin.use_regional_compilation = True

@@ -629,8 +629,8 @@ class SonarAdamW(torch.optim.AdamW):
     def _grouped(self) -> list[tuple[int, tuple[str, nn.Parameter]]]:
         """The expert tensors in a parameter group now: a script may take one out of its group
         (or delete the group), after which torch leaves the tensor alone, its .grad unused."""
-        held = {id(q) for g in self.param_groups for q in g["params"]}  # one pass, not one lookup each
-        return [(i, e) for i, e in self._experts.items() if i in held]
+        ids = {id(q) for g in self.param_groups for q in g["params"]}
+        return [(i, e) for i, e in self._experts.items() if i in ids]
 
     def _in_a_group(self, p: torch.Tensor) -> bool:
         try:
@@ -680,7 +680,7 @@ class SonarAdamW(torch.optim.AdamW):
         computed in its own arithmetic, so each time."""
         kind = "fused" if g["fused"] else "foreach" if g["foreach"] else "single"
         plain = all(type(x) in (float, int) for x in (g["lr"], *g["betas"], g["weight_decay"]))
-        key = (kind, step, p.dtype, p.device.type, options, float(g["eps"]), bool(g["amsgrad"]))
+        key = (kind, step, p.dtype, p.device.type, options, bool(g["amsgrad"]))  # options hold eps
         made = self._scalars_made.get(key) if plain else None
         if made is not None:
             return made
