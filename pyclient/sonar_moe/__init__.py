@@ -12,12 +12,17 @@ share: registration, step requests per layer, accumulation, state transfer), ``_
 tensors registered in place, over ``_cuda``'s IPC handles and event), ``_steps`` (step
 requests grouped per layer), ``_connection`` (the socket and protocol), ``_launch`` (a private
 sonard), ``_binary`` (finding sonard), ``_sqrt`` (this torch's float32 sqrt, named in hello),
-``_detect`` (which parameters are experts: ``find_experts`` on a module, ``is_expert_param`` on a name), ``checkpoint``, ``hf``, ``distributed``.
+``_detect`` (which parameters are experts: ``find_experts`` on a module, ``is_expert_param`` on a name), ``_requires``
+(the torch releases it works with, checked at import), ``checkpoint``, ``hf``, ``distributed``.
 
 For tools and tests that speak the protocol themselves: ``Connection`` (one socket to a sonard),
 ``start_private_server`` and ``torch_sqrt_library`` (the library this torch's float32 sqrt needs,
 or None).
 """
+
+from ._requires import check_torch
+
+check_torch()  # before anything that builds on torch.optim.AdamW
 
 from ._binary import find_sonard
 from ._connection import PROTOCOL_VERSION, Connection, RequestTrace, SonarError, SonarRefused, SonarServerDied

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import re
 import statistics
 import subprocess
 import time
@@ -27,7 +26,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from fractions import Fraction
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -39,6 +38,7 @@ from ._clipping import ExpertClipper
 from ._connection import RequestTrace, SonarError, SonarServerDied
 from ._interrupts import HELD
 from ._cuda_backend import CudaBackend
+from ._requires import torch_release
 from ._params import ExpertPredicate, expert_slices, group_names, is_expert, module_experts, torch_params
 from ._shm_backend import ShmBackend
 
@@ -176,10 +176,9 @@ def fused_cuda_arithmetic(version: str | None = None) -> str | None:
     """Which fused CUDA AdamW this torch has: "float" (torch >= 2.11, sonard's sonar_fused
     kernels), "double" (2.8 to 2.10, the sonar_fused64 kernels), or None (older: not reproduced).
     A pre-release counts as its release."""
-    m = re.match(r"(\d+)\.(\d+)", version or torch.__version__)
-    if m is None:
+    v = torch_release(version)
+    if v is None:
         return None
-    v = (int(m.group(1)), int(m.group(2)))
     if v >= FUSED_CUDA_FLOAT_TORCH:
         return "float"
     return "double" if v >= FUSED_CUDA_DOUBLE_TORCH else None
@@ -1118,11 +1117,24 @@ class SonarAdamW(torch.optim.AdamW):
         return int(value)
 
     # ------------------------------------------------------------ optimizer
-    @torch.compiler.disable  # the expert updates go through sonard: torch.compile runs this as written
-    @torch.no_grad()
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Apply hand-set expert gradients, wait for the expert updates, clip the dense
         gradients and step them with torch's AdamW."""
+        return self._step_as_written(closure)
+
+    # The expert updates go through sonard: torch.compile runs this as written. The disabled
+    # function is not step() itself: torch 2.8 and older, given torch.compile(opt.step), found
+    # the function under a disabled method through the bound method's attributes and called it
+    # without self ("step() missing 1 required positional argument: 'self'").
+    @torch.compiler.disable
+    @torch.no_grad()
+    def _step_as_written(self, closure: Callable[[], float] | None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
