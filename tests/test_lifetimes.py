@@ -19,7 +19,7 @@ import torch
 from conftest import server_stats, sonard_command
 from lifetime_util import ROOT, TRAINER, ready_pid, running, stop, trainer, wait_gone
 
-from sonar_moe import Connection, SonarServerDied
+from sonar_moe import Connection, SonarServerDied, start_private_server
 
 
 @pytest.mark.parametrize("how", ["sigterm", "sigkill", "exit"])
@@ -34,6 +34,26 @@ def test_private_server_exits_within_a_second_of_its_trainer(how: str) -> None:
     took = wait_gone(server, 5.0)
     assert took < 1.0, f"sonard outlived its trainer ({how}) by {took:.2f} s"
     assert not rundir.exists(), "the private server's run directory was left behind"
+
+
+def test_private_server_removes_its_run_directory_when_its_owner_stops_it() -> None:
+    """A client interrupted between its shutdown request and removing the run directory
+    (Ctrl-C while close() waited for sonard) left the directory, its log and its owner token
+    behind in the temporary directory, once for every such run: sonard, told to stop by its
+    owner's token, removes it as it does when its owner has exited."""
+    conn = start_private_server(timeout=10.0)
+    assert conn.process is not None and conn.log_path is not None and conn.admin_token is not None
+    rundir = Path(conn.log_path).parent
+    try:
+        conn.call("ping", {})
+        assert rundir.is_dir() and {p.name for p in rundir.iterdir()} >= {"sonard.log", "owner.token"}
+        conn.call("shutdown", {"token": conn.admin_token})  # what shutdown() sends, without its rmtree
+        assert conn.process.wait(timeout=10) == 0
+        assert not rundir.exists(), f"left behind: {sorted(p.name for p in rundir.iterdir())}"
+    finally:
+        conn.close()
+        if conn.process.poll() is None:
+            conn.process.kill()
 
 
 def test_private_server_survives_the_thread_that_started_it() -> None:

@@ -94,7 +94,7 @@ func run() int {
 	maxState := fs.String("max-state-bytes", envOr("SONAR_MAX_STATE_BYTES", ""), "host memory for optimizer state of all clients together, e.g. 64GiB; 0: no bound (default: 75% of the memory available at start, see below) (env SONAR_MAX_STATE_BYTES)")
 	maxSession := fs.String("max-session-state-bytes", envOr("SONAR_MAX_SESSION_STATE_BYTES", ""), "host memory for optimizer state of one client; 0: no bound (default: --max-state-bytes) (env SONAR_MAX_SESSION_STATE_BYTES)")
 	parentPID := fs.Int("parent-pid", 0, "private server of process PID (SonarAdamW's own): exit within a second of it, however it ends; 0: a standalone server")
-	runDir := fs.String("run-dir", "", "with --parent-pid: the private server's run directory (sonard.log, owner.token, the socket), removed once the parent has exited")
+	runDir := fs.String("run-dir", "", "with --parent-pid: the private server's run directory (sonard.log, owner.token, the socket), removed once the parent has exited or asked for the shutdown")
 	adminToken := fs.String("admin-token-file", os.Getenv("SONAR_ADMIN_TOKEN_FILE"), "file (mode 0600) of the secret a shutdown request must carry; without it shutdown is refused (stop sonard with SIGTERM) (env SONAR_ADMIN_TOKEN_FILE)")
 	grace := fs.Duration("reconnect-grace", envDuration("SONAR_RECONNECT_GRACE", server.DefaultReconnectGrace), "keep a session this long after its connection closed, for its client to reconnect (env SONAR_RECONNECT_GRACE)")
 	heartbeat := fs.Duration("heartbeat-timeout", envDuration("SONAR_HEARTBEAT_TIMEOUT", 10*time.Second), "close a connection that answers no heartbeat (sent every second) for this long; its session is then released (env SONAR_HEARTBEAT_TIMEOUT)")
@@ -293,6 +293,11 @@ func run() int {
 	if parentGone != nil && *runDir != "" {
 		select {
 		case <-parentGone:
+			removeRunDir(*runDir, log)
+		case <-srv.Done():
+			// The owner asked for the stop (its token): it is done with the directory, and a
+			// client interrupted between its shutdown and its own removal (Ctrl-C while
+			// close() waited) left it behind.
 			removeRunDir(*runDir, log)
 		default:
 		}

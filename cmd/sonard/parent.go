@@ -125,7 +125,8 @@ func readToken(path string) (string, error) {
 }
 
 // removeRunDir removes a private server's run directory once its parent
-// has exited (nobody is left to do it): the files SonarAdamW puts there (the
+// has exited (nobody is left to do it) or, with its token, asked the server to
+// stop (a client cut short before its own removal): the files SonarAdamW puts there (the
 // log, the owner token; the socket is removed with the transport), then the
 // directory if that left it empty. Nothing else is ever removed.
 func removeRunDir(dir string, log *zap.Logger) {

@@ -182,6 +182,10 @@ func build() (*Fake, error) {
 		return nil, errors.New(string(out))
 	}
 	h, err := purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_GLOBAL)
+	// The library stays mapped, and a later dlopen of the same path (cuda.OpenLibrary) finds it
+	// among the loaded ones by name, so the directory goes now: a test binary has no exit hook,
+	// and each run left one in the temporary directory.
+	os.RemoveAll(dir)
 	if err != nil {
 		return nil, err
 	}
