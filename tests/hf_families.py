@@ -110,6 +110,20 @@ def model_class(family: Family) -> type[PreTrainedModel] | None:
         for c in found:
             if c.__name__.endswith(suffix) and not c.__name__.endswith("PreTrainedModel"):
                 return c
+    return _auto_model_class(family.model_type)
+
+
+def _auto_model_class(model_type: str) -> type[PreTrainedModel] | None:
+    """The model class transformers' auto classes build for a family without modeling code of its
+    own (transformers 5.25's param2moe and sarvam_moe are GLM-4 MoE models, sarvam_mla a DeepSeek-V3)."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+    for names in (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+                  auto.MODEL_MAPPING_NAMES):
+        name = names.get(model_type)
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if inspect.isclass(cls) and issubclass(cls, PreTrainedModel):
+            return cls
     return None
 
 
@@ -156,6 +170,8 @@ _FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "mimo_v2_flash": {"head_dim": 24, "num_key_value_heads": 1},  # a third rotates (8 dims); sliding layers double the kv heads
     "step3p5": {"sliding_window": 8},
     "zaya": {"num_experts_per_tok": 1},
+    "hy_v4_vl_text": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}},
+    "kolibri1_1": {"index_num_heads": 1},  # at most the query heads per key head
     # vision encoders with MoE MLPs
     "dots3_note_vision_encoder": {"pyramid_num_routed": [EXPERTS] * LAYERS, "adapter_in_dim": HIDDEN,
                                   "adapter_out_dim": HIDDEN, "patch_size": 4, "num_experts_per_tok": TOP_K},

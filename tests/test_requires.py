@@ -1,5 +1,5 @@
 """The torch releases sonar_moe accepts (pyclient/sonar_moe/_requires.py). Which releases step
-bit for bit as their own AdamW is measured by scripts/torch-versions (docs/torch-versions.md);
+bit for bit as their own AdamW is measured by scripts/torch-versions (docs/versions.md);
 these tests check that an older torch is refused at import with what to do, and a newer one is not."""
 
 from __future__ import annotations

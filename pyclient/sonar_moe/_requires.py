@@ -4,8 +4,8 @@ SonarAdamW subclasses ``torch.optim.AdamW`` and runs its dense step through torc
 bookkeeping (``Adam._init_group``, the functional ``adam()`` with ``decoupled_weight_decay``),
 which took their present form in torch 2.7, when AdamW became a kind of Adam. Each release from
 2.7 on that ``scripts/torch-versions`` ran passed the bit-for-bit tests against its own AdamW
-(docs/torch-versions.md); older ones fail at the first dense step, so they are refused here, with
-what to do, instead of there.
+(docs/versions.md); 2.1, 2.4 and 2.6 failed at their first step, so an older one is refused
+here, with what to do, instead of there.
 """
 
 from __future__ import annotations
