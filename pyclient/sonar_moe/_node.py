@@ -15,7 +15,9 @@ released by the server alone; torchrun then stops the whole job. At exit, local 
 (up to ``SONAR_NODE_EXIT_WAIT`` seconds, default 30) until the other ranks' sessions have ended
 before it stops the server, so a rank that finishes first does not take the server from the
 others' last step; when it exits with an uncaught exception it stops the server at once (the
-others may be blocked in a collective waiting for it, and would never end their sessions).
+others may be blocked in a collective waiting for it, and would never end their sessions). A
+rank 0 stopped by SIGTERM or SIGKILL leaves its rendezvous file; the next local rank 0 on the
+machine removes the files whose process is gone.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def node_connection(timeout: float) -> Connection:
 def _leader_address(timeout: float) -> str:
     global _LEADER
     if _LEADER is None:
+        _remove_stale_rendezvous(os.path.dirname(rendezvous_path()))
         conn = start_private_server(timeout)
         conn.call("hello", {"client": "sonar_moe.node", "pid": os.getpid()}, timeout=max(timeout, 10.0))
         path = rendezvous_path()
@@ -88,6 +91,33 @@ def _leader_address(timeout: float) -> str:
         log.info("local rank 0 started the node's sonard at %s for %s local ranks", conn.address,
                  os.environ.get("LOCAL_WORLD_SIZE"))
     return _LEADER.address
+
+
+def _remove_stale_rendezvous(directory: str) -> None:
+    """Remove this user's rendezvous files whose local rank 0 is gone. Its atexit removes its own,
+    but a rank 0 that a launcher stops with SIGTERM (torchrun, after another rank failed) or
+    SIGKILL never runs it, and each such launch left a file in the temporary directory. A file
+    whose process lives (or cannot be asked: another user's) is left alone."""
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith("sonar-node-") and n.endswith(".json")]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            with open(path) as f:
+                pid = int(json.load(f)["pid"])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                log.debug("removed %s: its local rank 0 (pid %d) is gone", path, pid)
+            except FileNotFoundError:
+                pass
+        except (OSError, ValueError, KeyError, TypeError):  # unreadable, half written, not ours: left alone
+            continue
 
 
 def _wait_for_address(timeout: float) -> str:

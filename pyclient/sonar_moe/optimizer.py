@@ -1129,9 +1129,9 @@ class SonarAdamW(torch.optim.AdamW):
         return self._step_as_written(closure)
 
     # The expert updates go through sonard: torch.compile runs this as written. The disabled
-    # function is not step() itself: torch 2.8 and older, given torch.compile(opt.step), found
-    # the function under a disabled method through the bound method's attributes and called it
-    # without self ("step() missing 1 required positional argument: 'self'").
+    # function is not step() itself: torch 2.8, given torch.compile(opt.step), found the function
+    # under a disabled method through the bound method's attributes and called it without self
+    # ("step() missing 1 required positional argument: 'self'"); 2.15 does not.
     @torch.compiler.disable
     @torch.no_grad()
     def _step_as_written(self, closure: Callable[[], float] | None) -> float | None:
