@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Local rank 0 of two: starts the node's sonard, publishes its address, lists the directory.
 LEADER = """
-import os, sys
+import os
 from sonar_moe import _node
 conn = _node.node_connection(10.0)
 print("\\n".join(sorted(os.listdir(os.path.dirname(_node.rendezvous_path())))), flush=True)

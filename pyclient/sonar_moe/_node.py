@@ -77,10 +77,10 @@ def node_connection(timeout: float) -> Connection:
 def _leader_address(timeout: float) -> str:
     global _LEADER
     if _LEADER is None:
-        _remove_stale_rendezvous(os.path.dirname(rendezvous_path()))
+        path = rendezvous_path()
+        _remove_stale_rendezvous(os.path.dirname(path))
         conn = start_private_server(timeout)
         conn.call("hello", {"client": "sonar_moe.node", "pid": os.getpid()}, timeout=max(timeout, 10.0))
-        path = rendezvous_path()
         tmp = f"{path}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -107,17 +107,24 @@ def _remove_stale_rendezvous(directory: str) -> None:
         try:
             if os.stat(path).st_uid != os.getuid():
                 continue
-            with open(path) as f:
-                pid = int(json.load(f)["pid"])
-            os.kill(pid, 0)
+            _published_address(path)
         except ProcessLookupError:
             try:
                 os.unlink(path)
-                log.debug("removed %s: its local rank 0 (pid %d) is gone", path, pid)
+                log.debug("removed %s: its local rank 0 is gone", path)
             except FileNotFoundError:
                 pass
         except (OSError, ValueError, KeyError, TypeError):  # unreadable, half written, not ours: left alone
             continue
+
+
+def _published_address(path: str) -> str:
+    """The address a rendezvous file publishes; ProcessLookupError if the local rank 0 that
+    wrote it is gone (its pid is checked before the address is read)."""
+    with open(path) as f:
+        info = json.load(f)
+    os.kill(int(info["pid"]), 0)
+    return str(info["address"])
 
 
 def _wait_for_address(timeout: float) -> str:
@@ -126,10 +133,7 @@ def _wait_for_address(timeout: float) -> str:
     deadline = time.monotonic() + limit
     while True:
         try:
-            with open(path) as f:
-                info = json.load(f)
-            os.kill(int(info["pid"]), 0)  # the leader still runs
-            return str(info["address"])
+            return _published_address(path)  # the leader still runs
         except (FileNotFoundError, json.JSONDecodeError, ProcessLookupError, KeyError, ValueError):
             pass
         if time.monotonic() > deadline:
