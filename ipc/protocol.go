@@ -50,8 +50,11 @@ const (
 const (
 	MaxMessageBytes = 4 << 20 // one message (bodies carry references, not data)
 	MaxItems        = 4096    // tensors in one register or step
-	MaxDims         = 8
-	MaxNameLen      = 512
+	// MaxStaged bounds the tensors one session stages with Register.More
+	// (their names and shapes wait in the server's memory).
+	MaxStaged  = 1 << 18
+	MaxDims    = 8
+	MaxNameLen = 512
 	// MaxErrorBytes bounds the text of an error reply (the values it quotes
 	// are clipped first, package clip).
 	MaxErrorBytes = 4096
@@ -193,9 +196,18 @@ type TensorSpec struct {
 // Register registers tensors; all or none.
 type Register struct {
 	Tensors []TensorSpec `msgpack:"tensors"`
+	// More stages the tensors for a later register of the same session
+	// instead of registering them: a model with more than MaxItems expert
+	// tensors is registered in several requests, all or none. The first
+	// request without More registers what was staged and its own tensors
+	// together (its reply gives the ids of all, staged first, in order);
+	// an error in any of them drops everything staged. Named in
+	// HelloReply.Features as FeatureRegisterMore.
+	More bool `msgpack:"more,omitempty"`
 }
 
-// RegisterReply gives tensor ids, in request order.
+// RegisterReply gives tensor ids, in request order (none for a request with
+// More: its tensors get theirs from the request that registers them).
 type RegisterReply struct {
 	IDs []uint32 `msgpack:"ids"`
 }
@@ -276,6 +288,10 @@ const FeatureGradScale = "grad_scale"
 // FeatureDiscard is named in HelloReply.Features by a server that serves
 // OpDiscard.
 const FeatureDiscard = "discard"
+
+// FeatureRegisterMore is named in HelloReply.Features by a server that
+// stages Register requests with More.
+const FeatureRegisterMore = "register_more"
 
 // Discard drops the gradients accumulated (Step items with Apply false) and
 // not yet applied of some tensors of the session, as torch's zero_grad drops

@@ -70,7 +70,12 @@ type session struct {
 	segments map[uint32]*segment
 	tensors  map[uint32]*tensor
 	names    map[string]uint32 // tensor name -> id: register is linear in the tensors it adds
-	lastSeen time.Time
+	// staged are tensors of register requests with More, validated but
+	// without state or id until a register without More (stagedNames:
+	// their names, for the uniqueness check).
+	staged      []*tensor
+	stagedNames map[string]bool
+	lastSeen    time.Time
 	// goneAt is when the client's connection closed (zero while it is
 	// open); the session is released ReconnectGrace later unless the client
 	// is back (see lifetime.go).
@@ -300,7 +305,7 @@ func (s *Server) hello(ss *session, h ipc.Hello) (any, error) {
 	s.log.Info("client connected", zap.String("client", ss.client), clip.Field("name", h.Client), zap.Int("pid", h.PID),
 		clip.Field("torch", h.Torch), zap.Int("threads", h.Threads), clip.Field("capability", h.Capability), zap.String("sqrt", name))
 	rep := ipc.HelloReply{Server: Version, Protocol: ipc.Version, PID: os.Getpid(), Workers: s.Workers, Sqrt: name,
-		ISA: optimizer.KernelISA().String(), ReconnectGraceMillis: s.ReconnectGrace.Milliseconds(), Features: []string{ipc.FeatureGradScale, ipc.FeatureDiscard}}
+		ISA: optimizer.KernelISA().String(), ReconnectGraceMillis: s.ReconnectGrace.Milliseconds(), Features: []string{ipc.FeatureGradScale, ipc.FeatureDiscard, ipc.FeatureRegisterMore}}
 	if b := s.backends["cuda"]; b != nil {
 		rep.CUDA = b.Describe()
 	}
@@ -436,7 +441,25 @@ func (ss *session) resolveFor(t *tensor, ref ipc.MemRef, v verifier) (backend.Re
 	return r, nil
 }
 
+// register registers r's tensors, or stages them (r.More); an error drops
+// whatever the session had staged, so that nothing of the registration
+// happens.
 func (s *Server) register(ss *session, r ipc.Register) (any, error) {
+	reply, err := s.registerOrStage(ss, r)
+	if err != nil && len(ss.staged) > 0 {
+		err = fmt.Errorf("%w (and the %d tensors staged by earlier register requests were dropped)",
+			err, len(ss.staged))
+	}
+	if err != nil || !r.More {
+		ss.staged, ss.stagedNames = nil, nil
+	}
+	return reply, err
+}
+
+func (s *Server) registerOrStage(ss *session, r ipc.Register) (any, error) {
+	if r.More && len(ss.staged)+len(r.Tensors) > ipc.MaxStaged {
+		return nil, fmt.Errorf("%d tensors staged with more (want at most %d)", len(ss.staged)+len(r.Tensors), ipc.MaxStaged)
+	}
 	// Validate all first; register all or none.
 	made := make([]*tensor, 0, len(r.Tensors))
 	v := verifier{}
@@ -449,7 +472,7 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 		if id, ok := ss.names[spec.Name]; ok {
 			return nil, fmt.Errorf("tensor %q already registered (id %d)", spec.Name, id)
 		}
-		if names[spec.Name] {
+		if names[spec.Name] || ss.stagedNames[spec.Name] {
 			return nil, fmt.Errorf("tensor %q appears twice", spec.Name)
 		}
 		names[spec.Name] = true
@@ -466,6 +489,17 @@ func (s *Server) register(ss *session, r ipc.Register) (any, error) {
 		t.seg, t.param = seg, param
 		made = append(made, t)
 	}
+	if r.More {
+		if ss.stagedNames == nil {
+			ss.stagedNames = make(map[string]bool, len(made))
+		}
+		for _, t := range made {
+			ss.stagedNames[t.name] = true
+		}
+		ss.staged = append(ss.staged, made...)
+		return ipc.RegisterReply{IDs: []uint32{}}, nil
+	}
+	made = append(ss.staged, made...)
 	// One request registers tensors of one backend, whose Create is all or
 	// none; a request mixing backends is refused before any state is made.
 	for _, t := range made[min(1, len(made)):] {
@@ -767,6 +801,11 @@ func (s *Server) detach(ss *session, d ipc.Detach) (any, error) {
 	for _, t := range ss.tensors {
 		if t.seg == seg {
 			return nil, fmt.Errorf("segment %d holds tensor %s: cannot detach", d.Seg, t.name)
+		}
+	}
+	for _, t := range ss.staged {
+		if t.seg == seg {
+			return nil, fmt.Errorf("segment %d holds tensor %s, staged for registration: cannot detach", d.Seg, t.name)
 		}
 	}
 	delete(ss.segments, d.Seg)

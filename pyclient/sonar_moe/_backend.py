@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ._clipping import ExpertClipper
-from ._connection import Connection, RequestTrace, SonarError
+from ._connection import MAX_ITEMS, Connection, RequestTrace, SonarError
 from ._detect import group_key
 from ._launch import connect
 from ._steps import StepQueue
@@ -348,13 +348,30 @@ class ServerBackend(ABC):
                 specs.append({"name": e.name if e.parts == 1 else f"{e.name}.{i}", "shape": shape,
                               "dtype": DTYPES[e.param.dtype], "hyper": dict(hyper_of(e.param)),
                               "param": {"seg": ref["seg"], "off": ref["off"] + i * e.part_bytes, "nbytes": e.part_bytes}})
-        ids = iter(self._conn.call("register", {"tensors": specs})["ids"])
+        ids = iter(self._register_specs(specs))
         for e in experts:
             e.tids = [next(ids) for _ in range(e.parts)]
             e.ptr, e.dtype = e.param.data_ptr(), e.param.dtype
             for t in e.tids:
                 self._by_tid[t] = e
             self._steps.add_member(e.key)
+
+    def _register_specs(self, specs: list[dict[str, Any]]) -> list[int]:
+        """The ids of specs, registered all or none: past MAX_ITEMS tensors (a model of
+        per-expert tensors: 128 experts x 3 x 48 layers is 18,432) in several requests, all but
+        the last staged with ``more`` (a failing one drops what was staged)."""
+        if len(specs) <= MAX_ITEMS:
+            return list(self._conn.call("register", {"tensors": specs})["ids"])
+        if "register_more" not in self._features:
+            raise SonarError(f"{len(specs)} expert tensors to register, and this sonard takes at most {MAX_ITEMS} in "
+                             "one request and cannot stage more (feature 'register_more'): update sonard")
+        chunks = [specs[i:i + MAX_ITEMS] for i in range(0, len(specs), MAX_ITEMS)]
+        for chunk in chunks[:-1]:
+            self._conn.call("register", {"tensors": chunk, "more": True})
+        ids = list(self._conn.call("register", {"tensors": chunks[-1]})["ids"])
+        if len(ids) != len(specs):
+            raise SonarError(f"sonard registered {len(ids)} of {len(specs)} expert tensors")
+        return ids
 
     def add(self, named: list[tuple[str, nn.Parameter]], hyper_of: HyperOf,
             slices: Mapping[int, int] | None = None) -> None:
@@ -481,7 +498,9 @@ class ServerBackend(ABC):
         if "discard" not in self._features:
             raise SonarError("dropping the micro-batches of a step abandoned before step() needs a sonard with the "
                              "'discard' operation; this one is older: update sonard")
-        self._conn.call("discard", {"tensors": [tid for e in e_pending for tid in e.tids]})
+        tids = [tid for e in e_pending for tid in e.tids]
+        for i in range(0, len(tids), MAX_ITEMS):
+            self._conn.call("discard", {"tensors": tids[i:i + MAX_ITEMS]})
         for e in e_pending:
             e.micro = 0
 

@@ -25,6 +25,9 @@ from ._channel import Channel, ChannelError, open_channel
 from ._openmp import DirectWait, Waiter
 
 PROTOCOL_VERSION = 1
+# The most tensors one register, step or discard request may name (ipc.MaxItems): a longer list
+# goes in several requests (register stages all but the last: all or none).
+MAX_ITEMS = 4096
 # At most this many requests wait for their replies: past it, send() reads replies first
 # (the server also parks a client's requests while its replies wait: docs/protocol.md).
 MAX_IN_FLIGHT = 512

@@ -1,0 +1,130 @@
+"""Models with more expert tensors than one request may name (4096, ipc.MaxItems): per-expert
+``ModuleList`` layouts have three tensors an expert (transformers 4.x Qwen3-MoE: 128 experts x 3
+x 48 layers = 18,432; DeepSeek-V3's own modeling code: 256 x 3 x 58 = 44,544). SonarAdamW was
+refused at construction ("register: 12288 tensors (want 1..4096)", a trial with 256 experts
+in 16 layers, 2026-12-06). Registration now spans several requests, all or none (``more``,
+docs/protocol.md), and so do a skipped step's discard and the leftovers that ``step()`` applies.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sonar_moe
+from conftest import server_stats, sonard_command
+from sonar_moe import SonarAdamW
+
+HIDDEN, INTER = 4, 2
+EXPERTS, LAYERS = 700, 2  # 4,200 expert tensors: two register requests
+HP: dict[str, Any] = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+
+
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(HIDDEN, INTER, bias=False)
+        self.up_proj = nn.Linear(HIDDEN, INTER, bias=False)
+        self.down_proj = nn.Linear(INTER, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.gate(x).softmax(-1)  # every expert gets every token: every expert a gradient
+        return x + torch.stack([w[:, e:e + 1] * ex(x) for e, ex in enumerate(self.experts)]).sum(0)
+
+
+class ManyExperts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+def model_pair() -> tuple[ManyExperts, ManyExperts]:
+    torch.manual_seed(0)
+    model = ManyExperts()
+    return model, copy.deepcopy(model)
+
+
+def assert_equal(ref: nn.Module, model: nn.Module, where: str) -> None:
+    bad = [n for (n, a), b in zip(ref.named_parameters(), model.parameters()) if not torch.equal(a, b)]
+    assert not bad, f"{where}: {len(bad)} tensors differ from torch's, first {bad[:3]}"
+
+
+def test_more_expert_tensors_than_one_request_train_as_torch() -> None:
+    """4,200 expert tensors, two micro-batches a step: registered in two requests; a step
+    skipped after its first micro-batch drops it on the server (discard, two requests); a step
+    whose second micro-batch reaches no expert applies the leftovers in step() (two requests).
+    Bit for bit torch's AdamW at every step."""
+    model, ref = model_pair()
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    g = torch.Generator().manual_seed(1)
+    with SonarAdamW(model, **HP, grad_accumulation_steps=2) as opt:
+        found = sum(1 for _ in opt.named_expert_parameters())
+        assert found == EXPERTS * LAYERS * 3
+        requests = opt.stats()["step_requests"]
+        for s, plan in enumerate(["both", "skip", "both", "first-only"]):
+            for o in (ropt, opt):
+                o.zero_grad()
+            for micro in range(2):
+                x = torch.randn(3, HIDDEN, generator=g)
+                if micro == 1 and plan == "first-only":
+                    # No expert takes part (a backward through the first router alone), so
+                    # every expert tensor waits in step() for its second micro-batch.
+                    for m in (ref, model):
+                        router = m.layers[0]
+                        assert isinstance(router, Layer)
+                        (router.gate(x).sum() * 0.5).backward()
+                    continue
+                for m in (ref, model):
+                    (m(x) * 0.5).backward()
+                if plan == "skip":
+                    break
+            if plan != "skip":
+                ropt.step()
+                opt.step()
+            assert_equal(ref, model, f"step {s + 1} ({plan})")
+        sent = opt.stats()["step_requests"] - requests
+        # A request per layer and micro-batch (2 + 1 + 2 + 1 micro-batches reached the experts),
+        # and the leftovers of the last step in two (4,200 items; the server refuses more than
+        # 4,096 in one, as it refused the skipped step's discard before it was split).
+        assert sent == 6 * LAYERS + 2, sent
+
+
+def test_register_refused_in_its_last_request_leaves_nothing(tmp_path: Path, sonard_binary: str) -> None:
+    """A memory budget that holds the first request's states but not all: construction fails
+    with the server's reason, and the server holds no tensor of the session (the staged
+    ones were dropped with it)."""
+    addr = f"ipc://{tmp_path}/sonard.sock"
+    per_tensor = 2 * 4 * HIDDEN * INTER  # exp_avg and exp_avg_sq, float32
+    budget = per_tensor * 4096 + per_tensor  # room for the first request and one more tensor
+    proc = subprocess.Popen(sonard_command(sonard_binary, addr, "--log-level", "warn",
+                                           "--max-session-state-bytes", str(budget)))
+    try:
+        model, _ = model_pair()
+        with pytest.raises(sonar_moe.SonarError, match=r"over the memory budget.*staged by earlier register requests"):
+            SonarAdamW(model, **HP, server=addr)
+        assert server_stats(addr)["tensors"] == 0
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
