@@ -33,6 +33,7 @@ func FuzzHandle(f *testing.F) {
 	step.Items[0].Grad.Offset = 4000
 	f.Add(seed(ipc.OpStep, step))
 	f.Add(seed(ipc.OpRegister, ipc.Register{Tensors: []ipc.TensorSpec{{Name: "x", Shape: []int64{16}, DType: "bfloat16", Param: ipc.MemRef{Seg: 1, Offset: 2048, Bytes: 32}}}}))
+	f.Add(seed(ipc.OpRegister, ipc.Register{More: true, Tensors: []ipc.TensorSpec{{Name: "y", Shape: []int64{16}, DType: "float32", Param: ipc.MemRef{Seg: 1, Offset: 2048, Bytes: 64}}}}))
 	f.Add(seed(ipc.OpExport, ipc.StateXfer{Tensor: 3, ExpAvg: ipc.MemRef{Seg: 2, Bytes: 1024}, ExpAvgSq: ipc.MemRef{Seg: 2, Offset: 1024, Bytes: 1024}}))
 	f.Add(seed(ipc.OpImport, ipc.StateXfer{Tensor: 3, Step: 9, ExpAvg: ipc.MemRef{Seg: 2, Bytes: 1024}, ExpAvgSq: ipc.MemRef{Seg: 2, Offset: 1024, Bytes: 1024}}))
 	f.Add(seed(ipc.OpDetach, ipc.Detach{Seg: 1}))
