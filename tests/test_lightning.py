@@ -119,3 +119,38 @@ def test_lightning_ddp_two_processes_is_bitwise(tmp_path: Path) -> None:
         assert run.returncode == 0, f"{optimizer}: exit {run.returncode}\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
         assert run.stdout.count(" of 2 pid ") == 2, run.stdout[-3000:]
     assert_same(torch.load(out["torch"]), torch.load(out["sonar"]), "DDP, 2 processes")
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_fabric_loop_is_bitwise_torch_adamw(clip: float | None) -> None:
+    """Lightning Fabric: ``fabric.setup(model, optimizer)`` wraps SonarAdamW, ``fabric.backward``
+    runs the hooks, bf16-mixed autocast; ``fabric.clip_gradients`` after backward clips the dense
+    gradients by their own norm, the reference's clip_grad_norm_ over the dense parameters."""
+    from lightning.fabric import Fabric
+
+    from hf_util import text_batches, tiny_olmoe
+
+    runs = {}
+    for name in ("torch", "sonar"):
+        fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")
+        model = tiny_olmoe("eager", seed=0, num_layers=2)
+        opt: torch.optim.Optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3) if name == "torch"
+                                      else sonar_moe.SonarAdamW(model, lr=1e-3))
+        fmodel, fopt = fabric.setup(model, opt)
+        dense = [p for n, p in model.named_parameters() if ".experts." not in n]
+        norms = []
+        for b in text_batches(1, count=4):
+            fopt.zero_grad()
+            fabric.backward(fmodel(**b).loss)
+            if clip is not None:
+                if name == "torch":
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(dense, clip)))
+                else:
+                    fabric.clip_gradients(fmodel, fopt, max_norm=clip)
+            fopt.step()
+        if clip is not None and name == "torch":
+            assert max(norms) > clip, norms
+        runs[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if isinstance(opt, sonar_moe.SonarAdamW):
+            opt.close()
+    assert_same(runs["torch"], runs["sonar"], f"Fabric, clip {clip}")
