@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ._clipping import ExpertClipper
-from ._connection import MAX_ITEMS, Connection, RequestTrace, SonarError
+from ._connection import MAX_ITEMS, Connection, RequestTrace, SonarError, in_requests
 from ._detect import group_key
 from ._launch import connect
 from ._steps import StepQueue
@@ -360,15 +360,13 @@ class ServerBackend(ABC):
         """The ids of specs, registered all or none: past MAX_ITEMS tensors (a model of
         per-expert tensors: 128 experts x 3 x 48 layers is 18,432) in several requests, all but
         the last staged with ``more`` (a failing one drops what was staged)."""
-        if len(specs) <= MAX_ITEMS:
-            return list(self._conn.call("register", {"tensors": specs})["ids"])
-        if "register_more" not in self._features:
+        pieces = in_requests(specs)
+        if len(pieces) > 1 and "register_more" not in self._features:
             raise SonarError(f"{len(specs)} expert tensors to register, and this sonard takes at most {MAX_ITEMS} in "
                              "one request and cannot stage more (feature 'register_more'): update sonard")
-        chunks = [specs[i:i + MAX_ITEMS] for i in range(0, len(specs), MAX_ITEMS)]
-        for chunk in chunks[:-1]:
-            self._conn.call("register", {"tensors": chunk, "more": True})
-        ids = list(self._conn.call("register", {"tensors": chunks[-1]})["ids"])
+        for piece in pieces[:-1]:
+            self._conn.call("register", {"tensors": piece, "more": True})
+        ids = list(self._conn.call("register", {"tensors": pieces[-1]})["ids"])
         if len(ids) != len(specs):
             raise SonarError(f"sonard registered {len(ids)} of {len(specs)} expert tensors")
         return ids
@@ -498,9 +496,8 @@ class ServerBackend(ABC):
         if "discard" not in self._features:
             raise SonarError("dropping the micro-batches of a step abandoned before step() needs a sonard with the "
                              "'discard' operation; this one is older: update sonard")
-        tids = [tid for e in e_pending for tid in e.tids]
-        for i in range(0, len(tids), MAX_ITEMS):
-            self._conn.call("discard", {"tensors": tids[i:i + MAX_ITEMS]})
+        for piece in in_requests([tid for e in e_pending for tid in e.tids]):
+            self._conn.call("discard", {"tensors": piece})
         for e in e_pending:
             e.micro = 0
 

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import msgpack
 
@@ -45,6 +45,13 @@ LINK_CHECK_S = 0.01
 RECENT_REQUESTS = 1 << 16
 
 log = logging.getLogger("sonar_moe")
+
+_T = TypeVar("_T")
+
+
+def in_requests(items: list[_T]) -> list[list[_T]]:
+    """items in pieces of at most MAX_ITEMS, in order, one a request (one piece when empty)."""
+    return [items[i:i + MAX_ITEMS] for i in range(0, max(len(items), 1), MAX_ITEMS)]
 
 
 class SonarError(RuntimeError):

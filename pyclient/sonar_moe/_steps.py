@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._connection import MAX_ITEMS, Connection, SonarError
+from ._connection import Connection, SonarError, in_requests
 
 Item = dict[str, Any]
 
@@ -82,14 +82,13 @@ class StepQueue:
     def send(self, items: list[Item], tokens: list[Any]) -> None:
         """Send the items now, in one step request (several past MAX_ITEMS items); release
         `tokens` when the last is answered."""
-        for i in range(0, len(items), MAX_ITEMS):
-            part = items[i:i + MAX_ITEMS]
-            last = i + MAX_ITEMS >= len(items)
+        pieces = in_requests(items)
+        for k, part in enumerate(pieces):
             self.step_requests += 1
             self.grads_sent += sum(1 for it in part if it["grad"]["seg"])
             self.bytes_sent += sum(it["grad"]["nbytes"] for it in part if it["grad"]["seg"])
             self._conn.send("step", {"items": part, **self._body},
-                            functools.partial(self._on_reply, tokens if last else [], part))
+                            functools.partial(self._on_reply, tokens if k == len(pieces) - 1 else [], part))
 
     def wait(self) -> None:
         """Wait for every reply; raise SonarError naming the updates the server refused."""

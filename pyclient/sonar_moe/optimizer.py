@@ -793,10 +793,10 @@ class SonarAdamW(torch.optim.AdamW):
                 f"grad_accumulation_steps={self.grad_accumulation_steps}: SonarAdamW applies AdamW to each expert "
                 "tensor during backward, so backward() twice before step() would apply two steps. For gradient "
                 "accumulation over k backward passes per step() pass grad_accumulation_steps=k (also with HF "
-                "Trainer, and with Lightning's accumulate_grad_batches=k); with retain_graph=True call step() between the backward passes. An expert tensor used in "
-                "several segments of reentrant activation checkpointing (use_reentrant=True) gets a gradient per "
-                "segment: use use_reentrant=False. After an error or an interrupt part-way through a backward, "
-                "zero_grad() ends that step")
+                "Trainer, and with Lightning's accumulate_grad_batches=k); with retain_graph=True call step() "
+                "between the backward passes. An expert tensor used in several segments of reentrant activation "
+                "checkpointing (use_reentrant=True) gets a gradient per segment: use use_reentrant=False. After an "
+                "error or an interrupt part-way through a backward, zero_grad() ends that step")
         self._grads_this_step[id(p)] = n
         self._kept_grads.add(id(p))
         grad = p.grad
