@@ -10,10 +10,14 @@ are repeated with the ``sonar_moe`` package under DIR (another checkout's ``pycl
 same sonard): the before/after of a change to the client.
 
 Per step: wall time, the trainer's CPU time and sonard's; per hook, the step's trainer CPU over
-the tensors. Medians over the rounds; each round's own median over its steps.
+the tensors. Then, once the steps are done, the time of ``state_dict()`` and of
+``load_state_dict()`` of what it returned (the median of three). Medians over the rounds; each
+round's own median over its steps. ``--sonard`` gives the ``--client`` runs another sonard
+binary (another checkout's ``bin/sonard``): the before/after of a change to both.
 
     .venv/bin/python bench/hooks.py --experts 128 --rounds 5
     .venv/bin/python bench/hooks.py --client ../old/pyclient     # before/after a client change
+    .venv/bin/python bench/hooks.py --client ../old/pyclient --sonard ../old/bin/sonard
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def child(method: str, experts: int, numel: int, steps: int, threads: int) -> di
         return torch.stack([(p * w).sum() for p, w in zip(params, weights)]).sum()
 
     server_pid = None
+    opt: torch.optim.Optimizer
     if method == "torch":
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
 
@@ -59,6 +64,7 @@ def child(method: str, experts: int, numel: int, steps: int, threads: int) -> di
                                     weight_decay=0.01, max_grad_norm=1.0, expert_params=lambda name, t: True)
         proc = sopt.server_process
         server_pid = proc.pid if proc is not None else None
+        opt = sopt
 
         def step() -> None:
             loss().backward()
@@ -76,15 +82,27 @@ def child(method: str, experts: int, numel: int, steps: int, threads: int) -> di
             walls.append(t1 - t0)
             cpus.append(c1 - c0)
             servers.append(s1 - s0)
+    saves, loads = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        sd = opt.state_dict()
+        t1 = time.perf_counter()
+        opt.load_state_dict(sd)
+        saves.append(t1 - t0)
+        loads.append(time.perf_counter() - t1)
     if close is not None:
         close()
     return {"step_s": common.median(walls), "trainer_cpu_s": common.median(cpus),
-            "server_cpu_s": sum(servers) / len(servers)}  # clock ticks: a mean, not a median
+            "server_cpu_s": sum(servers) / len(servers),  # clock ticks: a mean, not a median
+            "state_dict_s": common.median(saves), "load_state_dict_s": common.median(loads)}
 
 
-def run(method: str, client: str, args: argparse.Namespace) -> dict:
-    """One child process of `method` with the sonar_moe package under `client`."""
+def run(method: str, client: str, sonard: str | None, args: argparse.Namespace) -> dict:
+    """One child process of `method` with the sonar_moe package under `client` (and that
+    sonard binary, if given)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([client, HERE]))
+    if sonard:
+        env["SONARD"] = sonard
     out = subprocess.run([sys.executable, __file__, "--child", method, "--experts", str(args.experts),
                           "--numel", str(args.numel), "--steps", str(args.steps), "--threads", str(args.threads)],
                          env=env, check=True, capture_output=True, text=True, timeout=600)
@@ -99,18 +117,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: no OpenMP team to park)")
     ap.add_argument("--client", help="another checkout's pyclient: its SonarAdamW is measured too")
+    ap.add_argument("--sonard", help="the sonard binary of the --client runs (default: the one SONARD names)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.experts, args.numel, args.steps, args.threads)))
         return
-    methods = {"torch": ("torch", CLIENT), "sonar": ("sonar", CLIENT)}
+    methods: dict[str, tuple[str, str, str | None]] = {"torch": ("torch", CLIENT, None),
+                                                         "sonar": ("sonar", CLIENT, None)}
     if args.client:
-        methods["sonar (--client)"] = ("sonar", os.path.abspath(args.client))
+        sonard = os.path.abspath(args.sonard) if args.sonard else None
+        methods["sonar (--client)"] = ("sonar", os.path.abspath(args.client), sonard)
     rounds: dict[str, list[dict]] = {m: [] for m in methods}
     for _ in range(args.rounds):
-        for name, (method, client) in methods.items():
-            rounds[name].append(run(method, client, args))
+        for name, (method, client, sonard) in methods.items():
+            rounds[name].append(run(method, client, sonard, args))
     out: dict = {"date": time.strftime("%Y-%m-%d"), "cpu": common.cpu_model(), "experts": args.experts,
                  "numel": args.numel, "steps": args.steps, "rounds": args.rounds, "threads": args.threads,
                  "transport": os.environ.get("SONAR_TRANSPORT", "zmq"), "methods": {}}
@@ -122,6 +143,8 @@ def main() -> None:
         out["methods"][name] = {"step_ms": step * 1e3, "step_vs_torch": step / base,
                                 "trainer_cpu_ms": trainer * 1e3, "cpu_ms_trainer_and_sonard": cpu * 1e3,
                                 "trainer_cpu_us_per_hook": trainer * 1e6 / args.experts,
+                                "state_dict_ms": common.median([r["state_dict_s"] for r in rs]) * 1e3,
+                                "load_state_dict_ms": common.median([r["load_state_dict_s"] for r in rs]) * 1e3,
                                 "rounds_step_ms": [r["step_s"] * 1e3 for r in rs]}
     print(json.dumps(out, indent=1))
 

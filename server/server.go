@@ -560,6 +560,7 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 	var first *tensor
 	var accum int64
 	v := verifier{}
+	seen := make(map[*tensor]struct{}, len(st.Items)) // a scan of the items so far was quadratic: 9 ms for 768 tensors
 	if st.Norms {
 		rep.SqNorms = make([]float64, len(st.Items))
 	}
@@ -574,11 +575,10 @@ func (s *Server) step(ss *session, st ipc.Step) (any, error) {
 			return nil, fmt.Errorf("item %d: tensor %d is %s memory, item 0 is %s memory: one step request holds one kind, not both",
 				i, it.Tensor, t.seg.backend, first.seg.backend)
 		}
-		for _, o := range items {
-			if o.Tensor == t.state {
-				return nil, fmt.Errorf("item %d (%s): tensor appears twice in one request", i, t.name)
-			}
+		if _, twice := seen[t]; twice {
+			return nil, fmt.Errorf("item %d (%s): tensor appears twice in one request", i, t.name)
 		}
+		seen[t] = struct{}{}
 		if err := t.state.Damage(); err != nil {
 			return nil, fmt.Errorf("item %d (%s): refused, the tensor is damaged: %w", i, t.name, err)
 		}

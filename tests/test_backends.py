@@ -64,7 +64,7 @@ class FakeConn:
 
     def wait(self, rid: int | None = None, timeout: float | None = None) -> dict[str, Any]:
         self.poll()
-        return {}
+        return {} if rid is None else {"ok": True, "body": {}}
 
     def wait_any(self, timeout: float | None = None) -> None:
         self.poll()
@@ -204,8 +204,8 @@ def test_state_transfer_uses_device_buffers(fake: Callable[..., Any]) -> None:
         xfer.store(named[1][1], 5, {"exp_avg": torch.ones(4, 6), "exp_avg_sq": None})
         with pytest.raises(ValueError, match="has shape"):
             xfer.store(named[1][1], 5, {"exp_avg": torch.ones(3)})
-    exports = [b for op, b in conn.calls if op == "export"]
-    imports = [b for op, b in conn.calls if op == "import"]
+    exports = [b for op, b in conn.sent if op == "export"]
+    imports = [b for op, b in conn.sent if op == "import"]
     assert len(exports) == 1 and len(imports) == 1 and imports[0]["step"] == 5
     assert exports[0]["max_exp_avg_sq"] == {"seg": 0, "off": 0, "nbytes": 0}
     assert exports[0]["exp_avg"]["seg"] == 9 and ipc.syncs == 2
@@ -217,3 +217,28 @@ def test_a_server_without_cuda_is_refused_and_the_session_ended(fake: Callable[.
     with pytest.raises(SonarError, match="no CUDA path"):
         fake(experts(), conn=conn)
     assert conn.ended == 1
+
+
+def test_store_all_waits_for_every_reply_and_reports_those_taken(fake: Callable[..., Any]) -> None:
+    """A batch's imports are all sent before any reply is read; one refused in the middle is
+    raised after the last reply (none left unanswered), naming the server's reason, and the
+    caller hears of each tensor the server did take, those after the refused one too."""
+    named = [(f"layers.0.moe.experts.{i}.w", nn.Parameter(torch.randn(4, 6))) for i in range(4)]
+    backend, conn, _ = fake(named)
+    waited: list[int] = []
+    refuse = {}
+
+    def wait(rid: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+        assert len(conn.sent) == 4, "a reply was waited for before the batch was sent"
+        waited.append(rid or 0)
+        return {"ok": False, "error": "no room"} if rid in refuse else {"ok": True, "body": {}}
+
+    conn.wait = wait
+    refuse[2] = True  # the second tensor's import
+    taken: list[nn.Parameter] = []
+    with backend.state_transfer(amsgrad=False) as xfer:
+        with pytest.raises(SonarError, match="sonard refused import: no room"):
+            xfer.store_all([(p, 3, {"exp_avg": torch.ones(4, 6)}) for _, p in named], taken.append)
+    assert waited == [1, 2, 3, 4]
+    assert taken == [named[0][1], named[2][1], named[3][1]]
+    assert [b["step"] for op, b in conn.sent] == [3, 3, 3, 3]

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ._clipping import ExpertClipper
-from ._connection import MAX_ITEMS, Connection, RequestTrace, SonarError, in_requests
+from ._connection import MAX_ITEMS, Connection, RequestTrace, SonarError, SonarRefused, in_requests
 from ._detect import group_key
 from ._launch import connect
 from ._steps import StepQueue
@@ -137,6 +137,16 @@ class StateTransfer(Protocol):
 
     def store(self, param: nn.Parameter, step: int, state: Mapping[str, torch.Tensor | None]) -> None:
         """Set `param`'s server state: `step` and the tensors of `state` (missing ones: zeros)."""
+        ...
+
+    def fetch_all(self, params: list[nn.Parameter]) -> list[dict[str, torch.Tensor]]:
+        """fetch() of each of params, in order, many requests in flight at once."""
+        ...
+
+    def store_all(self, items: list[tuple[nn.Parameter, int, Mapping[str, torch.Tensor | None]]],
+                  stored: Callable[[nn.Parameter], None] | None = None) -> None:
+        """store() of each (param, step, state), shapes checked first; stored(param) after each one the
+        server took, in order."""
         ...
 
 
@@ -556,49 +566,141 @@ class ServerBackend(ABC):
 
 
 class Transfer(ABC):
-    """The shared part of a state transfer: export/import requests per server tensor."""
+    """The shared part of a state transfer: export/import requests per server tensor.
+
+    The tensors of a ``fetch_all``/``store_all`` go in batches of up to ``BATCH_BYTES`` of
+    state buffers (at least one tensor): a batch's requests are all sent before any reply is
+    waited for, so that a model of thousands of small expert tensors (a ``ModuleList`` of
+    experts) pays a round trip a batch, not one a tensor (``state_dict()`` of 12,288 tensors
+    took 3.5 s one by one). A subclass makes room for a transfer (``_begin``) and gives each
+    tensor of a batch a slot of its own there (``_slot``), valid until ``_reset``."""
+
+    BATCH_BYTES = 64 << 20
 
     def __init__(self, conn: Connection, experts: Mapping[int, Expert], amsgrad: bool) -> None:
         self._conn = conn
         self._experts = experts
         self._n = 3 if amsgrad else 2
 
-    @abstractmethod
-    def _views(self, e: Expert) -> list[torch.Tensor]:
-        """Buffers for e's exp_avg, exp_avg_sq (and max_exp_avg_sq), shaped like the parameter."""
+    def _begin(self, es: list[Expert]) -> None:
+        """A transfer of es starts (for a subclass that makes its buffers once)."""
 
     @abstractmethod
-    def _refs(self, e: Expert, part: int) -> list[MemRef]:
-        """The three state MemRefs of server tensor `part` of e (unused ones: no_ref())."""
+    def _slot(self, e: Expert) -> Any:
+        """Buffers for e's states in this batch, or None when the batch is full (never for the
+        batch's first tensor)."""
+
+    @abstractmethod
+    def _views(self, e: Expert, slot: Any) -> list[torch.Tensor]:
+        """The slot's exp_avg, exp_avg_sq (and max_exp_avg_sq) buffers, shaped like e's parameter."""
+
+    @abstractmethod
+    def _refs(self, e: Expert, slot: Any, part: int) -> list[MemRef]:
+        """The three state MemRefs of server tensor `part` of e in `slot` (unused ones: no_ref())."""
+
+    def _reset(self) -> None:
+        """The batch is done: its slots may be reused."""
 
     def close(self) -> None:
         """Give the buffers back."""
 
-    def _body(self, e: Expert, step: int, part: int) -> dict[str, Any]:
-        refs = self._refs(e, part)
+    def _body(self, e: Expert, slot: Any, step: int, part: int) -> dict[str, Any]:
+        refs = self._refs(e, slot, part)
         return {"tensor": e.tids[part], "step": step, "exp_avg": refs[0], "exp_avg_sq": refs[1],
                 "max_exp_avg_sq": refs[2]}
 
+    def _batches(self, es: list[Expert]) -> Iterator[list[tuple[int, Any]]]:
+        """es's indexes with their slots, a batch at a time; each batch is used up before the next."""
+        if not es:
+            return
+        self._begin(es)
+        batch: list[tuple[int, Any]] = []
+        for i, e in enumerate(es):
+            slot = self._slot(e)
+            if slot is None:
+                yield batch
+                self._reset()
+                batch = []
+                slot = self._slot(e)
+                assert slot is not None
+            batch.append((i, slot))
+        if batch:
+            yield batch
+            self._reset()
+
+    def _exchange(self, op: str, requests: list[tuple[int, dict[str, Any]]]) -> list[int]:
+        """Send every request (index, body) of a batch, then wait for every reply; the indexes
+        whose requests all succeeded, in order. A refusal is raised after the last reply, so
+        that none is left unanswered; a server gone is raised at once."""
+        sent = [(i, self._conn.send(op, body)) for i, body in requests]
+        failed: dict[int, str] = {}
+        for i, rid in sent:
+            rep = self._conn.wait(rid)
+            if not rep.get("ok") and i not in failed:
+                failed[i] = str(rep.get("error"))
+        done = [i for i in dict.fromkeys(i for i, _ in requests) if i not in failed]
+        if failed:
+            raise SonarRefusedPart(f"sonard refused {op}: {next(iter(failed.values()))}", done)
+        return done
+
     def fetch(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
-        e = self._experts[id(param)]
-        views = self._views(e)
-        for i in range(e.parts):
-            self._conn.call("export", self._body(e, 0, i))
-        return {k: v.clone() for k, v in zip(STATE_KEYS, views)}
+        return self.fetch_all([param])[0]
+
+    def fetch_all(self, params: list[nn.Parameter]) -> list[dict[str, torch.Tensor]]:
+        """fetch() of each of params, in order."""
+        es = [self._experts[id(p)] for p in params]
+        out: list[dict[str, torch.Tensor]] = [{} for _ in es]
+        for batch in self._batches(es):
+            self._exchange("export", [(i, self._body(es[i], slot, 0, part)) for i, slot in batch
+                                      for part in range(es[i].parts)])
+            for i, slot in batch:
+                out[i] = {k: v.clone() for k, v in zip(STATE_KEYS, self._views(es[i], slot))}
+        return out
 
     def store(self, param: nn.Parameter, step: int, state: Mapping[str, torch.Tensor | None]) -> None:
-        e = self._experts[id(param)]
-        views = self._views(e)
-        for k, view in zip(STATE_KEYS, views):
-            src = state.get(k)
-            if src is None:
-                view.zero_()
-            elif src.shape != e.param.shape:
-                raise ValueError(f"state {k} of {e.name} has shape {tuple(src.shape)}, want {tuple(e.param.shape)}")
-            else:
-                view.copy_(src)
-        for i in range(e.parts):
-            self._conn.call("import", self._body(e, step, i))
+        self.store_all([(param, step, state)])
+
+    def store_all(self, items: list[tuple[nn.Parameter, int, Mapping[str, torch.Tensor | None]]],
+                  stored: Callable[[nn.Parameter], None] | None = None) -> None:
+        """store() of each item (param, step, state), every shape checked before anything is
+        sent; stored(param) is called for each one the server took, in order (also for those
+        taken before a refusal in the same batch, which is raised after them)."""
+        es = [self._experts[id(p)] for p, _, _ in items]
+        for e, (_, _, state) in zip(es, items):
+            for k in STATE_KEYS[:self._n]:
+                src = state.get(k)
+                if src is not None and src.shape != e.param.shape:
+                    raise ValueError(f"state {k} of {e.name} has shape {tuple(src.shape)}, want {tuple(e.param.shape)}")
+        for batch in self._batches(es):
+            done: list[int] = []  # a server gone mid-batch: none of it is known to be taken
+            for i, slot in batch:
+                state = items[i][2]
+                for k, view in zip(STATE_KEYS, self._views(es[i], slot)):
+                    src = state.get(k)
+                    if src is None:
+                        view.zero_()
+                    else:
+                        view.copy_(src)
+            requests = [(i, self._body(es[i], slot, items[i][1], part)) for i, slot in batch
+                        for part in range(es[i].parts)]
+            try:
+                done = self._exchange("import", requests)
+            except SonarRefusedPart as refused:
+                done = refused.done
+                raise
+            finally:
+                if stored is not None:
+                    for i in done:
+                        stored(items[i][0])
+
+
+class SonarRefusedPart(SonarRefused):
+    """A batch of transfer requests of which some were refused; ``done``: the indexes whose
+    requests all succeeded (applied by the server)."""
+
+    def __init__(self, message: str, done: list[int]) -> None:
+        super().__init__(message)
+        self.done = done
 
 
 class NoExperts:
@@ -676,6 +778,16 @@ class NoExperts:
 class _NoTransfer:
     def fetch(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         raise ValueError("this optimizer has no expert tensors")
+
+    def fetch_all(self, params: list[nn.Parameter]) -> list[dict[str, torch.Tensor]]:
+        if params:
+            raise ValueError("this optimizer has no expert tensors")
+        return []
+
+    def store_all(self, items: list[tuple[nn.Parameter, int, Mapping[str, torch.Tensor | None]]],
+                  stored: Callable[[nn.Parameter], None] | None = None) -> None:
+        if items:
+            raise ValueError("this optimizer has no expert tensors")
 
     def store(self, param: nn.Parameter, step: int, state: Mapping[str, torch.Tensor | None]) -> None:
         raise ValueError("this optimizer has no expert tensors")

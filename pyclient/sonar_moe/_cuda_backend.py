@@ -81,25 +81,40 @@ class CudaBackend(ServerBackend):
 
 
 class CudaTransfer(Transfer):
-    """State buffers on the device, shared by handle, kept until the next tensor or the end."""
+    """State buffers on the device, shared by handle, kept until the batch is done."""
 
     def __init__(self, conn: Connection, experts: Mapping[int, Expert], amsgrad: bool, ipc: CudaIpc) -> None:
         super().__init__(conn, experts, amsgrad)
         self._ipc = ipc
-        self._held: list[tuple[MemRef, list[Any]]] = []
+        self._held: list[Any] = []  # the IPC holders of the batch's buffers
+        self._batch_bytes = 0
 
-    def _views(self, e: Expert) -> list[torch.Tensor]:
-        self.close()
+    def _slot(self, e: Expert) -> tuple[list[torch.Tensor], list[MemRef]] | None:
+        nbytes = self._n * e.nbytes
+        if self._held and self._batch_bytes + nbytes > self.BATCH_BYTES:
+            return None
         views = [torch.zeros_like(e.param, memory_format=torch.contiguous_format) for _ in range(self._n)]
-        self._held = [self._ipc.grad_ref(v) for v in views]
-        return views
+        refs = []
+        for v in views:
+            ref, holder = self._ipc.grad_ref(v)
+            self._held.append(holder)
+            refs.append(ref)
+        self._batch_bytes += nbytes
+        return views, refs
 
-    def _refs(self, e: Expert, part: int) -> list[MemRef]:
+    def _views(self, e: Expert, slot: Any) -> list[torch.Tensor]:
+        return slot[0]
+
+    def _refs(self, e: Expert, slot: Any, part: int) -> list[MemRef]:
         self._ipc.synchronize()  # the buffers' writes are done before the server copies
-        refs = [{**r, "off": r["off"] + part * e.part_bytes, "nbytes": e.part_bytes} for r, _ in self._held]
+        refs = [{**r, "off": r["off"] + part * e.part_bytes, "nbytes": e.part_bytes} for r in slot[1]]
         return refs + [no_ref() for _ in range(3 - len(refs))]
+
+    def _reset(self) -> None:
+        self.close()
 
     def close(self) -> None:
         held, self._held = self._held, []
-        for _, holder in held:
+        self._batch_bytes = 0
+        for holder in held:
             self._ipc.release(holder)

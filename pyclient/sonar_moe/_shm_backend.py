@@ -242,28 +242,66 @@ class Held:
 
 
 class ShmTransfer(Transfer):
-    """One shared segment with room for the three states of the largest expert tensor."""
+    """A shared segment for the states of a batch of tensors. A tensor of a page or more
+    has its states a page apart and staggered by 1 KiB (no 4K aliasing between them);
+    smaller ones are packed 64 bytes apart."""
 
     def __init__(self, conn: Connection, experts: Mapping[int, Expert], amsgrad: bool) -> None:
         super().__init__(conn, experts, amsgrad)
-        biggest = max(e.nbytes for e in experts.values())
-        self._seg = Segment(3 * (-(-biggest // PAGE) * PAGE + PAGE), "xfer")
-        self._seg_id = attach(conn, self._seg)
-        self._stride = self._seg.size // 3
+        self._seg: Segment | None = None
+        self._seg_id = 0
+        self._used = 0
 
-    def _offset(self, i: int) -> int:
-        return i * self._stride + 1024 * (i + 1)  # staggered: no 4K aliasing between the states
+    @staticmethod
+    def _layout(e: Expert) -> tuple[int, int, int]:
+        """Where e's states go in its slot: the slot's alignment, the bytes from one state to
+        the next, and how far each further state is staggered."""
+        nbytes = e.nbytes
+        if nbytes >= PAGE:
+            return PAGE, -(-nbytes // PAGE) * PAGE + PAGE, 1024
+        return 64, -(-nbytes // 64) * 64, 0
 
-    def _views(self, e: Expert) -> list[torch.Tensor]:
-        return [self._seg.tensor(self._offset(i), e.param.dtype, e.param.shape) for i in range(self._n)]
+    def _begin(self, es: list[Expert]) -> None:
+        need = [self._n * stride + align for align, stride, _ in map(self._layout, es)]  # with the most alignment adds
+        size = max(max(need), min(self.BATCH_BYTES, sum(need)))
+        if self._seg is None or self._seg.size < size:
+            self.close()
+            seg = Segment(-(-size // PAGE) * PAGE, "xfer")
+            try:
+                self._seg_id = attach(self._conn, seg)
+            except BaseException:
+                seg.mm.close()
+                raise
+            self._seg = seg
+        self._used = 0
 
-    def _refs(self, e: Expert, part: int) -> list[MemRef]:
-        refs = [{"seg": self._seg_id, "off": self._offset(i) + part * e.part_bytes, "nbytes": e.part_bytes}
-                for i in range(3)]
-        if self._n < 3:
-            refs[2] = no_ref()
-        return refs
+    def _slot(self, e: Expert) -> list[int] | None:
+        """The offsets of e's states."""
+        assert self._seg is not None
+        align, stride, stagger = self._layout(e)
+        base = -(-self._used // align) * align
+        end = base + self._n * stride
+        if self._used and end > self._seg.size:
+            return None
+        self._used = end
+        return [base + i * stride + stagger * (i + 1) for i in range(self._n)]
+
+    def _views(self, e: Expert, slot: Any) -> list[torch.Tensor]:
+        assert self._seg is not None
+        return [self._seg.tensor(off, e.param.dtype, e.param.shape) for off in slot]
+
+    def _refs(self, e: Expert, slot: Any, part: int) -> list[MemRef]:
+        nbytes = e.part_bytes
+        refs = [{"seg": self._seg_id, "off": off + part * nbytes, "nbytes": nbytes} for off in slot]
+        return refs + [no_ref() for _ in range(3 - self._n)]
+
+    def _reset(self) -> None:
+        self._used = 0
 
     def close(self) -> None:
-        self._conn.call("detach", {"seg": self._seg_id})
-        self._seg.mm.close()
+        seg, self._seg = self._seg, None
+        if seg is not None:
+            try:
+                self._conn.call("detach", {"seg": self._seg_id})
+            finally:
+                seg.mm.close()

@@ -56,6 +56,9 @@ def _owner(p: torch.Tensor) -> SonarAdamW | None:
     return entry[1]()
 
 
+_PLAIN = (float, int)  # hyper-parameters whose step scalars are made once a step for every tensor alike
+
+
 def _value(x: float | torch.Tensor) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
@@ -361,8 +364,9 @@ class ExpertState(dict):
         """No moment read or set, and ``step`` still the float32 tensor of value ``step``: the
         server's state is this one (the check before every step, so it is kept cheap)."""
         raw = dict.get(self, "step")
-        return (type(raw) is torch.Tensor and raw.dtype == torch.float32 and raw.item() == step
-                and not any(dict.__contains__(self, k) for k in self._moments))
+        if type(raw) is not torch.Tensor or raw.dtype != torch.float32 or raw.item() != step:
+            return False
+        return dict.__len__(self) == 1 or not any(dict.__contains__(self, k) for k in self._moments)
 
     def held_moments(self) -> dict[str, torch.Tensor]:
         """The moments read (or assigned) since the server's were last written or updated."""
@@ -458,7 +462,7 @@ class SonarAdamW(torch.optim.AdamW):
         self._backend: ExpertBackend = NoExperts()
         self._experts: dict[int, tuple[str, nn.Parameter]] = {}
         self._hooks: dict[int, Any] = {}
-        self._registered: dict[int, dict[str, bool]] = {}  # amsgrad as registered: the server's state layout
+        self._registered: dict[int, dict[str, Any]] = {}  # amsgrad as registered (the server's state layout), device type
         self._external_grads = False  # remove_grad_hooks(): the caller hands gradients over
         # At the first expert gradient of each step, sonar_moe.distributed checks that no
         # DistributedDataParallel reduces these experts behind the hooks' back (they would see
@@ -580,7 +584,7 @@ class SonarAdamW(torch.optim.AdamW):
         for name, p in new:
             self._experts[id(p)] = (name, p)
             h = self._hyper_of(p)
-            self._registered[id(p)] = {"amsgrad": h["amsgrad"], "maximize": h["maximize"]}
+            self._registered[id(p)] = {"amsgrad": h["amsgrad"], "maximize": h["maximize"], "device": p.device.type}
             _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
         self._hook_experts()
 
@@ -662,10 +666,13 @@ class SonarAdamW(torch.optim.AdamW):
         if not isinstance(st, ExpertState):
             st = self.state[p] = ExpertState(self._fetcher(p), torch.tensor(0.0, dtype=torch.float32),
                                              self._registered[id(p)]["amsgrad"])
-        st.forget_moments()  # the server's change with this step
+        if dict.__len__(st) > 1:
+            st.forget_moments()  # the server's change with this step
         step_t = st["step"]
-        step_t += 1
-        step = step_t.item()
+        # torch's `step_t += 1`, in place, to the same float32 (a whole number: the sum is exact
+        # before fill_ rounds it as float32 addition would); a third of add_'s time
+        step = step_t.item() + 1
+        step_t.fill_(step)
         self._server_steps[id(p)] = int(step)
         self._advanced.add(id(p))
         g = self._group_of(p)
@@ -678,14 +685,17 @@ class SonarAdamW(torch.optim.AdamW):
         made once a step for every tensor alike; any other kind (a tensor, a NumPy number) is
         computed in its own arithmetic, so each time."""
         kind = "fused" if g["fused"] else "foreach" if g["foreach"] else "single"
-        plain = all(type(x) in (float, int) for x in (g["lr"], *g["betas"], g["weight_decay"]))
-        key = (kind, step, p.dtype, p.device.type, options, bool(g["amsgrad"]))  # options hold eps
+        lr, betas, wd = g["lr"], g["betas"], g["weight_decay"]
+        plain = (type(lr) in _PLAIN and type(betas[0]) in _PLAIN and type(betas[1]) in _PLAIN
+                 and type(wd) in _PLAIN and len(betas) == 2)
+        device = self._registered[id(p)]["device"]
+        key = (kind, step, p.dtype, device, options, bool(g["amsgrad"]))  # options hold eps
         made = self._scalars_made.get(key) if plain else None
         if made is not None:
             return made
         if kind == "fused":
-            made = torch_fused_cuda_scalars(g, step) if p.device.type == "cuda" else torch_fused_scalars(g, step, p.dtype)
-        elif kind == "foreach" and p.device.type == "cpu":
+            made = torch_fused_cuda_scalars(g, step) if device == "cuda" else torch_fused_scalars(g, step, p.dtype)
+        elif kind == "foreach" and device == "cpu":
             made = torch_foreach_cpu_scalars(g, step, p.dtype)
         else:
             made = torch_scalars(g, step, p.dtype)
@@ -773,8 +783,12 @@ class SonarAdamW(torch.optim.AdamW):
             self._data_parallel_check_due = False
             from .distributed import check_local_gradients  # distributed imports this module
             check_local_gradients(self)
-        with self._updating():
-            self._take(p)
+        with HELD:  # as _updating(), written out: this runs once per expert gradient
+            self._busy += 1
+            try:
+                self._take(p)
+            finally:
+                self._busy -= 1
 
     def _take(self, p: torch.Tensor) -> None:
         """Hand p.grad (this backward's final gradient of expert p) over, after the checks
@@ -991,8 +1005,14 @@ class SonarAdamW(torch.optim.AdamW):
         """Options of a group changed after its expert tensors were updated this step (between
         the last backward and step(), e.g. an lr set in Trainer's on_pre_optimizer_step): torch
         uses them at this step, the updates already made did not; they count from the next."""
-        late = [name for i, (name, p) in self._grouped()
-                if i in self._advanced and self._used.get(i) != _options_key(self._group_of(p))]
+        late = []
+        for g in self.param_groups:
+            options = None
+            for q in g["params"]:
+                if id(q) in self._advanced:
+                    options = _options_key(g) if options is None else options
+                    if self._used.get(id(q)) != options:
+                        late.append(self._experts[id(q)][0])
         if late:
             msg = (f"the options (lr, betas, eps, weight_decay or maximize) of {len(late)} expert tensors' groups "
                    f"changed after this step's update of them during backward ({', '.join(late[:3])}"
@@ -1038,13 +1058,19 @@ class SonarAdamW(torch.optim.AdamW):
         Adam's with L2 weight decay (torch.optim.Adam's), a script may set it in a group;
         ``differentiable`` and ``capturable`` (not offered, but a loaded state_dict's groups may
         carry them) are torch's other arithmetic."""
-        for _, (name, p) in self._grouped():
-            group = self._group_of(p)
-            if bool(group["amsgrad"]) != self._registered[id(p)]["amsgrad"]:
-                raise ValueError(f"expert tensor {name} is in a parameter group with amsgrad={bool(group['amsgrad'])}, "
-                                 f"but sonard holds its state as registered, with amsgrad="
-                                 f"{self._registered[id(p)]['amsgrad']}: set it back, or build a new SonarAdamW with "
-                                 "this amsgrad and load the old one's state_dict() (maximize may change freely)")
+        for group in self.param_groups:
+            mine = [self._experts[id(q)] for q in group["params"] if id(q) in self._experts]
+            if not mine:
+                continue
+            amsgrad = bool(group["amsgrad"])
+            for name, p in mine:
+                if amsgrad != self._registered[id(p)]["amsgrad"]:
+                    raise ValueError(f"expert tensor {name} is in a parameter group with amsgrad={amsgrad}, but "
+                                     f"sonard holds its state as registered, with amsgrad="
+                                     f"{self._registered[id(p)]['amsgrad']}: set it back, or build a new SonarAdamW "
+                                     "with this amsgrad and load the old one's state_dict() (maximize may change "
+                                     "freely)")
+            name = mine[0][0]
             if not group.get("decoupled_weight_decay", True):
                 raise ValueError(f"expert tensor {name} is in a parameter group with decoupled_weight_decay=False "
                                  "(Adam with L2 weight decay): sonard reproduces AdamW's decoupled weight decay only")
@@ -1089,18 +1115,23 @@ class SonarAdamW(torch.optim.AdamW):
             work.setdefault(self._registered[id(p)]["amsgrad"], []).append((p, step, held))
         for amsgrad, items in work.items():
             with self._backend.state_transfer(amsgrad) as xfer:
-                for p, step, kept in items:
+                # the moments not read or set as the server has them (None: zeros)
+                moments = set(STATE_KEYS[:3 if amsgrad else 2])
+                partial = [p for p, _, kept in items if kept is not None and not moments <= kept.keys()]
+                fetched = dict(zip(map(id, partial), xfer.fetch_all(partial)))
+                steps = {id(p): step for p, step, _ in items}
+
+                def stored(p: nn.Parameter, amsgrad: bool = amsgrad) -> None:
                     st = self.state.get(p)
-                    # None: zeros; else the moments not read or set as the server has them
-                    moments = {} if kept is None else {**xfer.fetch(p), **kept}
-                    xfer.store(p, step, moments)
-                    self._server_steps[id(p)] = step
+                    self._server_steps[id(p)] = steps[id(p)]
                     if isinstance(st, ExpertState):
                         st.forget_moments()
                     elif st:
-                        self.state[p] = ExpertState(self._fetcher(p), torch.tensor(float(step)), amsgrad)
+                        self.state[p] = ExpertState(self._fetcher(p), torch.tensor(float(steps[id(p)])), amsgrad)
                     else:
                         self.state.pop(p, None)
+                xfer.store_all([(p, step, {} if kept is None else {**fetched.get(id(p), {}), **kept})
+                                for p, step, kept in items], stored)
         if work:
             log.info("wrote opt.state changed by the script back to the server for %d expert tensor(s)",
                      sum(len(v) for v in work.values()))
@@ -1295,8 +1326,7 @@ class SonarAdamW(torch.optim.AdamW):
                 by_amsgrad.setdefault(self._registered[id(p)]["amsgrad"], []).append(p)
         for amsgrad, ps in by_amsgrad.items():
             with self._backend.state_transfer(amsgrad) as xfer:
-                for p in ps:
-                    moments = xfer.fetch(p)
+                for p, moments in zip(ps, xfer.fetch_all(ps)):
                     entry: dict[str, Any] = {"step": self.state[p]["step"].clone()}
                     entry.update((k, v) for k, v in moments.items() if amsgrad or k != "max_exp_avg_sq")
                     entries[id(p)] = entry
@@ -1343,19 +1373,22 @@ class SonarAdamW(torch.optim.AdamW):
                 ps = [p for _, p in grouped if self._registered[id(p)]["amsgrad"] == amsgrad]
                 if not ps:
                     continue
+                # no state in the dict: as torch, the tensor starts afresh
+                states: dict[int, Mapping[str, Any]] = {id(p): st for p in ps if (st := loaded[id(p)])}
+                steps = {i: _loaded_step(st["step"]) for i, st in states.items()}
+
+                def stored(p: nn.Parameter, amsgrad: bool = amsgrad) -> None:
+                    nonlocal done
+                    step = steps.get(id(p))
+                    if step is not None:
+                        self.state[p] = ExpertState(self._fetcher(p), step, amsgrad)
+                    else:
+                        self.state.pop(p, None)
+                    self._server_steps[id(p)] = int(step.item()) if step is not None else 0
+                    done += 1
                 with self._backend.state_transfer(amsgrad) as xfer:
-                    for p in ps:
-                        st = loaded[id(p)]
-                        if st:
-                            step = _loaded_step(st["step"])
-                            xfer.store(p, int(step.item()), st)
-                            self.state[p] = ExpertState(self._fetcher(p), step, amsgrad)
-                            self._server_steps[id(p)] = int(step.item())
-                        else:  # no state in the dict: as torch, the tensor starts afresh
-                            xfer.store(p, 0, {})
-                            self.state.pop(p, None)
-                            self._server_steps[id(p)] = 0
-                        done += 1
+                    xfer.store_all([(p, int(steps[id(p)].item()), states[id(p)]) if id(p) in steps else (p, 0, {})
+                                    for p in ps], stored)
         except SonarError as e:  # checked above: the server failed (or refused) mid-way
             raise SonarError(f"load_state_dict failed after the state of {done} of {len(grouped)} expert "
                              f"tensors went to sonard, so the optimizer's state is partly loaded: load a "
