@@ -5,7 +5,8 @@ A model of many small expert tensors (one per expert, as a ``ModuleList`` of exp
 to a step. Two methods on the same tensors, each in a fresh process and interleaved round by
 round so that a change of the machine's load hits both: torch's loop (``clip_grad_norm_`` over
 all tensors, then ``torch.optim.AdamW``) and ``SonarAdamW(max_grad_norm=...)``, its hooks
-handing each gradient over as backward produces it. With ``--client DIR`` the SonarAdamW runs
+handing each gradient over as backward produces it (``--layers``: the tensors spread over that
+many MoE layers, a request a layer, which the next layer's first hook waits for). With ``--client DIR`` the SonarAdamW runs
 are repeated with the ``sonar_moe`` package under DIR (another checkout's ``pyclient``, the
 same sonard): the before/after of a change to the client.
 
@@ -35,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CLIENT = os.path.join(os.path.dirname(HERE), "pyclient")
 
 
-def child(method: str, experts: int, numel: int, steps: int, threads: int) -> dict:
+def child(method: str, experts: int, numel: int, steps: int, threads: int, layers: int) -> dict:
     """One run in this process: `steps` timed steps (after 20 untimed) of `method`."""
     import torch
 
@@ -60,7 +61,9 @@ def child(method: str, experts: int, numel: int, steps: int, threads: int) -> di
         close = None
     else:
         import sonar_moe
-        sopt = sonar_moe.SonarAdamW([(f"experts.{i}.w", p) for i, p in enumerate(params)], lr=1e-3,
+        # A layer's tensors go to sonard in one request, which the next layer's first hook waits for.
+        named = [(f"layers.{i * layers // experts}.mlp.experts.{i}.w", p) for i, p in enumerate(params)]
+        sopt = sonar_moe.SonarAdamW(named, lr=1e-3,
                                     weight_decay=0.01, max_grad_norm=1.0, expert_params=lambda name, t: True)
         proc = sopt.server_process
         server_pid = proc.pid if proc is not None else None
@@ -104,7 +107,8 @@ def run(method: str, client: str, sonard: str | None, args: argparse.Namespace) 
     if sonard:
         env["SONARD"] = sonard
     out = subprocess.run([sys.executable, __file__, "--child", method, "--experts", str(args.experts),
-                          "--numel", str(args.numel), "--steps", str(args.steps), "--threads", str(args.threads)],
+                          "--numel", str(args.numel), "--steps", str(args.steps), "--threads", str(args.threads),
+                          "--layers", str(args.layers)],
                          env=env, check=True, capture_output=True, text=True, timeout=600)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -115,13 +119,14 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=64, help="elements per expert tensor")
     ap.add_argument("--steps", type=int, default=200, help="timed steps a run")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=1, help="MoE layers the expert tensors are spread over")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: no OpenMP team to park)")
     ap.add_argument("--client", help="another checkout's pyclient: its SonarAdamW is measured too")
     ap.add_argument("--sonard", help="the sonard binary of the --client runs (default: the one SONARD names)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.experts, args.numel, args.steps, args.threads)))
+        print(json.dumps(child(args.child, args.experts, args.numel, args.steps, args.threads, args.layers)))
         return
     methods: dict[str, tuple[str, str, str | None]] = {"torch": ("torch", CLIENT, None),
                                                          "sonar": ("sonar", CLIENT, None)}
@@ -133,7 +138,7 @@ def main() -> None:
         for name, (method, client, sonard) in methods.items():
             rounds[name].append(run(method, client, sonard, args))
     out: dict = {"date": time.strftime("%Y-%m-%d"), "cpu": common.cpu_model(), "experts": args.experts,
-                 "numel": args.numel, "steps": args.steps, "rounds": args.rounds, "threads": args.threads,
+                 "numel": args.numel, "steps": args.steps, "rounds": args.rounds, "threads": args.threads, "layers": args.layers,
                  "transport": os.environ.get("SONAR_TRANSPORT", "zmq"), "methods": {}}
     base = common.median([r["step_s"] for r in rounds["torch"]])
     for name, rs in rounds.items():

@@ -93,7 +93,7 @@ func (p *ProcessMemory) Check(addr uint64, n int64) error {
 	probe := &pageProbe{p: p}
 	if pm := p.pageMap(); pm != nil {
 		const chunk = 4096 // entries (8 bytes each) per read
-		ents := make([]byte, 8*chunk)
+		ents := make([]byte, 8*min(chunk, last-first+1))
 		for lo := first; lo <= last; lo += chunk {
 			cnt := min(chunk, last-lo+1)
 			got, err := pm.ReadAt(ents[:8*cnt], int64(lo*8))
@@ -112,6 +112,51 @@ func (p *ProcessMemory) Check(addr uint64, n int64) error {
 		return probe.flush()
 	}
 	return p.checkEach(probe, addr, first, last, page)
+}
+
+// Pages proves ranges of the process readable as Check does, each page once:
+// the gradients of one step request that share pages (thousands of small
+// expert tensors of a per-expert layout, a few to a page) read the page map
+// once a page instead of once a tensor. It lives for one request: a page it
+// proved may be unmapped later, as any range may between its check and its
+// read.
+type Pages struct {
+	p      *ProcessMemory
+	proven map[uint64]struct{}
+}
+
+// maxRemembered bounds the pages a range may span for Pages to remember them:
+// larger ranges share few pages with others.
+const maxRemembered = 16
+
+// Pages starts a set of proven pages of the process.
+func (p *ProcessMemory) Pages() *Pages { return &Pages{p: p, proven: map[uint64]struct{}{}} }
+
+// Check is ProcessMemory.Check, skipped where every page of the range was
+// proven by an earlier Check of the set.
+func (s *Pages) Check(addr uint64, n int64) error {
+	if n <= 0 || addr+uint64(n) < addr {
+		return s.p.Check(addr, n)
+	}
+	page := uint64(os.Getpagesize())
+	first, last := addr/page, (addr+uint64(n)-1)/page
+	if last-first >= maxRemembered {
+		return s.p.Check(addr, n)
+	}
+	known := true
+	for pg := first; pg <= last && known; pg++ {
+		_, known = s.proven[pg]
+	}
+	if known {
+		return nil
+	}
+	if err := s.p.Check(addr, n); err != nil {
+		return err
+	}
+	for pg := first; pg <= last; pg++ {
+		s.proven[pg] = struct{}{}
+	}
+	return nil
 }
 
 // pagePresent is the page map entry's "present in memory" bit (bit 63).

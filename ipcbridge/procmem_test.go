@@ -146,3 +146,58 @@ func TestCheckPages(t *testing.T) {
 		}
 	}
 }
+
+// TestPagesChecksEachPageOnce: a set of proven pages passes ranges within
+// pages it proved without asking again (shown by unmapping a proven page: the
+// set still passes it, a fresh check fails), proves new pages as Check does,
+// remembers nothing of a range that failed, and leaves ranges of
+// maxRemembered pages or more to Check every time.
+func TestPagesChecksEachPageOnce(t *testing.T) {
+	pg := os.Getpagesize()
+	mem, err := unix.Mmap(-1, 0, 40*pg, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	for i := 0; i < 20*pg; i += pg { // the first half present, the second never touched
+		mem[i] = 1
+	}
+	base := addrOf(mem)
+	p := &ProcessMemory{pid: os.Getpid()}
+	s := p.Pages()
+	unmap := func(page int) {
+		t.Helper()
+		if err := unix.MunmapPtr(unsafe.Pointer(&mem[page*pg]), uintptr(pg)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, tc := range []struct {
+		name   string
+		before func()
+		addr   uint64
+		n      int64
+		ok     bool
+	}{
+		{"a small range on page 1", nil, base + uint64(pg) + 8, 64, true},
+		{"page 1 again, after it was unmapped", func() { unmap(1) }, base + uint64(pg) + 200, 100, true},
+		{"pages 2-3, never proven", nil, base + uint64(2*pg) + 10, int64(pg), true},
+		{"an untouched page", nil, base + uint64(30*pg), 16, true},
+		{"unmapped page 5, never proven", func() { unmap(5) }, base + uint64(4*pg), int64(2 * pg), false},
+		{"page 4 alone: not remembered from the failed range", func() { unmap(4) }, base + uint64(4*pg), 8, false},
+		{"a long range through unmapped page 1: checked whole", nil, base, int64(maxRemembered * pg), false},
+	} {
+		if tc.before != nil {
+			tc.before()
+		}
+		err := s.Check(tc.addr, tc.n)
+		if (err == nil) != tc.ok {
+			t.Errorf("%s: %v", tc.name, err)
+		}
+		if err != nil && !strings.Contains(err.Error(), "not mapped") {
+			t.Errorf("%s: unclear error %v", tc.name, err)
+		}
+	}
+	if err := p.Check(base+uint64(pg)+8, 64); err == nil {
+		t.Error("a fresh check passed unmapped page 1")
+	}
+}

@@ -148,11 +148,17 @@ type procGrad struct {
 func (g procGrad) ReadGrad(dst []byte, off int) error { return g.pm.ReadAt(dst, g.addr+uint64(off)) }
 
 // gradOf is how the engine gets a reference's gradient: a slice of shared
-// memory, or a reader of the client's memory whose every page was checked.
-func (b *Backend) gradOf(r backend.Ref) ([]byte, optimizer.GradReader, error) {
+// memory, or a reader of the client's memory whose every page was checked
+// (each page once a request: proven holds the pages proven so far).
+func (b *Backend) gradOf(r backend.Ref, proven map[*procSegment]*ipcbridge.Pages) ([]byte, optimizer.GradReader, error) {
 	if p, ok := r.Seg.(*procSegment); ok {
+		pages := proven[p]
+		if pages == nil {
+			pages = p.pm.Pages()
+			proven[p] = pages
+		}
 		t0 := time.Now()
-		err := p.pm.Check(uint64(r.Off), r.Len)
+		err := pages.Check(uint64(r.Off), r.Len)
 		b.phases.AddCheck(t0)
 		if err != nil {
 			return nil, nil, err
@@ -275,6 +281,7 @@ func (s *session) Step(items []backend.Item, waitEvent bool) error {
 		it   backend.Item
 	}
 	ws := make([]work, 0, len(items))
+	proven := map[*procSegment]*ipcbridge.Pages{}
 	for _, it := range items {
 		t, err := own(it.Tensor)
 		if err != nil {
@@ -282,7 +289,7 @@ func (s *session) Step(items []backend.Item, waitEvent bool) error {
 		}
 		w := work{t: t, it: it}
 		if it.Grad != nil {
-			if w.grad, w.read, err = s.b.gradOf(*it.Grad); err != nil {
+			if w.grad, w.read, err = s.b.gradOf(*it.Grad, proven); err != nil {
 				return fmt.Errorf("tensor %s grad: %w", t.Name, err)
 			}
 		}
