@@ -168,3 +168,44 @@ def test_state_dict_round_trip_in_batches_is_torchs(monkeypatch: pytest.MonkeyPa
             o.step()
         assert_equal(ref, model, "a step after loading")
         assert opt.state_dict()["state"].keys() == ropt.state_dict()["state"].keys()
+
+
+def test_load_refused_mid_batch_says_how_far_it_went(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sonard refuses one import in the middle of a batch (a buffer reference it does not know,
+    put there by the test): every reply of the batch is read, the error says how many tensors'
+    states went (all but the refused one) and to load again, nothing else breaks (no reply left
+    waiting, the shared buffers given back), and loading again trains on as torch's AdamW."""
+    from sonar_moe._backend import Transfer
+    model, ref = model_pair()
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    g = torch.Generator().manual_seed(3)
+
+    def step(models: tuple[tuple[nn.Module, torch.optim.Optimizer], ...]) -> None:
+        x = torch.randn(3, HIDDEN, generator=g)
+        for m, o in models:
+            o.zero_grad()
+            m(x).backward()
+            o.step()
+
+    with SonarAdamW(model, **HP) as opt:
+        step(((ref, ropt), (model, opt)))
+        sd = ropt.state_dict()
+        body = Transfer._body
+        calls = []
+
+        def spoiled(self: Transfer, *args: Any) -> dict[str, Any]:
+            b = body(self, *args)
+            calls.append(b["tensor"])
+            if len(calls) == 1000:
+                b["exp_avg"] = {**b["exp_avg"], "seg": 9999}
+            return b
+        monkeypatch.setattr(Transfer, "_body", spoiled)
+        n = EXPERTS * LAYERS * 3
+        with pytest.raises(sonar_moe.SonarError, match=rf"after the state of {n - 1} of {n} expert tensors went to "
+                                                         r"sonard.*load a state_dict again.*unknown segment"):
+            opt.load_state_dict(copy.deepcopy(sd))
+        monkeypatch.setattr(Transfer, "_body", body)
+        opt.load_state_dict(copy.deepcopy(sd))
+        ropt.load_state_dict(sd)
+        step(((ref, ropt), (model, opt)))
+        assert_equal(ref, model, "a step after loading again")

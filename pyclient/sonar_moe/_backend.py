@@ -654,8 +654,21 @@ class Transfer(ABC):
             self._exchange("export", [(i, self._body(es[i], slot, 0, part)) for i, slot in batch
                                       for part in range(es[i].parts)])
             for i, slot in batch:
-                out[i] = {k: v.clone() for k, v in zip(STATE_KEYS, self._views(es[i], slot))}
+                out[i] = self._read(es[i], slot)
         return out
+
+    # The views of a slot live only in these two: a view of shared memory left in a frame (a
+    # traceback's) would keep the segment's mapping from closing.
+    def _read(self, e: Expert, slot: Any) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in zip(STATE_KEYS, self._views(e, slot))}
+
+    def _write(self, e: Expert, slot: Any, state: Mapping[str, torch.Tensor | None]) -> None:
+        for k, view in zip(STATE_KEYS, self._views(e, slot)):
+            src = state.get(k)
+            if src is None:
+                view.zero_()
+            else:
+                view.copy_(src)
 
     def store(self, param: nn.Parameter, step: int, state: Mapping[str, torch.Tensor | None]) -> None:
         self.store_all([(param, step, state)])
@@ -674,13 +687,7 @@ class Transfer(ABC):
         for batch in self._batches(es):
             done: list[int] = []  # a server gone mid-batch: none of it is known to be taken
             for i, slot in batch:
-                state = items[i][2]
-                for k, view in zip(STATE_KEYS, self._views(es[i], slot)):
-                    src = state.get(k)
-                    if src is None:
-                        view.zero_()
-                    else:
-                        view.copy_(src)
+                self._write(es[i], slot, items[i][2])
             requests = [(i, self._body(es[i], slot, items[i][1], part)) for i, slot in batch
                         for part in range(es[i].parts)]
             try:
