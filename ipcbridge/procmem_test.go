@@ -76,14 +76,7 @@ func TestProcessMemory(t *testing.T) {
 // wherever it lies in the range, with or without the page map.
 func TestCheckPages(t *testing.T) {
 	pg := os.Getpagesize()
-	mem, err := unix.Mmap(-1, 0, 64*pg, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(mem)
-	for i := 0; i < 32*pg; i += pg { // the first half present, the second never touched
-		mem[i] = 1
-	}
+	mem := halfTouched(t, 64)
 	base := addrOf(mem)
 	// A hole of one page in the middle of a second mapping.
 	holed, err := unix.Mmap(-1, 0, 8*pg, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
@@ -154,14 +147,7 @@ func TestCheckPages(t *testing.T) {
 // maxRemembered pages or more to Check every time.
 func TestPagesChecksEachPageOnce(t *testing.T) {
 	pg := os.Getpagesize()
-	mem, err := unix.Mmap(-1, 0, 40*pg, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(mem)
-	for i := 0; i < 20*pg; i += pg { // the first half present, the second never touched
-		mem[i] = 1
-	}
+	mem := halfTouched(t, 40)
 	base := addrOf(mem)
 	p := &ProcessMemory{pid: os.Getpid()}
 	s := p.Pages()
@@ -200,4 +186,20 @@ func TestPagesChecksEachPageOnce(t *testing.T) {
 	if err := p.Check(base+uint64(pg)+8, 64); err == nil {
 		t.Error("a fresh check passed unmapped page 1")
 	}
+}
+
+// halfTouched maps pages of anonymous memory for the test, the first half
+// written (present), the second never touched.
+func halfTouched(t *testing.T, pages int) []byte {
+	t.Helper()
+	pg := os.Getpagesize()
+	mem, err := unix.Mmap(-1, 0, pages*pg, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Munmap(mem) })
+	for i := 0; i < pages/2*pg; i += pg {
+		mem[i] = 1
+	}
+	return mem
 }
