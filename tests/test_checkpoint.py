@@ -1,11 +1,13 @@
 """Atomic, checksummed checkpoints: round trip with a resume that is bit for bit, and clear
-errors for truncated, corrupted and foreign files."""
+errors for truncated, corrupted and foreign files; torch.distributed.checkpoint's state-dict
+API and its save/load, as torchtitan-style scripts checkpoint."""
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -127,3 +129,56 @@ def test_killed_save_leaves_no_temporary_behind(tmp_path: Path, sig: str) -> Non
     save_checkpoint(path, {"v": 3})  # the next save removes the dead process's temporary
     assert sorted(os.listdir(tmp_path)) == ["ck.pt"]
     assert load_checkpoint(path) == {"v": 3}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP on one process says so
+def test_torch_distributed_checkpoint_is_torchs(tmp_path: Path) -> None:
+    """torch.distributed.checkpoint on one process: get_optimizer_state_dict of a fresh
+    optimizer (DCP makes its state with a step of zero gradients at lr=0) leaves the parameters
+    alone and gives torch's state; after training, the state-dict API, dcp.save and dcp.load into
+    a new model and SonarAdamW, and set_state_dict resume bit for bit as torch's AdamW does from
+    its own checkpoint."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict, set_state_dict
+
+    cfg = tm.MoEConfig(num_layers=2, num_experts=4)
+    hp: dict[str, Any] = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99))
+
+    def pair(seed: int) -> tuple[torch.nn.Module, sonar_moe.SonarAdamW, torch.nn.Module, torch.optim.AdamW]:
+        model = tm.build(cfg, seed)
+        ref = copy.deepcopy(model)
+        return model, sonar_moe.SonarAdamW(model, **hp), ref, torch.optim.AdamW(ref.parameters(), **hp)
+
+    def assert_same(a: dict, b: dict, where: str) -> None:
+        assert a["state"].keys() == b["state"].keys(), where
+        for k, st in b["state"].items():
+            for kk, v in st.items():
+                assert torch.equal(a["state"][k][kk], v), f"{where}: {k} {kk}"
+
+    def assert_params(mine: torch.nn.Module, torchs: torch.nn.Module, where: str) -> None:
+        bad = [n for (n, a), b in zip(torchs.named_parameters(), mine.parameters()) if not torch.equal(a, b)]
+        assert not bad, f"{where}: {bad[:3]}"
+
+    model, opt, ref, ropt = pair(1)
+    assert_same(get_optimizer_state_dict(model, opt), get_optimizer_state_dict(ref, ropt), "fresh")
+    assert_params(model, ref, "after DCP initialised the state")
+    for seed in (1, 2):
+        _train(model, opt, 2, seed)
+        _train(ref, ropt, 2, seed)
+    assert_params(model, ref, "trained")
+    assert_same(get_optimizer_state_dict(model, opt), get_optimizer_state_dict(ref, ropt), "trained")
+    for name, (m, o) in {"sonar": (model, opt), "torch": (ref, ropt)}.items():
+        msd, osd = get_state_dict(m, o)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / name)
+    opt.close()
+
+    model, opt, ref, ropt = pair(7)  # other weights: all of it comes from the checkpoints
+    with opt:
+        for name, (m, o) in {"sonar": (model, opt), "torch": (ref, ropt)}.items():
+            msd, osd = get_state_dict(m, o)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=tmp_path / name)  # in place
+            set_state_dict(m, o, model_state_dict=msd, optim_state_dict=osd)
+        assert_params(model, ref, "loaded")
+        _train(model, opt, 3, seed=3)
+        _train(ref, ropt, 3, seed=3)
+        assert_params(model, ref, "resumed")
