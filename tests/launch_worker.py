@@ -13,6 +13,9 @@ group by hand or tells SonarAdamW about DDP, the launcher's environment does.
     loop: a hand-written accelerate loop (Accelerator, prepare, accumulate, clip), torch AdamW
         then SonarAdamW; bitwise equal after every step.
     node: DDP with SonarAdamW; rank --crash-rank raises at step 2, the others must not hang.
+    dcp: DDP with SonarAdamW and with torch AdamW, checkpointed through torch.distributed.checkpoint
+        (get_state_dict, dcp.save; into new models: dcp.load, set_state_dict); bitwise equal
+        trained, loaded and resumed.
     Every mode checks that all ranks of the node used one sonard, without the script saying so.
 
 The reference for clipping is the one SonarAdamW documents: ``clip_grad_norm_`` over the dense
@@ -39,7 +42,7 @@ import sonar_moe  # noqa: E402
 import tiny_moe as tm  # noqa: E402
 from hf_util import Windows  # noqa: E402
 
-if sys.argv[1:2] != ["node"]:  # the crash test needs no transformers (and starts faster without)
+if sys.argv[1:2] not in (["node"], ["dcp"]):  # these need no transformers (and start faster without)
     import transformers
     from transformers import OlmoeConfig, OlmoeForCausalLM, Trainer, TrainingArguments
 
@@ -234,9 +237,60 @@ def run_node(a: argparse.Namespace, accum: int, clip: float) -> None:
     dist.destroy_process_group()
 
 
+def run_dcp(a: argparse.Namespace, accum: int, clip: float) -> None:
+    """DDP, SonarAdamW against torch's AdamW, through a torch.distributed.checkpoint save and load."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    cfg = tm.MoEConfig(num_layers=2, num_experts=4, hidden=32, intermediate=48)
+    hp: dict[str, Any] = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.99))
+
+    def build(seed: int) -> tuple[DDP, sonar_moe.SonarAdamW, DDP, torch.optim.AdamW]:
+        model = tm.build(cfg, seed)
+        ref = DDP(tm.build(cfg, seed))
+        opt = sonar_moe.SonarAdamW(model, **hp)
+        return DDP(model), opt, ref, torch.optim.AdamW(ref.parameters(), **hp)
+
+    def train(ddp: DDP, opt: torch.optim.Optimizer, seed: int) -> None:
+        data = tm.batches(tm.load_corpus(50_000), 2, 32, torch.Generator().manual_seed(seed + 100 * RANK))
+        for _ in range(3):
+            x = next(data)
+            ddp(x, labels=x)[0].backward()
+            opt.step()
+            opt.zero_grad()
+
+    def same(what: str) -> None:
+        check_same(snapshot(ref.module), snapshot(model.module), what)
+        same_on_all_ranks(snapshot(model.module), what)
+
+    model, opt, ref, ropt = build(1)
+    one_server_per_node(opt)
+    train(model, opt, 1)
+    train(ref, ropt, 1)
+    same("trained")
+    for name, (m, o) in {"sonar": (model, opt), "torch": (ref, ropt)}.items():
+        msd, osd = get_state_dict(m, o)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=Path(a.out) / name)
+    opt.close()
+    model, opt, ref, ropt = build(7)  # other weights: everything comes from the checkpoints
+    for name, (m, o) in {"sonar": (model, opt), "torch": (ref, ropt)}.items():
+        msd, osd = get_state_dict(m, o)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=Path(a.out) / name)  # in place
+        set_state_dict(m, o, model_state_dict=msd, optim_state_dict=osd)
+    same("loaded")
+    train(model, opt, 2)
+    train(ref, ropt, 2)
+    same("resumed")
+    say(f"OK dcp: {dist.get_world_size()} ranks saved, loaded and resumed as torch's AdamW")
+    opt.close()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("modes", help="comma-separated: trainer, loop, node")
+    ap.add_argument("modes", help="comma-separated: trainer, loop, node, dcp")
     ap.add_argument("out", nargs="?", default="")
     ap.add_argument("--configs", default="1:0", help="comma-separated ACCUM:CLIP pairs, each run in turn")
     ap.add_argument("--save-steps", type=int, default=0)
@@ -244,7 +298,7 @@ def main() -> None:
     ap.add_argument("--crash-rank", type=int, default=-1)
     a = ap.parse_args()
     t = time.perf_counter()
-    runs = {"trainer": run_trainer, "loop": run_loop, "node": run_node}
+    runs = {"trainer": run_trainer, "loop": run_loop, "node": run_node, "dcp": run_dcp}
     for mode in a.modes.split(","):
         for cfg in a.configs.split(","):
             accum, clip = cfg.split(":")

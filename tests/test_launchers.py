@@ -98,6 +98,13 @@ def test_accelerate_launch_loop_and_trainer(tmp_path: Path) -> None:
        "trainer accum2-clip0.5 world 2: 25 parameters bitwise equal")
 
 
+def test_torchrun_distributed_checkpoint(tmp_path: Path) -> None:
+    """Two DDP ranks save SonarAdamW's state with torch.distributed.checkpoint and load it into a
+    new model and SonarAdamW, which trains on bit for bit as torch's AdamW from its own."""
+    rc, out = run(torchrun(2, "dcp", str(tmp_path)))
+    ok(rc, out, 2, "dcp: 2 ranks saved, loaded and resumed as torch's AdamW")
+
+
 @pytest.mark.parametrize("crash_rank", [0])
 def test_a_crashed_rank_ends_the_job(crash_rank: int) -> None:
     """Local rank 0 (whose process runs the node's sonard) raises at step 3: it stops the server at
