@@ -6,9 +6,9 @@ to a step. Two methods on the same tensors, each in a fresh process and interlea
 round so that a change of the machine's load hits both: torch's loop (``clip_grad_norm_`` over
 all tensors, then ``torch.optim.AdamW``) and ``SonarAdamW(max_grad_norm=...)``, its hooks
 handing each gradient over as backward produces it (``--layers``: the tensors spread over that
-many MoE layers, a request a layer, which the next layer's first hook waits for). With ``--client DIR`` the SonarAdamW runs
-are repeated with the ``sonar_moe`` package under DIR (another checkout's ``pyclient``, the
-same sonard): the before/after of a change to the client.
+many MoE layers, a request a layer, which the next layer's first hook waits for). With
+``--client DIR`` the SonarAdamW runs are repeated with the ``sonar_moe`` package under DIR
+(another checkout's ``pyclient``, the same sonard): the before/after of a change to the client.
 
 Per step: wall time, the trainer's CPU time and sonard's; per hook, the step's trainer CPU over
 the tensors. Then, once the steps are done, the time of ``state_dict()`` and of
@@ -138,7 +138,8 @@ def main() -> None:
         for name, (method, client, sonard) in methods.items():
             rounds[name].append(run(method, client, sonard, args))
     out: dict = {"date": time.strftime("%Y-%m-%d"), "cpu": common.cpu_model(), "experts": args.experts,
-                 "numel": args.numel, "steps": args.steps, "rounds": args.rounds, "threads": args.threads, "layers": args.layers,
+                 "numel": args.numel, "steps": args.steps, "rounds": args.rounds, "threads": args.threads,
+                 "layers": args.layers,
                  "transport": os.environ.get("SONAR_TRANSPORT", "zmq"), "methods": {}}
     base = common.median([r["step_s"] for r in rounds["torch"]])
     for name, rs in rounds.items():

@@ -201,9 +201,9 @@ def test_state_transfer_uses_device_buffers(fake: Callable[..., Any]) -> None:
     with backend.state_transfer(amsgrad=False) as xfer:
         st = xfer.fetch(named[0][1])
         assert sorted(st) == ["exp_avg", "exp_avg_sq"]
-        xfer.store(named[1][1], 5, {"exp_avg": torch.ones(4, 6), "exp_avg_sq": None})
+        xfer.store_all([(named[1][1], 5, {"exp_avg": torch.ones(4, 6), "exp_avg_sq": None})])
         with pytest.raises(ValueError, match="has shape"):
-            xfer.store(named[1][1], 5, {"exp_avg": torch.ones(3)})
+            xfer.store_all([(named[1][1], 5, {"exp_avg": torch.ones(3)})])
     exports = [b for op, b in conn.sent if op == "export"]
     imports = [b for op, b in conn.sent if op == "import"]
     assert len(exports) == 1 and len(imports) == 1 and imports[0]["step"] == 5

@@ -135,18 +135,14 @@ class StateTransfer(Protocol):
         """exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad) of `param`, as new tensors."""
         ...
 
-    def store(self, param: nn.Parameter, step: int, state: Mapping[str, torch.Tensor | None]) -> None:
-        """Set `param`'s server state: `step` and the tensors of `state` (missing ones: zeros)."""
-        ...
-
     def fetch_all(self, params: list[nn.Parameter]) -> list[dict[str, torch.Tensor]]:
         """fetch() of each of params, in order, many requests in flight at once."""
         ...
 
     def store_all(self, items: list[tuple[nn.Parameter, int, Mapping[str, torch.Tensor | None]]],
                   stored: Callable[[nn.Parameter], None] | None = None) -> None:
-        """store() of each (param, step, state), shapes checked first; stored(param) after each one the
-        server took, in order."""
+        """Set each param's server state: `step` and the tensors of `state` (missing ones: zeros),
+        shapes checked first; stored(param) after each one the server took, in order."""
         ...
 
 
@@ -598,6 +594,9 @@ class Transfer(ABC):
     def _refs(self, e: Expert, slot: Any, part: int) -> list[MemRef]:
         """The three state MemRefs of server tensor `part` of e in `slot` (unused ones: no_ref())."""
 
+    def _ready(self) -> None:
+        """The batch's buffers are written (for a subclass whose writes complete later)."""
+
     def _reset(self) -> None:
         """The batch is done: its slots may be reused."""
 
@@ -628,10 +627,11 @@ class Transfer(ABC):
             yield batch
             self._reset()
 
-    def _exchange(self, op: str, requests: list[tuple[int, dict[str, Any]]]) -> list[int]:
-        """Send every request (index, body) of a batch, then wait for every reply; the indexes
-        whose requests all succeeded, in order. A refusal is raised after the last reply, so
-        that none is left unanswered; a server gone is raised at once."""
+    def _exchange(self, op: str, requests: list[tuple[int, dict[str, Any]]]) -> tuple[list[int], str | None]:
+        """Send every request (index, body) of a batch, then wait for every reply (none is left
+        unanswered); the indexes whose requests all succeeded, in order, and the first refusal's
+        reason (None: none). A server gone is raised at once."""
+        self._ready()
         sent = [(i, self._conn.send(op, body)) for i, body in requests]
         failed: dict[int, str] = {}
         for i, rid in sent:
@@ -639,9 +639,7 @@ class Transfer(ABC):
             if not rep.get("ok") and i not in failed:
                 failed[i] = str(rep.get("error"))
         done = [i for i in dict.fromkeys(i for i, _ in requests) if i not in failed]
-        if failed:
-            raise SonarRefusedPart(f"sonard refused {op}: {next(iter(failed.values()))}", done)
-        return done
+        return done, next(iter(failed.values()), None)
 
     def fetch(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         return self.fetch_all([param])[0]
@@ -651,8 +649,10 @@ class Transfer(ABC):
         es = [self._experts[id(p)] for p in params]
         out: list[dict[str, torch.Tensor]] = [{} for _ in es]
         for batch in self._batches(es):
-            self._exchange("export", [(i, self._body(es[i], slot, 0, part)) for i, slot in batch
-                                      for part in range(es[i].parts)])
+            _, refused = self._exchange("export", [(i, self._body(es[i], slot, 0, part)) for i, slot in batch
+                                                   for part in range(es[i].parts)])
+            if refused is not None:
+                raise SonarRefused(f"sonard refused export: {refused}")
             for i, slot in batch:
                 out[i] = self._read(es[i], slot)
         return out
@@ -670,14 +670,11 @@ class Transfer(ABC):
             else:
                 view.copy_(src)
 
-    def store(self, param: nn.Parameter, step: int, state: Mapping[str, torch.Tensor | None]) -> None:
-        self.store_all([(param, step, state)])
-
     def store_all(self, items: list[tuple[nn.Parameter, int, Mapping[str, torch.Tensor | None]]],
                   stored: Callable[[nn.Parameter], None] | None = None) -> None:
-        """store() of each item (param, step, state), every shape checked before anything is
-        sent; stored(param) is called for each one the server took, in order (also for those
-        taken before a refusal in the same batch, which is raised after them)."""
+        """Set each item's (param, step, state) server state, every shape checked before anything
+        is sent; stored(param) is called for each one the server took, in order (also for those
+        the server took in the batch of a refusal, which is raised after them)."""
         es = [self._experts[id(p)] for p, _, _ in items]
         for e, (_, _, state) in zip(es, items):
             for k in STATE_KEYS[:self._n]:
@@ -685,29 +682,15 @@ class Transfer(ABC):
                 if src is not None and src.shape != e.param.shape:
                     raise ValueError(f"state {k} of {e.name} has shape {tuple(src.shape)}, want {tuple(e.param.shape)}")
         for batch in self._batches(es):
-            done: list[int] = []  # a server gone mid-batch: none of it is known to be taken
             for i, slot in batch:
                 self._write(es[i], slot, items[i][2])
-            requests = [(i, self._body(es[i], slot, items[i][1], part)) for i, slot in batch
-                        for part in range(es[i].parts)]
-            try:
-                done = self._exchange("import", requests)
-            except SonarRefusedPart as refused:
-                done = refused.done
-                raise
-            finally:
-                if stored is not None:
-                    for i in done:
-                        stored(items[i][0])
-
-
-class SonarRefusedPart(SonarRefused):
-    """A batch of transfer requests of which some were refused; ``done``: the indexes whose
-    requests all succeeded (applied by the server)."""
-
-    def __init__(self, message: str, done: list[int]) -> None:
-        super().__init__(message)
-        self.done = done
+            done, refused = self._exchange("import", [(i, self._body(es[i], slot, items[i][1], part))
+                                                      for i, slot in batch for part in range(es[i].parts)])
+            if stored is not None:
+                for i in done:
+                    stored(items[i][0])
+            if refused is not None:
+                raise SonarRefused(f"sonard refused import: {refused}")
 
 
 class NoExperts:
@@ -795,6 +778,3 @@ class _NoTransfer:
                   stored: Callable[[nn.Parameter], None] | None = None) -> None:
         if items:
             raise ValueError("this optimizer has no expert tensors")
-
-    def store(self, param: nn.Parameter, step: int, state: Mapping[str, torch.Tensor | None]) -> None:
-        raise ValueError("this optimizer has no expert tensors")

@@ -105,8 +105,10 @@ class CudaTransfer(Transfer):
     def _views(self, e: Expert, slot: Any) -> list[torch.Tensor]:
         return slot[0]
 
-    def _refs(self, e: Expert, slot: Any, part: int) -> list[MemRef]:
+    def _ready(self) -> None:
         self._ipc.synchronize()  # the buffers' writes are done before the server copies
+
+    def _refs(self, e: Expert, slot: Any, part: int) -> list[MemRef]:
         refs = [{**r, "off": r["off"] + part * e.part_bytes, "nbytes": e.part_bytes} for r in slot[1]]
         return refs + [no_ref() for _ in range(3 - len(refs))]
 
