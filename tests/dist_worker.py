@@ -14,6 +14,7 @@ and exits 0, or prints what differed and exits 1.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 from pathlib import Path
@@ -333,6 +334,198 @@ def run_fsdp2(rank: int, world: int) -> None:
         ep_run(rank, world, node, steps=4, check_grads=False, case="fsdp2-dense-ep-experts", wrap="fsdp2")
 
 
+# ------------------------------------------------------- FSDP2-sharded experts
+FSDP2_EXPERT_CASES = [
+    # name, dtype, max_grad_norm, accumulation, fused, amsgrad, the optimizers built after a forward and
+    # backward (FSDP2 initialized: only the module's load_state_dict hooks make it read the moved shards)
+    ("fp32-clip", torch.float32, 0.5, 1, None, False, False),
+    ("bf16-noclip-late", torch.bfloat16, None, 1, None, False, True),
+    ("fp32-accum2-amsgrad", torch.float32, 1.0, 2, None, True, False),
+    ("fp32-fused-late", torch.float32, None, 1, True, False, True),
+    # FSDP2's mixed precision (torchtitan's default): bfloat16 compute, float32 shards and reduction
+    ("fp32-mixed-bf16-clip", torch.float32, 1.0, 1, None, False, False),
+]
+FSDP2_STEPS = 4
+
+
+def shard_fully(model: torch.nn.Module, mesh: Any, mixed: bool = False) -> None:
+    """fully_shard each decoder layer, then the root: experts included (dim 0, the experts, is sharded);
+    mixed: compute in bfloat16, reduce gradients in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    kw: dict[str, Any] = {"mesh": mesh}
+    if mixed:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in cast(torch.nn.ModuleList, model.layers):
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+
+
+def same_state(ref: dict[str, Any], mine: dict[str, Any], where: str) -> None:
+    """Two optimizer state_dicts hold bitwise the same state (DTensors: same placements, same local shard)."""
+    if ref["state"].keys() != mine["state"].keys():
+        raise Mismatch(f"{where}: state keys {sorted(mine['state'])} != {sorted(ref['state'])}")
+    for i, rst in ref["state"].items():
+        mst = mine["state"][i]
+        if rst.keys() != mst.keys():
+            raise Mismatch(f"{where}: param {i} state keys {sorted(mst)} != {sorted(rst)}")
+        for k, rv in rst.items():
+            mv = mst[k]
+            if type(rv) is not type(mv) or getattr(rv, "placements", None) != getattr(mv, "placements", None):
+                raise Mismatch(f"{where}: param {i} {k} is {type(mv).__name__} "
+                               f"{getattr(mv, 'placements', '')}, torch's {type(rv).__name__} "
+                               f"{getattr(rv, 'placements', '')}")
+            if not torch.equal(local(rv), local(mv)):
+                raise Mismatch(f"{where}: param {i} {k} differs from torch's")
+
+
+def run_fsdp2_experts(rank: int, world: int, out: str) -> None:
+    """Experts sharded by FSDP2 with everything else (DTensor expert tensors): each rank's sonard
+    session updates its local shards, bit for bit as torch.optim.AdamW updates the DTensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    corpus = tm.load_corpus(100_000)
+    with NodeServer() as node:
+        for name, dtype, clip, accum, fused, amsgrad, late in FSDP2_EXPERT_CASES:
+            cfg = tm.MoEConfig(num_layers=2, num_experts=2 * world, hidden=32, intermediate=48, seq_len=32,
+                               dtype=dtype)
+            ref, mine = tm.build(cfg, 5), tm.build(cfg, 5)
+            experts = set(tm.expert_param_names(ref))
+            shard_fully(ref, mesh, "mixed" in name)
+            shard_fully(mine, mesh, "mixed" in name)
+            if late:
+                x = next(tm.batches(corpus, 2, 32, torch.Generator().manual_seed(9)))
+                for model in (ref, mine):
+                    model(x, labels=x)[0].backward()
+                    model.zero_grad()
+            hp: dict[str, Any] = dict(lr=3e-3, weight_decay=0.05, fused=fused, amsgrad=amsgrad)
+            ropt = torch.optim.AdamW(ref.parameters(), **hp)
+            dense = [p for n, p in ref.named_parameters() if n not in experts]
+            data = tm.batches(corpus, 2 * accum, 32, torch.Generator().manual_seed(300 + rank))
+            held = {n: p for n, p in mine.named_parameters()}
+            with sonar_moe.SonarAdamW(mine, max_grad_norm=clip, grad_accumulation_steps=accum,
+                                      **node.optimizer_kwargs(), **hp) as opt:
+                got = {n for n, _ in opt.named_expert_parameters()}
+                if got != experts:
+                    raise Mismatch(f"fsdp2-experts {name}: SonarAdamW experts {sorted(got)}, want {sorted(experts)}")
+                moved = [n for n, p in mine.named_parameters() if p is not held[n]]
+                if moved:
+                    raise Mismatch(f"fsdp2-experts {name}: parameters replaced by new objects: {moved}")
+                for step in range(FSDP2_STEPS):
+                    micro = next(data).chunk(accum)
+                    for m in micro:
+                        loss, _ = ref(m, labels=m)
+                        loss.backward()
+                    if clip is not None:
+                        torch.nn.utils.clip_grad_norm_(dense, clip)
+                    ropt.step()
+                    ropt.zero_grad()
+                    for m in micro:
+                        loss, _ = mine(m, labels=m)
+                        loss.backward()
+                        kept = [n for n, p in mine.named_parameters() if n in experts and p.grad is not None]
+                        if kept:
+                            raise Mismatch(f"fsdp2-experts {name} step {step + 1}: expert gradients kept after "
+                                           f"backward: {kept}")
+                    opt.step()
+                    opt.zero_grad()
+                    compare(ref, mine, f"fsdp2-experts {name} step {step + 1}")
+                    if step == 1:
+                        # torch's state, DTensor moments included; loading it again changes nothing (a
+                        # copy: torch's load keeps the tensors it is given, which ropt goes on updating)
+                        rsd = ropt.state_dict()
+                        same_state(rsd, opt.state_dict(), f"fsdp2-experts {name} state_dict")
+                        opt.load_state_dict(copy.deepcopy(rsd))
+                        one = next(iter(p for n, p in mine.named_parameters() if n in experts))
+                        if type(opt.state[one]["exp_avg"]) is not type(one):
+                            raise Mismatch(f"fsdp2-experts {name}: opt.state exp_avg is "
+                                           f"{type(opt.state[one]['exp_avg']).__name__}")
+                same_state(ropt.state_dict(), opt.state_dict(), f"fsdp2-experts {name} final state_dict")
+                sst = opt.stats()
+                if sst["server"]["errors"] or sst["grads_sent"] != FSDP2_STEPS * accum * len(experts):
+                    raise Mismatch(f"fsdp2-experts {name}: stats {sst}")
+                shards = sum(local(p).numel() * p.element_size() for n, p in mine.named_parameters() if n in experts)
+            # with torch's AdamW every expert gradient shard would wait for step(); here at most a layer's
+            say(rank, f"OK fsdp2-experts {name} (peak expert gradient bytes {sst['peak_expert_grad_bytes']} of "
+                      f"{shards} in shards)")
+        fsdp2_refusals(mesh, node)
+        fsdp2_checkpoint(rank, mesh, node, corpus, out)
+
+
+def fsdp2_refusals(mesh: Any, node: NodeServer) -> None:
+    """What cannot work on a rank's shards is refused at construction, before the server is told
+    anything, and leaves the parameters as they were."""
+    cfg = tm.MoEConfig(num_layers=1, num_experts=2 * mesh.size(), hidden=32, intermediate=48, seq_len=32)
+    uneven = tm.MoEConfig(num_layers=1, num_experts=2 * mesh.size() + 1, hidden=32, intermediate=48, seq_len=32)
+    cases: list[tuple[str, tm.MoEConfig, Any, str]] = [
+        ("no module", cfg, lambda m: dict(params=list(m.parameters())), "build SonarAdamW on the model"),
+        ("uneven shards", uneven, lambda m: dict(params=m), "does not divide evenly"),
+        ("per-tensor clipping", cfg, lambda m: dict(params=m, max_expert_grad_norm=1.0), "this rank's shard only"),
+        ("expert clipping", cfg, lambda m: dict(params=m, max_grad_norm=1.0, expert_clipping="prev_global"),
+         "this rank's shard only"),
+        ("split_experts", cfg, lambda m: dict(params=m, split_experts=True), "split_experts"),
+    ]
+    for what, c, kwargs, says in cases:
+        model = tm.build(c, 6)
+        shard_fully(model, mesh)
+        before = {n: local(p).clone() for n, p in model.named_parameters()}
+        try:
+            sonar_moe.SonarAdamW(**kwargs(model), **node.optimizer_kwargs()).close()
+        except (ValueError, NotImplementedError) as e:
+            if says not in str(e):
+                raise Mismatch(f"fsdp2-experts refusal of {what}: {e}") from e
+        else:
+            raise Mismatch(f"fsdp2-experts: {what} was not refused")
+        changed = [n for n, p in model.named_parameters() if not torch.equal(local(p), before[n])]
+        if changed:
+            raise Mismatch(f"fsdp2-experts refusal of {what} changed {changed}")
+    say(dist.get_rank(), "OK fsdp2-experts refusals")
+
+
+def fsdp2_checkpoint(rank: int, mesh: Any, node: NodeServer, corpus: bytes, out: str) -> None:
+    """torch.distributed.checkpoint of FSDP2-sharded experts (torchtitan's way): get_state_dict and
+    dcp.save, then dcp.load and set_state_dict into new models, resume as torch's AdamW does."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    cfg = tm.MoEConfig(num_layers=2, num_experts=2 * mesh.size(), hidden=32, intermediate=48, seq_len=32)
+    hp: dict[str, Any] = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.99))
+
+    def build(seed: int) -> tuple[torch.nn.Module, sonar_moe.SonarAdamW, torch.nn.Module, torch.optim.AdamW]:
+        model, ref = tm.build(cfg, seed), tm.build(cfg, seed)
+        shard_fully(model, mesh)
+        shard_fully(ref, mesh)
+        return (model, sonar_moe.SonarAdamW(model, **node.optimizer_kwargs(), **hp), ref,
+                torch.optim.AdamW(ref.parameters(), **hp))
+
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+        data = tm.batches(corpus, 2, 32, torch.Generator().manual_seed(seed + 100 * rank))
+        for _ in range(3):
+            x = next(data)
+            model(x, labels=x)[0].backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt, ref, ropt = build(1)
+    train(model, opt, 1)
+    train(ref, ropt, 1)
+    compare(ref, model, "fsdp2-experts dcp: trained")
+    for name, (m, o) in {"sonar": (model, opt), "torch": (ref, ropt)}.items():
+        msd, osd = get_state_dict(m, o)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=Path(out) / name)
+    opt.close()
+    model, opt, ref, ropt = build(7)  # other weights: everything comes from the checkpoints
+    with opt:
+        for name, (m, o) in {"sonar": (model, opt), "torch": (ref, ropt)}.items():
+            msd, osd = get_state_dict(m, o)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=Path(out) / name)  # in place
+            set_state_dict(m, o, model_state_dict=msd, optim_state_dict=osd)
+        compare(ref, model, "fsdp2-experts dcp: loaded")
+        same_state(ropt.state_dict(), opt.state_dict(), "fsdp2-experts dcp: loaded state")
+        train(model, opt, 2)
+        train(ref, ropt, 2)
+        compare(ref, model, "fsdp2-experts dcp: resumed")
+    say(rank, "OK fsdp2-experts dcp")
+
+
 def main() -> None:
     cmd, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     torch.set_num_threads(1)
@@ -344,6 +537,8 @@ def main() -> None:
             run_ep(rank, world)
         elif cmd == "fsdp2":
             run_fsdp2(rank, world)
+        elif cmd == "fsdp2-experts":
+            run_fsdp2_experts(rank, world, sys.argv[5])
         elif cmd == "nodes":
             run_nodes(rank, world, int(sys.argv[5]))
         else:

@@ -111,6 +111,22 @@ def test_fsdp2_dense_with_expert_parallel_experts() -> None:
         assert f"[rank {r}] OK fsdp2-dense-ep-experts" in out, out
 
 
+def test_fsdp2_sharded_experts_are_torchs(tmp_path: Path) -> None:
+    """Experts sharded by FSDP2 with the rest of the model (DTensor expert tensors): each rank's
+    sonard session updates its local shards during backward, bit for bit as torch.optim.AdamW
+    updates the DTensors, 4 steps each: float32 with dense clipping, bfloat16, accumulation 2 with
+    amsgrad, fused, FSDP2's bfloat16 mixed precision, and built after FSDP2's first forward and
+    backward (its lazy init done). The expert .grad is None after each backward; state_dict()
+    holds torch's DTensor state, and loading it changes nothing. Refused before anything moves:
+    no module, uneven shards, per-tensor and expert clipping, split_experts. A
+    torch.distributed.checkpoint save and load into new models resumes as torch's does."""
+    outs = launch("fsdp2-experts", 2, str(tmp_path))
+    for r, out in enumerate(outs):
+        for case in ("fp32-clip", "bf16-noclip-late", "fp32-accum2-amsgrad", "fp32-fused-late",
+                     "fp32-mixed-bf16-clip", "refusals", "dcp"):
+            assert f"[rank {r}] OK fsdp2-experts {case}" in out, out
+
+
 def test_hand_over_grad_is_the_hook_update() -> None:
     """SonarAdamW.hand_over_grad (the path the DDP hook uses) makes exactly the hook's update:
     with its hooks removed and every expert gradient handed over by the caller, training stays

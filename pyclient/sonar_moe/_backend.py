@@ -35,6 +35,7 @@ from torch import nn
 from ._clipping import ExpertClipper
 from ._connection import MAX_ITEMS, Connection, RequestTrace, SonarError, SonarRefused, in_requests
 from ._detect import group_key
+from ._dtensor import like, local, local_state
 from ._launch import connect
 from ._steps import StepQueue
 
@@ -92,8 +93,14 @@ class Expert:
         return cls(name, param, group_key(name), slices=n)
 
     @property
+    def tensor(self) -> torch.Tensor:
+        """The memory sonard updates: the parameter, or a DTensor parameter's local shard."""
+        return local(self.param)
+
+    @property
     def nbytes(self) -> int:
-        return self.param.numel() * self.param.element_size()
+        t = self.tensor
+        return t.numel() * t.element_size()
 
     @property
     def part_bytes(self) -> int:
@@ -118,6 +125,9 @@ class BackendOptions:
     # expert_clipping: the factor of each applied expert gradient and the sink of the norms the
     # server measures (None: the gradients go unscaled and unmeasured, the default path)
     clipper: ExpertClipper | None = None
+    # The model the tensors belong to, where known: DTensor (FSDP2) expert tensors move into shared
+    # memory through its load_state_dict hooks (sonar_moe/_dtensor.py).
+    module: nn.Module | None = field(default=None, compare=False)
 
 
 class Staged(NamedTuple):
@@ -346,18 +356,19 @@ class ServerBackend(ABC):
         for e in experts:
             if self._options.split_experts and e.slices > 1:
                 e.parts = e.slices
-            shape = list(e.param.shape)
+            mem = e.tensor
+            shape = list(mem.shape)
             if e.parts > 1:  # one expert's slice: [E, ...] -> [...]; flattened [E * I, H] -> [I, H]
                 shape = shape[1:] if shape[0] == e.parts else [shape[0] // e.parts, *shape[1:]]
             ref = self._param_ref(e)
             for i in range(e.parts):
                 specs.append({"name": e.name if e.parts == 1 else f"{e.name}.{i}", "shape": shape,
-                              "dtype": DTYPES[e.param.dtype], "hyper": dict(hyper_of(e.param)),
+                              "dtype": DTYPES[mem.dtype], "hyper": dict(hyper_of(e.param)),
                               "param": {"seg": ref["seg"], "off": ref["off"] + i * e.part_bytes, "nbytes": e.part_bytes}})
         ids = iter(self._register_specs(specs))
         for e in experts:
             e.tids = [next(ids) for _ in range(e.parts)]
-            e.ptr, e.dtype = e.param.data_ptr(), e.param.dtype
+            e.ptr, e.dtype = e.tensor.data_ptr(), e.tensor.dtype
             for t in e.tids:
                 self._by_tid[t] = e
             self._steps.add_member(e.key)
@@ -392,7 +403,8 @@ class ServerBackend(ABC):
 
     def check(self, param: nn.Parameter) -> None:
         e = self._experts[id(param)]
-        if param.data_ptr() != e.ptr or param.dtype != e.dtype:
+        t = e.tensor
+        if t.data_ptr() != e.ptr or t.dtype != e.dtype:
             raise RuntimeError(
                 f"expert tensor {e.name} was moved or changed after SonarAdamW was built (it is now {param.dtype} "
                 f"on {param.device}, not the {e.dtype} memory sonard updates): model.share_memory(), .to(), "
@@ -408,7 +420,7 @@ class ServerBackend(ABC):
 
     def hand_over(self, param: nn.Parameter, grad: torch.Tensor, owned: bool) -> None:
         e = self._experts[id(param)]
-        staged = self._stage(e, grad, owned)
+        staged = self._stage(e, local(grad), owned)
         del grad
         self._queue(e, staged)
         if self._options.ring_layers == 0 and self._conn.in_flight:
@@ -444,7 +456,7 @@ class ServerBackend(ABC):
             # as torch's in-place ops do, so that a node of this backward that saved the tensor
             # (a detached use recorded earlier in the forward) and has not run yet raises torch's
             # "modified by an inplace operation" instead of reading the updated values.
-            torch.autograd.graph.increment_version(e.param)
+            torch.autograd.graph.increment_version(e.tensor)
         items = [{"tensor": tid, "grad": {"seg": staged.seg, "off": staged.off + i * e.part_bytes, "nbytes": e.part_bytes},
                   "apply": apply, "step": step, "scalars": scalars} for i, tid in enumerate(e.tids)]
         if apply:
@@ -660,7 +672,7 @@ class Transfer(ABC):
     # The views of a slot live only in these two: a view of shared memory left in a frame (a
     # traceback's) would keep the segment's mapping from closing.
     def _read(self, e: Expert, slot: Any) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in zip(STATE_KEYS, self._views(e, slot))}
+        return {k: like(e.param, v.clone()) for k, v in zip(STATE_KEYS, self._views(e, slot))}
 
     def _write(self, e: Expert, slot: Any, state: Mapping[str, torch.Tensor | None]) -> None:
         for k, view in zip(STATE_KEYS, self._views(e, slot)):
@@ -668,7 +680,7 @@ class Transfer(ABC):
             if src is None:
                 view.zero_()
             else:
-                view.copy_(src)
+                view.copy_(local(src))
 
     def store_all(self, items: list[tuple[nn.Parameter, int, Mapping[str, torch.Tensor | None]]],
                   stored: Callable[[nn.Parameter], None] | None = None) -> None:
@@ -681,6 +693,8 @@ class Transfer(ABC):
                 src = state.get(k)
                 if src is not None and src.shape != e.param.shape:
                     raise ValueError(f"state {k} of {e.name} has shape {tuple(src.shape)}, want {tuple(e.param.shape)}")
+                if src is not None:
+                    local_state(e.name, k, e.param, src)  # a DTensor's spec is the parameter's
         for batch in self._batches(es):
             for i, slot in batch:
                 self._write(es[i], slot, items[i][2])

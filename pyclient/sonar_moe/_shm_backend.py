@@ -21,6 +21,7 @@ from torch import nn
 from ._backend import Counter, BackendOptions, Expert, MemRef, ServerBackend, Staged, Transfer, no_ref, say_hello
 from ._connection import Connection, SonarError, SonarRefused, is_local
 from ._direct import attach_process
+from ._dtensor import adopt, is_dtensor
 from ._cpus import usable_cores
 from ._openmp import choose_waiter
 from ._shm import PAGE, Ring, Segment
@@ -107,13 +108,17 @@ class ShmBackend(ServerBackend):
         seg_id = attach(self._conn, seg)
         self._params.append(seg)
         for e, o in zip(experts, offsets):
-            if not e.param.is_contiguous():
+            t = e.tensor
+            if not t.is_contiguous():
                 log.warning("expert tensor %s (strides %s) is made contiguous in shared memory: its values are "
-                            "kept, but torch's matmuls over it may round differently", e.name, e.param.stride())
-            view = seg.tensor(o, e.param.dtype, e.param.shape)
+                            "kept, but torch's matmuls over it may round differently", e.name, t.stride())
+            view = seg.tensor(o, t.dtype, t.shape)
             with torch.no_grad():
-                view.copy_(e.param)
-            e.param.data = view
+                view.copy_(t)
+            if is_dtensor(e.param):
+                adopt(self._options.module, e.name, e.param, view)
+            else:
+                e.param.data = view
             self._where[id(e.param)] = (seg_id, o)
             self._views[id(e.param)] = view
         self._budget = self._ring_layers_bytes(lambda nbytes: nbytes)
@@ -145,7 +150,7 @@ class ShmBackend(ServerBackend):
 
     def reclaim(self, param: nn.Parameter) -> bool:
         view = self._views.get(id(param))
-        if view is None or param.data_ptr() == view.data_ptr():
+        if view is None or is_dtensor(param) or param.data_ptr() == view.data_ptr():
             return False
         if param.device.type != "cpu" or param.dtype != view.dtype or param.shape != view.shape:
             return False
@@ -168,7 +173,7 @@ class ShmBackend(ServerBackend):
         nbytes = e.nbytes
         if self._conn.in_flight:
             self._conn.poll(0)  # give back what finished requests held
-        if owned and self._process_seg is not None and self._readable(grad, p):
+        if owned and self._process_seg is not None and self._readable(grad, e.tensor):
             while self._held and self._held + nbytes > self._budget:
                 if not self._make_room():
                     break
@@ -181,7 +186,8 @@ class ShmBackend(ServerBackend):
         ring = self._ring
         assert ring is not None
         self._peak = max(self._peak, self._alive + ring.used + self._held)
-        slot = ring.segment.tensor(off, p.dtype, p.shape)
+        t = e.tensor
+        slot = ring.segment.tensor(off, t.dtype, t.shape)
         with torch.no_grad():
             slot.copy_(grad)
         if owned:
@@ -288,7 +294,8 @@ class ShmTransfer(Transfer):
 
     def _views(self, e: Expert, slot: Any) -> list[torch.Tensor]:
         assert self._seg is not None
-        return [self._seg.tensor(off, e.param.dtype, e.param.shape) for off in slot]
+        t = e.tensor
+        return [self._seg.tensor(off, t.dtype, t.shape) for off in slot]
 
     def _refs(self, e: Expert, slot: Any, part: int) -> list[MemRef]:
         nbytes = e.part_bytes

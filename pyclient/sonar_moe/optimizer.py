@@ -38,6 +38,8 @@ from ._clipping import ExpertClipper
 from ._connection import RequestTrace, SonarError, SonarServerDied
 from ._interrupts import HELD
 from ._cuda_backend import CudaBackend
+from ._dtensor import is_dtensor, local, local_state
+from ._dtensor import check as check_dtensor
 from ._requires import torch_release
 from ._params import ExpertPredicate, expert_slices, group_names, is_expert, module_experts, torch_params
 from ._shm_backend import ShmBackend
@@ -264,6 +266,7 @@ def _check_expert(name: str, p: torch.Tensor) -> None:
     if not 1 <= p.dim() <= 8:
         raise ValueError(f"expert tensor {name} has {p.dim()} dimensions: expert tensors have 1 to 8 (an "
                          "expert_params predicate chose it; leave it dense)")
+    check_dtensor(name, p)
 
 
 def _check_unaliased(new: list[tuple[str, nn.Parameter]], others: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -520,7 +523,8 @@ class SonarAdamW(torch.optim.AdamW):
         self._options = BackendOptions(timeout=timeout, split_experts=split_experts,
                                        grad_accumulation_steps=grad_accumulation_steps,
                                        max_expert_grad_norm=max_expert_grad_norm, ring_layers=ring_layers,
-                                       namespace=namespace, zero_copy=zero_copy, clipper=self._clipper)
+                                       namespace=namespace, zero_copy=zero_copy, clipper=self._clipper,
+                                       module=self._module)
         self._server = server
         self._started = True
         self._adopt(self.param_groups)
@@ -561,6 +565,7 @@ class SonarAdamW(torch.optim.AdamW):
                 new.append((label, p))
         if not new:
             return
+        self._check_sharded(new)
         _check_unaliased(new, self._tensors_beside(new))
         for _, p in new:
             owner = _owner(p)
@@ -587,6 +592,25 @@ class SonarAdamW(torch.optim.AdamW):
             self._registered[id(p)] = {"amsgrad": h["amsgrad"], "maximize": h["maximize"], "device": p.device.type}
             _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
         self._hook_experts()
+
+    def _check_sharded(self, new: list[tuple[str, nn.Parameter]]) -> None:
+        """Refuse the options that would need the whole of a DTensor expert tensor (each rank's
+        sonard session sees its local shard only)."""
+        sharded = [name for name, p in new if is_dtensor(p)]
+        if not sharded:
+            return
+        for option, value in (("max_expert_grad_norm", self.max_expert_grad_norm),
+                              ("expert_clipping", self.expert_clipping)):
+            if value is not None:
+                raise NotImplementedError(f"{option} with DTensor (FSDP2) expert tensors ({sharded[0]}): the norm "
+                                          "would be of this rank's shard only. Use max_grad_norm (the dense "
+                                          "parameters)")
+        if self.split_experts:
+            raise NotImplementedError(f"split_experts with DTensor (FSDP2) expert tensors ({sharded[0]})")
+        if self._module is None:
+            raise ValueError(f"expert tensor {sharded[0]} is a DTensor (FSDP2): build SonarAdamW on the model "
+                             "(SonarAdamW(model) or model=model), which it needs to move the local shards into "
+                             "shared memory")
 
     def _tensors_beside(self, new: list[tuple[str, nn.Parameter]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Every other tensor that could share memory with the new expert tensors: the
@@ -813,7 +837,7 @@ class SonarAdamW(torch.optim.AdamW):
                 "error or an interrupt part-way through a backward, zero_grad() ends that step")
         self._grads_this_step[id(p)] = n
         self._kept_grads.add(id(p))
-        grad = p.grad
+        grad = local(p.grad) if p.grad is not None else None  # a DTensor's: the local shard's
         assert grad is not None
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             scale = torch.tensor(self.grad_scaler.get_scale(), dtype=torch.float64)
@@ -1418,6 +1442,7 @@ class SonarAdamW(torch.optim.AdamW):
             if not isinstance(v, torch.Tensor) or v.shape != p.shape:
                 shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
                 raise ValueError(f"state {k} of expert tensor {name} has shape {shape}, want {tuple(p.shape)}")
+            local_state(name, k, p, v)
 
     # ------------------------------------------------------------ reporting
     def stats(self, server: bool = True) -> dict[str, Any]:

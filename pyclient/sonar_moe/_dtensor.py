@@ -1,0 +1,116 @@
+"""Expert tensors that are DTensors: sharded by FSDP2 (``fully_shard``), or any DTensor whose
+placements are ``Shard`` or ``Replicate``.
+
+AdamW is element-wise, and on a DTensor torch's AdamW runs its arithmetic on each rank's local
+tensor. So sonard updates each rank's local shard as an expert tensor of its own, and the
+rest of Sonar works on that local tensor (:func:`local`): its memory, its gradient, its state.
+What a script sees stays torch's: the parameter is the same DTensor object, ``opt.state`` and
+``state_dict()`` hold DTensor moments with the parameter's mesh and placements (:func:`like`),
+and a loaded DTensor state gives its local tensor (:func:`local_state`).
+
+Moving a local shard into shared memory (:func:`adopt`) swaps the parameter's contents for a
+DTensor over the new memory with ``torch.utils.swap_tensors`` (the ``Parameter`` object a
+script and the optimizer hold stays the same one), and then runs the module's
+``load_state_dict`` post-hooks: FSDP2 re-reads each parameter's local tensor there, so that
+its all-gathers read the memory sonard updates (before its first forward, FSDP2's lazy
+initialization would also do it; after it, only these hooks do).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # a torch built without torch.distributed has no DTensor
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def is_dtensor(t: object) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor of this rank: a DTensor's local tensor, else t itself."""
+    if DTensor is None or not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():  # to_local() outside autograd is the local tensor itself, no view
+        return t.to_local()
+
+
+def _spec(t: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+    """A DTensor's mesh and placements."""
+    d: Any = t
+    return d.device_mesh, tuple(d.placements)
+
+
+def like(param: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A state tensor of param's local shape as torch's AdamW keeps it for param: a DTensor
+    with param's mesh and placements where param is one, else t."""
+    if not is_dtensor(param):
+        return t
+    mesh, placements = _spec(param)
+    return DTensor.from_local(t, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
+
+
+def local_state(name: str, key: str, param: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The local part of a state tensor given for param (opt.state, a loaded state_dict)."""
+    if not is_dtensor(param):
+        if is_dtensor(t):
+            raise ValueError(f"state {key} of expert tensor {name} is a DTensor, and the tensor is not")
+        return t
+    mesh, placements = _spec(param)
+    if not is_dtensor(t):
+        raise ValueError(f"state {key} of expert tensor {name} is a plain tensor, and the tensor is a DTensor "
+                         f"({placements}): give DTensor state with its mesh and placements, as torch's AdamW keeps "
+                         "it (a torch.distributed.checkpoint load does)")
+    if _spec(t) != (mesh, placements):
+        raise ValueError(f"state {key} of expert tensor {name} is sharded as {_spec(t)[1]} on {_spec(t)[0]}, the "
+                         f"tensor as {placements} on {mesh}")
+    return local(t)
+
+
+def check(name: str, p: torch.Tensor) -> None:
+    """Refuse a DTensor expert tensor whose local tensor is not what AdamW would update here."""
+    if not is_dtensor(p):
+        return
+    if p.device.type != "cpu":
+        raise NotImplementedError(f"expert tensor {name} is a DTensor on {p.device}: DTensor (FSDP2) expert tensors "
+                                  "are supported on CPU; on CUDA this path has not run on a GPU yet")
+    mesh, placements = _spec(p)
+    odd = [pl for pl in placements if not isinstance(pl, (Shard, Replicate))]
+    if odd:
+        raise ValueError(f"expert tensor {name} is a DTensor placed as {placements}: only Shard and Replicate "
+                         "placements hold the parameter's own values on each rank")
+    for dim, pl in enumerate(placements):
+        if isinstance(pl, Shard) and p.shape[pl.dim] % mesh.size(dim):
+            raise ValueError(f"expert tensor {name} is a DTensor of {tuple(p.shape)} sharded as {placements} on "
+                             f"{mesh}: dim {pl.dim} does not divide evenly, and FSDP2 pads such shards into "
+                             "memory of its own. Make it divisible by the mesh size, or leave the tensor out of "
+                             "fully_shard (ignored_params, expert parallel)")
+    if not local(p).is_contiguous():
+        raise ValueError(f"expert tensor {name}: its DTensor's local tensor is not contiguous")
+
+
+def adopt(module: nn.Module | None, name: str, p: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``view`` (filled with p's local values) p's local tensor, in place of the old one."""
+    if module is None:
+        raise ValueError(f"expert tensor {name} is a DTensor: its model is needed to move it")
+    new = nn.Parameter(like(p, view), requires_grad=p.requires_grad)
+    try:
+        torch.utils.swap_tensors(p, new)
+    except RuntimeError as e:
+        raise RuntimeError(f"expert tensor {name} (a DTensor) could not be moved into shared memory ({e}): build "
+                           "SonarAdamW where nothing else holds the parameter, such as an autograd graph still "
+                           "alive (before a forward, or after its backward)") from e
+    # FSDP2 registers a post-hook on each sharded module that re-reads its parameters' local tensors
+    # (and pads them); loading nothing runs every module's post-hooks.
+    module.load_state_dict({}, strict=False)
+    got = local(p)
+    if got.data_ptr() != view.data_ptr() or got.shape != view.shape:
+        raise ValueError(f"expert tensor {name} (a DTensor of {tuple(p.shape)} placed as {_spec(p)[1]}): its "
+                         "local shard did not stay in the shared memory sonard updates: FSDP2 moved it into memory "
+                         "of its own (it does so for padded shards, and for pinned memory with CPUOffloadPolicy)")
