@@ -86,6 +86,16 @@ class BatchedExperts(nn.Module):
         gate, up = (x @ self.gate_up_proj[e].T).chunk(2, dim=-1)
         return (F.silu(gate) * up) @ self.down_proj[e].T
 
+    def forward(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert over its tokens (one call a layer, as transformers' experts modules: FSDP2
+        can then shard this module as a group of its own)."""
+        out = torch.zeros_like(flat)
+        for e in range(self.gate_up_proj.shape[0]):
+            tok, slot = (chosen == e).nonzero(as_tuple=True)
+            # Runs even with zero tokens: the 3D tensors always get a grad.
+            out = out.index_add(0, tok, self.expert(e, flat[tok]) * weights[tok, slot, None])
+        return out
+
 
 class ExpertMLP(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
@@ -120,16 +130,14 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(flat.dtype)
 
+        if isinstance(self.experts, BatchedExperts):
+            return self.experts(flat, chosen, weights).view(shape)
         out = torch.zeros_like(flat)
         for e in range(self.num_experts):
             tok, slot = (chosen == e).nonzero(as_tuple=True)
-            if isinstance(self.experts, BatchedExperts):
-                # Runs even with zero tokens: the 3D tensors always get a grad.
-                y = self.experts.expert(e, flat[tok])
-            elif tok.numel() == 0:
+            if tok.numel() == 0:
                 continue
-            else:
-                y = self.experts[e](flat[tok])  # type: ignore[index]
+            y = self.experts[e](flat[tok])  # type: ignore[index]
             out = out.index_add(0, tok, y * weights[tok, slot, None])
         return out.view(shape)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 import os
 import sys
 from pathlib import Path
@@ -337,25 +338,32 @@ def run_fsdp2(rank: int, world: int) -> None:
 # ------------------------------------------------------- FSDP2-sharded experts
 FSDP2_EXPERT_CASES = [
     # name, dtype, max_grad_norm, accumulation, fused, amsgrad, the optimizers built after a forward and
-    # backward (FSDP2 initialized: only the module's load_state_dict hooks make it read the moved shards)
-    ("fp32-clip", torch.float32, 0.5, 1, None, False, False),
+    # backward (FSDP2 initialized: only the module's load_state_dict hooks make it read the moved shards).
+    # "apart": each layer's experts module sharded as a group of its own (their gradients in a buffer of
+    # their own); else with the layer's dense parameters, which SonarAdamW warns of after the first step.
+    ("fp32-clip-apart", torch.float32, 0.5, 1, None, False, False),
     ("bf16-noclip-late", torch.bfloat16, None, 1, None, False, True),
-    ("fp32-accum2-amsgrad", torch.float32, 1.0, 2, None, True, False),
-    ("fp32-fused-late", torch.float32, None, 1, True, False, True),
+    ("fp32-accum2-amsgrad-apart", torch.float32, 1.0, 2, None, True, False),
+    ("fp32-fused-late-apart", torch.float32, None, 1, True, False, True),
     # FSDP2's mixed precision (torchtitan's default): bfloat16 compute, float32 shards and reduction
     ("fp32-mixed-bf16-clip", torch.float32, 1.0, 1, None, False, False),
 ]
 FSDP2_STEPS = 4
 
 
-def shard_fully(model: torch.nn.Module, mesh: Any, mixed: bool = False) -> None:
+def shard_fully(model: torch.nn.Module, mesh: Any, mixed: bool = False, apart: bool = False) -> None:
     """fully_shard each decoder layer, then the root: experts included (dim 0, the experts, is sharded);
-    mixed: compute in bfloat16, reduce gradients in float32."""
+    mixed: compute in bfloat16, reduce gradients in float32; apart: each layer's experts module first,
+    as a group of its own."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kw: dict[str, Any] = {"mesh": mesh}
     if mixed:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in cast(torch.nn.ModuleList, model.layers):
+        if apart:
+            for name, sub in block.named_modules():
+                if name.endswith("experts"):
+                    fully_shard(sub, **kw)
         fully_shard(block, **kw)
     fully_shard(model, **kw)
 
@@ -390,8 +398,8 @@ def run_fsdp2_experts(rank: int, world: int, out: str) -> None:
                                dtype=dtype)
             ref, mine = tm.build(cfg, 5), tm.build(cfg, 5)
             experts = set(tm.expert_param_names(ref))
-            shard_fully(ref, mesh, "mixed" in name)
-            shard_fully(mine, mesh, "mixed" in name)
+            shard_fully(ref, mesh, "mixed" in name, "apart" in name)
+            shard_fully(mine, mesh, "mixed" in name, "apart" in name)
             if late:
                 x = next(tm.batches(corpus, 2, 32, torch.Generator().manual_seed(9)))
                 for model in (ref, mine):
@@ -402,14 +410,19 @@ def run_fsdp2_experts(rank: int, world: int, out: str) -> None:
             dense = [p for n, p in ref.named_parameters() if n not in experts]
             data = tm.batches(corpus, 2 * accum, 32, torch.Generator().manual_seed(300 + rank))
             held = {n: p for n, p in mine.named_parameters()}
-            with sonar_moe.SonarAdamW(mine, max_grad_norm=clip, grad_accumulation_steps=accum,
-                                      **node.optimizer_kwargs(), **hp) as opt:
+            for n in experts:
+                setattr(held[n], "tag", n)  # a script's attribute on the parameter stays through the move
+            with warnings.catch_warnings(record=True) as warned, \
+                    sonar_moe.SonarAdamW(mine, max_grad_norm=clip, grad_accumulation_steps=accum,
+                                         **node.optimizer_kwargs(), **hp) as opt:
+                warnings.simplefilter("always")
                 got = {n for n, _ in opt.named_expert_parameters()}
                 if got != experts:
                     raise Mismatch(f"fsdp2-experts {name}: SonarAdamW experts {sorted(got)}, want {sorted(experts)}")
-                moved = [n for n, p in mine.named_parameters() if p is not held[n]]
+                moved = [n for n, p in mine.named_parameters() if p is not held[n] or getattr(p, "tag", n) != n]
                 if moved:
-                    raise Mismatch(f"fsdp2-experts {name}: parameters replaced by new objects: {moved}")
+                    raise Mismatch(f"fsdp2-experts {name}: parameters replaced by new objects, or their attributes "
+                                   f"lost: {moved}")
                 for step in range(FSDP2_STEPS):
                     micro = next(data).chunk(accum)
                     for m in micro:
@@ -444,6 +457,10 @@ def run_fsdp2_experts(rank: int, world: int, out: str) -> None:
                 if sst["server"]["errors"] or sst["grads_sent"] != FSDP2_STEPS * accum * len(experts):
                     raise Mismatch(f"fsdp2-experts {name}: stats {sst}")
                 shards = sum(local(p).numel() * p.element_size() for n, p in mine.named_parameters() if n in experts)
+            shared = [w for w in warned if "views of a" in str(w.message)]
+            if len(shared) != ("apart" not in name):
+                raise Mismatch(f"fsdp2-experts {name}: warnings of gradients in a shared buffer: "
+                               f"{[str(w.message) for w in shared]}")
             # with torch's AdamW every expert gradient shard would wait for step(); here at most a layer's
             say(rank, f"OK fsdp2-experts {name} (peak expert gradient bytes {sst['peak_expert_grad_bytes']} of "
                       f"{shards} in shards)")
@@ -526,6 +543,50 @@ def fsdp2_checkpoint(rank: int, mesh: Any, node: NodeServer, corpus: bytes, out:
     say(rank, "OK fsdp2-experts dcp")
 
 
+def run_fsdp2_hf(rank: int, world: int) -> None:
+    """transformers' OLMoE and GraniteMoe (batched experts [E, ...]) with every decoder layer and the
+    root sharded by FSDP2: SonarAdamW bit for bit as torch.optim.AdamW, float32 eager and bfloat16
+    grouped_mm."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    sys.path.insert(0, str(ROOT / "tests"))
+    import hf_util
+    mesh = init_device_mesh("cpu", (world,))
+    with NodeServer() as node:
+        for impl, dtype in (("eager", torch.float32), ("grouped_mm", torch.bfloat16)):
+            for build in (hf_util.tiny_olmoe, hf_util.tiny_granite):
+                ref, mine = (build(experts_implementation=impl, dtype=dtype, seed=3) for _ in range(2))
+                apart = impl == "grouped_mm"  # the experts modules as groups of their own
+                for model in (ref, mine):
+                    for layer in model.model.layers:
+                        if apart:
+                            for name, sub in layer.named_modules():
+                                if name.endswith("experts"):
+                                    fully_shard(sub, mesh=mesh)
+                        fully_shard(layer, mesh=mesh)
+                    fully_shard(model, mesh=mesh)
+                case = f"{build.__name__} {impl} {str(dtype).removeprefix('torch.')}"
+                ropt = torch.optim.AdamW(ref.parameters(), lr=2e-3, weight_decay=0.1)
+                with warnings.catch_warnings(record=True) as warned, \
+                        sonar_moe.SonarAdamW(mine, lr=2e-3, weight_decay=0.1, **node.optimizer_kwargs()) as opt:
+                    warnings.simplefilter("always")
+                    names = sorted(n for n, _ in opt.named_expert_parameters())
+                    if names != sorted(hf_util.expected_expert_names(mine)):
+                        raise Mismatch(f"fsdp2-hf {case}: experts {names}")
+                    data = hf_util.text_batches(10 + rank)
+                    for step in range(3):
+                        batch = next(data)
+                        for m, o in ((ref, ropt), (mine, opt)):
+                            m(**batch).loss.backward()
+                            o.step()
+                            o.zero_grad()
+                        compare(ref, mine, f"fsdp2-hf {case} step {step + 1}")
+                if any("views of a" in str(w.message) for w in warned) == apart:
+                    raise Mismatch(f"fsdp2-hf {case}: experts {'apart' if apart else 'with the layer'}, warnings "
+                                   f"{[str(w.message) for w in warned]}")
+                say(rank, f"OK fsdp2-hf {case}")
+
+
 def main() -> None:
     cmd, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     torch.set_num_threads(1)
@@ -539,6 +600,8 @@ def main() -> None:
             run_fsdp2(rank, world)
         elif cmd == "fsdp2-experts":
             run_fsdp2_experts(rank, world, sys.argv[5])
+        elif cmd == "fsdp2-hf":
+            run_fsdp2_hf(rank, world)
         elif cmd == "nodes":
             run_nodes(rank, world, int(sys.argv[5]))
         else:

@@ -122,9 +122,20 @@ def test_fsdp2_sharded_experts_are_torchs(tmp_path: Path) -> None:
     torch.distributed.checkpoint save and load into new models resumes as torch's does."""
     outs = launch("fsdp2-experts", 2, str(tmp_path))
     for r, out in enumerate(outs):
-        for case in ("fp32-clip", "bf16-noclip-late", "fp32-accum2-amsgrad", "fp32-fused-late",
+        for case in ("fp32-clip-apart", "bf16-noclip-late", "fp32-accum2-amsgrad-apart", "fp32-fused-late-apart",
                      "fp32-mixed-bf16-clip", "refusals", "dcp"):
             assert f"[rank {r}] OK fsdp2-experts {case}" in out, out
+
+
+def test_fsdp2_sharded_experts_of_transformers_models() -> None:
+    """transformers' OLMoE and GraniteMoe built from configs, each decoder layer and the root
+    sharded by FSDP2 (the batched experts too): bit for bit as torch.optim.AdamW over 3 steps,
+    float32 eager and bfloat16 grouped_mm."""
+    outs = launch("fsdp2-hf", 2)
+    for r, out in enumerate(outs):
+        for case in ("tiny_olmoe eager float32", "tiny_granite eager float32",
+                     "tiny_olmoe grouped_mm bfloat16", "tiny_granite grouped_mm bfloat16"):
+            assert f"[rank {r}] OK fsdp2-hf {case}" in out, out
 
 
 def test_hand_over_grad_is_the_hook_update() -> None:

@@ -100,8 +100,11 @@ def adopt(module: nn.Module | None, name: str, p: nn.Parameter, view: torch.Tens
     if module is None:
         raise ValueError(f"expert tensor {name} is a DTensor: its model is needed to move it")
     new = nn.Parameter(like(p, view), requires_grad=p.requires_grad)
+    kept = dict(p.__dict__)  # a script's attributes on the parameter (swap_tensors swaps __dict__ too)
     try:
         torch.utils.swap_tensors(p, new)
+        for k, v in kept.items():
+            p.__dict__.setdefault(k, v)
     except RuntimeError as e:
         raise RuntimeError(f"expert tensor {name} (a DTensor) could not be moved into shared memory ({e}): build "
                            "SonarAdamW where nothing else holds the parameter, such as an autograd graph still "

@@ -513,6 +513,9 @@ class SonarAdamW(torch.optim.AdamW):
         # whose .grad zero_grad(set_to_none=False) would have made a zero tensor: torch steps
         # those with it when a backward gives them no gradient, and adds a new one to it.
         self._kept_grads: set[int] = set()
+        # The first step's expert gradients by the memory they are views of (None once looked at):
+        # address -> [that memory's bytes, the expert gradients' bytes in it, their names]
+        self._grad_buffers: dict[int, list[Any]] | None = {}
         self._zeroed_grads: set[int] = set()
         # set_step_boundary: whether the training loop says which backward completes a step
         # (None: the k-th), and the expert tensors whose step it completed since step()
@@ -839,6 +842,8 @@ class SonarAdamW(torch.optim.AdamW):
         self._kept_grads.add(id(p))
         grad = local(p.grad) if p.grad is not None else None  # a DTensor's: the local shard's
         assert grad is not None
+        if self._grad_buffers is not None:
+            self._note_grad_buffer(p, grad)
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             scale = torch.tensor(self.grad_scaler.get_scale(), dtype=torch.float64)
             if self._fused_unscales(self._group_of(p)):  # torch's fused kernel divides by the scale
@@ -854,6 +859,34 @@ class SonarAdamW(torch.optim.AdamW):
         del grad
         if self._ends_step:
             self._completed.add(id(p))
+
+    def _note_grad_buffer(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """At the first step: the memory each expert gradient is a view of (see _check_grad_buffers)."""
+        buffers = self._grad_buffers
+        if buffers is None:
+            return
+        st = grad.untyped_storage()
+        entry = buffers.setdefault(st.data_ptr(), [st.nbytes(), 0, []])
+        entry[1] += grad.numel() * grad.element_size()
+        entry[2].append(self._experts[id(p)][0])
+
+    def _check_grad_buffers(self) -> None:
+        """After the first step: warn where freeing expert gradients during backward frees no
+        memory, because they are views of a buffer that other (dense) gradients keep until
+        zero_grad(): FSDP2 reduce-scatters a group's gradients into one buffer, so experts
+        sharded together with a layer's dense parameters save nothing (measured in
+        docs/distributed.md, section 4)."""
+        buffers, self._grad_buffers = self._grad_buffers or {}, None
+        for whole, mine, names in buffers.values():
+            if whole > mine + 1024 * len(names):  # more than the experts' gradients (and alignment)
+                msg = (f"the gradients of expert tensors {', '.join(names[:3])}{', ...' if len(names) > 3 else ''} are "
+                       f"views of a {whole}-byte buffer that other gradients share (the experts' take {mine} bytes), so "
+                       "freeing them during backward frees no memory until the others go at zero_grad(). FSDP2 "
+                       "reduces a group's gradients into one buffer: give the experts a group of their own, "
+                       "fully_shard(layer's experts module) before fully_shard(layer)")
+                log.warning("%s", msg)
+                warnings.warn(msg, stacklevel=4)
+                return
 
     def remove_grad_hooks(self) -> None:
         """Stop taking expert gradients from the post-accumulate-grad hooks.
@@ -1011,6 +1044,8 @@ class SonarAdamW(torch.optim.AdamW):
 
     def _end_step(self) -> None:
         """Forget the step's bookkeeping: the next gradient starts a new step."""
+        if self._grad_buffers:
+            self._check_grad_buffers()
         for i in self._overflowed:
             self._experts[i][1].grad = None
         self._overflowed.clear()
