@@ -15,10 +15,12 @@ alternating:
 
 Reported per method: the median step time over all timed steps (rank 0's clock; the ranks
 wait for each other in every collective), CPU seconds per step of all ranks together plus
-sonard's, and one profiled step's peak of rank 0's torch allocator (the tensors alive before the
-step plus the running sum of torch.profiler's CPU memory events, as bench/train.py counts
-them), with the expert gradient shards at the end of backward. Sonar's shared memory and
-sonard's state are outside torch's allocator and are listed beside it.
+sonard's, and rank 0's memory in one more step: glibc's heap bytes in use (``mallinfo2``; every
+thread's, which torch.profiler's memory events are not here: gloo's threads free FSDP2's
+buffers), sampled around each layer's forward and backward, when backward returns and after
+the optimizer step, with the expert gradient shards alive when backward returns. Sonar's shared
+memory (the expert shards) and rank 0's share of sonard's optimizer state are outside that heap
+and are added to it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "examples"), str(ROOT / "pyclient")]
 
 import common  # noqa: E402
+
+
+class Heap:
+    """glibc's count of the heap bytes in use (``mallinfo2``: arena chunks in use plus mmapped
+    ones): every thread's allocations, torch's and gloo's included, which torch.profiler's CPU
+    memory events miss where another thread frees (FSDP2's collectives)."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+        self._libc = ctypes.CDLL("libc.so.6")
+        self._libc.mallinfo2.restype = MallInfo2
+
+    def used(self) -> int:
+        m = self._libc.mallinfo2()
+        return int(m.uordblks + m.hblkhd)
 
 
 def free_port() -> int:
@@ -68,6 +89,8 @@ def rank_main(a: argparse.Namespace) -> None:
 
     def build() -> tuple[Any, Any, list[str]]:
         model = shape.build(a.impl, torch.float32, seed=7)
+        if a.checkpointing:  # activation checkpointing per layer, as FSDP2 training usually runs
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         for layer in model.model.layers:
             if a.experts_group:  # the experts' gradients in a reduce-scatter buffer of their own
                 for name, sub in layer.named_modules():
@@ -87,23 +110,35 @@ def rank_main(a: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    heap = Heap()
+
     def profiled(model: Any, opt: Any, experts: set[str], batch: dict[str, Any]) -> dict[str, int]:
-        from torch.profiler import ProfilerActivity, profile
-        gc.collect()
+        """One step's memory on this rank (glibc's bytes in use, every thread's): the peak over
+        the layers' forward and backward, what is alive when backward returns, after the optimizer
+        step; and the expert gradient shards alive when backward returns."""
         params = dict(model.named_parameters())
-        base = sum(nbytes(p) for n, p in params.items() if not (isinstance(opt, sonar_moe.SonarAdamW) and n in experts))
-        base += sum(nbytes(v) for st in opt.state.values() for k, v in dict.items(st) if torch.is_tensor(v))
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            model(**batch).loss.backward()
-            grads = sum(nbytes(p.grad) for n, p in params.items() if n in experts and p.grad is not None)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        cur = peak = 0
-        for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
-            if e.name() == "[memory]":
-                cur += e.nbytes()
-                peak = max(peak, cur)
-        return {"base": base, "peak": base + peak, "expert_grads_after_backward": grads}
+        samples: list[int] = []
+
+        def sample(*_: Any) -> None:
+            samples.append(heap.used())
+        hooks = []
+        for layer in model.model.layers:
+            hooks += [layer.register_forward_hook(sample), layer.register_full_backward_pre_hook(sample),
+                      layer.register_full_backward_hook(sample)]
+        gc.collect()
+        sample()
+        loss = model(**batch).loss
+        loss.backward()
+        del loss
+        after_bwd = heap.used()
+        grads = sum(nbytes(p.grad) for n, p in params.items() if n in experts and p.grad is not None)
+        opt.step()
+        after_step = heap.used()
+        opt.zero_grad(set_to_none=True)
+        for h in hooks:
+            h.remove()
+        return {"peak": max(samples + [after_bwd, after_step]), "after_backward": after_bwd, "after_step": after_step,
+                "expert_grads_after_backward": grads}
 
     results: dict[str, Any] = {m: {"step_s": [], "cpu_s": [], "sonard_cpu_s": []} for m in a.methods}
     for rnd in range(a.rounds):
@@ -163,6 +198,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--methods", default="bd")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of each layer")
     ap.add_argument("--experts-group", action="store_true",
                     help="fully_shard each layer's experts module on its own before the layer")
     ap.add_argument("--sonard", default=os.environ.get("SONARD", str(ROOT / "bin" / "sonard")))
@@ -205,9 +241,13 @@ def report(a: argparse.Namespace, got: dict[str, Any]) -> None:
     print(f"# FSDP2, experts sharded: {a.model} ({a.impl}), {a.layers} layers, hidden {a.hidden}, "
           f"{a.world} ranks, batch {a.batch}x{a.seq} per rank, {a.rounds} rounds x {a.steps} steps")
     print(f"# {common.cpu_model()}, {os.cpu_count()} CPUs, load {common.load_avg()}")
-    print("| method | step (median) | vs (b) | CPU s/step, all ranks + sonard | vs (b) | rank 0 peak, torch's "
-          "allocator | outside it (shm, sonard state) | together | expert grad shards alive after backward |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"# {'experts sharded as a group of their own' if a.experts_group else 'experts sharded with the layer'}"
+          f"{', activation checkpointing' if a.checkpointing else ''}; memory: rank 0's heap in use (MiB), plus "
+          "for Sonar its shared memory and its share of sonard's state")
+    print("| method | step (median) | vs (b) | CPU s/step, all ranks + sonard | vs (b) | peak | when backward returns | "
+          "after the step | Sonar outside the heap | peak with it | vs (b) | backward's end with it | vs (b) | "
+          "expert grad shards alive after backward |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     b = res.get("b")
     for m, r in res.items():
         st = common.median(r["step_s"])
@@ -217,9 +257,13 @@ def report(a: argparse.Namespace, got: dict[str, Any]) -> None:
         outside = mem.get("shm_params", 0) + mem.get("ring", 0) + mem.get("server_state", 0) // a.world
         vs = st / common.median(b["step_s"]) if b else float("nan")
         vcpu = cpu / common.median([c + s for c, s in zip(b["cpu_s"], b["sonard_cpu_s"])]) if b else float("nan")
-        print(f"| {m} | {st * 1e3:.1f} ms | {vs:.3f}x | {cpu:.3f} | {vcpu:.3f}x | {mem['peak'] * mib:.2f} MiB | "
-              f"{outside * mib:.2f} MiB | {(mem['peak'] + outside) * mib:.2f} MiB | "
-              f"{mem['expert_grads_after_backward'] * mib:.2f} of {r['expert_shard_bytes'] * mib:.2f} MiB |")
+        peak, end = mem["peak"] + outside, mem["after_backward"] + outside
+        bmem = b["memory"] if b else mem
+        print(f"| {m} | {st * 1e3:.1f} ms | {vs:.3f}x | {cpu:.3f} | {vcpu:.3f}x | {mem['peak'] * mib:.2f} | "
+              f"{mem['after_backward'] * mib:.2f} | {mem['after_step'] * mib:.2f} | {outside * mib:.2f} | "
+              f"{peak * mib:.2f} | {peak / bmem['peak'] - 1:+.1%} | {end * mib:.2f} | "
+              f"{end / bmem['after_backward'] - 1:+.1%} | "
+              f"{mem['expert_grads_after_backward'] * mib:.2f} of {r['expert_shard_bytes'] * mib:.2f} |")
 
 
 if __name__ == "__main__":

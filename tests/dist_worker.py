@@ -351,15 +351,16 @@ FSDP2_EXPERT_CASES = [
 FSDP2_STEPS = 4
 
 
-def shard_fully(model: torch.nn.Module, mesh: Any, mixed: bool = False, apart: bool = False) -> None:
-    """fully_shard each decoder layer, then the root: experts included (dim 0, the experts, is sharded);
-    mixed: compute in bfloat16, reduce gradients in float32; apart: each layer's experts module first,
-    as a group of its own."""
+def shard_fully(model: torch.nn.Module, mesh: Any, mixed: bool = False, apart: bool = False,
+                layers: torch.nn.ModuleList | None = None) -> None:
+    """fully_shard each decoder layer (``layers``, else ``model.layers``), then the root: experts
+    included (dim 0, the experts, is sharded); mixed: compute in bfloat16, reduce gradients in
+    float32; apart: each layer's experts module first, as a group of its own."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kw: dict[str, Any] = {"mesh": mesh}
     if mixed:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in cast(torch.nn.ModuleList, model.layers):
+    for block in layers if layers is not None else cast(torch.nn.ModuleList, model.layers):
         if apart:
             for name, sub in block.named_modules():
                 if name.endswith("experts"):
@@ -495,6 +496,22 @@ def fsdp2_refusals(mesh: Any, node: NodeServer) -> None:
         changed = [n for n, p in model.named_parameters() if not torch.equal(local(p), before[n])]
         if changed:
             raise Mismatch(f"fsdp2-experts refusal of {what} changed {changed}")
+    # accelerate's FSDP2 preparation (Trainer with fsdp_version 2 too): the optimizer built on the plain
+    # model, each parameter swapped for its sharded one afterwards, with accelerate's own function
+    from accelerate.utils.fsdp_utils import fsdp2_switch_optimizer_parameters
+    model = tm.build(cfg, 6)
+    with sonar_moe.SonarAdamW(model, **node.optimizer_kwargs()) as opt:
+        old = {n: p.data_ptr for n, p in model.named_parameters()}
+        shard_fully(model, mesh)
+        sharded = dict(model.named_parameters())
+        fsdp2_switch_optimizer_parameters(opt, {old[n]: sharded[n] for n in old})
+        try:
+            opt.step()
+        except RuntimeError as e:
+            if "accelerate's FSDP2" not in str(e):
+                raise Mismatch(f"fsdp2-experts refusal of swapped parameters: {e}") from e
+        else:
+            raise Mismatch("fsdp2-experts: expert tensors swapped into the groups were not refused")
     say(dist.get_rank(), "OK fsdp2-experts refusals")
 
 
@@ -548,7 +565,6 @@ def run_fsdp2_hf(rank: int, world: int) -> None:
     root sharded by FSDP2: SonarAdamW bit for bit as torch.optim.AdamW, float32 eager and bfloat16
     grouped_mm."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     sys.path.insert(0, str(ROOT / "tests"))
     import hf_util
     mesh = init_device_mesh("cpu", (world,))
@@ -558,13 +574,7 @@ def run_fsdp2_hf(rank: int, world: int) -> None:
                 ref, mine = (build(experts_implementation=impl, dtype=dtype, seed=3) for _ in range(2))
                 apart = impl == "grouped_mm"  # the experts modules as groups of their own
                 for model in (ref, mine):
-                    for layer in model.model.layers:
-                        if apart:
-                            for name, sub in layer.named_modules():
-                                if name.endswith("experts"):
-                                    fully_shard(sub, mesh=mesh)
-                        fully_shard(layer, mesh=mesh)
-                    fully_shard(model, mesh=mesh)
+                    shard_fully(model, mesh, apart=apart, layers=model.model.layers)
                 case = f"{build.__name__} {impl} {str(dtype).removeprefix('torch.')}"
                 ropt = torch.optim.AdamW(ref.parameters(), lr=2e-3, weight_decay=0.1)
                 with warnings.catch_warnings(record=True) as warned, \

@@ -118,8 +118,11 @@ def test_fsdp2_sharded_experts_are_torchs(tmp_path: Path) -> None:
     amsgrad, fused, FSDP2's bfloat16 mixed precision, and built after FSDP2's first forward and
     backward (its lazy init done). The expert .grad is None after each backward; state_dict()
     holds torch's DTensor state, and loading it changes nothing. Refused before anything moves:
-    no module, uneven shards, per-tensor and expert clipping, split_experts. A
-    torch.distributed.checkpoint save and load into new models resumes as torch's does."""
+    no module, uneven shards, per-tensor and expert clipping, split_experts; refused at step():
+    sharded parameters swapped into the groups (accelerate's FSDP2 preparation). With the experts
+    sharded with the layer's dense parameters, the warning that freeing their gradients saves
+    nothing comes once; with the experts apart, not at all. A torch.distributed.checkpoint save and
+    load into new models resumes as torch's does."""
     outs = launch("fsdp2-experts", 2, str(tmp_path))
     for r, out in enumerate(outs):
         for case in ("fp32-clip-apart", "bf16-noclip-late", "fp32-accum2-amsgrad-apart", "fp32-fused-late-apart",

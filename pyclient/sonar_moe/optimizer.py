@@ -454,6 +454,10 @@ class SonarAdamW(torch.optim.AdamW):
         self._module = params if isinstance(params, nn.Module) else model
         self._order = {pid: i for i, pid in enumerate(self._names)}  # the module's parameter order
         self._groups_key: tuple[int, ...] = ()
+        # Every tensor the groups held when SonarAdamW looked at them (construction, add_param_group),
+        # and the groups' lists then: a script that puts other tensors in them is caught (_check_swapped).
+        self._known: set[int] = set()
+        self._group_lists: tuple[int, ...] = ()
         self._group_by_param: dict[int, tuple[dict[str, Any], int]] = {}
         # A step's scalars, computed once for the expert tensors of a group that share a step and
         # a dtype (a layer of per-expert tensors: hundreds of hooks alike); cleared every step.
@@ -559,6 +563,8 @@ class SonarAdamW(torch.optim.AdamW):
         """Find the expert tensors of new parameter groups, take them over from an older
         SonarAdamW, hand them to the backend and hook their gradients."""
         new: list[tuple[str, nn.Parameter]] = []
+        self._known.update(id(p) for g in groups for p in g["params"])
+        self._group_lists = tuple(id(g["params"]) for g in self.param_groups)
         for g in groups:
             for name, p in zip(group_names(g, self._names), g["params"]):
                 if id(p) in self._experts or not is_expert(name, p, self._pred, self._in_module):
@@ -1230,6 +1236,7 @@ class SonarAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         self._check_usable()
+        self._check_swapped()
         self._forget_deleted_state()
         # Set by GradScaler.step around this call (this class supports AMP scaling itself): the
         # scale the dense gradients still carry (None: already unscaled), whether any overflowed.
@@ -1257,6 +1264,35 @@ class SonarAdamW(torch.optim.AdamW):
             finally:
                 self._end_step()
         return loss
+
+    def _check_swapped(self) -> None:
+        """Refuse expert tensors that a script put into the groups in place of others (accelerate's
+        FSDP2 preparation does, swapping each parameter for its sharded one after the optimizer was
+        built): they have no hook, so torch's AdamW would step them as dense parameters here,
+        silently, while the tensors SonarAdamW registered stay alive. Other new tensors are stepped
+        as torch steps them. Looked at when a group's list of parameters is another one."""
+        lists = tuple(id(g["params"]) for g in self.param_groups)
+        if lists == self._group_lists:
+            return
+        self._group_lists = lists
+        new = [p for g in self.param_groups for p in g["params"] if id(p) not in self._known]
+        if not new:
+            return
+        names, in_module = self._names, self._in_module
+        if self._module is not None:  # the module holds the new tensors under the old names, where it does
+            names = dict(torch_params(self._module, None)[1])
+            in_module = module_experts(self._module, None)
+        experts = [names.get(id(p)) or self._label(p) for p in new
+                   if is_expert(names.get(id(p)), p, self._pred, in_module)]
+        if experts:
+            raise RuntimeError(
+                f"the parameter groups hold {len(experts)} expert tensor(s) SonarAdamW was not built with "
+                f"({', '.join(experts[:3])}{', ...' if len(experts) > 3 else ''}), put there in place of others after it "
+                "was built (accelerate's FSDP2 preparation swaps each parameter for its sharded one; Trainer with "
+                "fsdp_version 2 builds the optimizer before it): they would be stepped as dense parameters, with "
+                "no update during backward, while the tensors SonarAdamW registered stay in memory. Build "
+                "SonarAdamW on the sharded model (after fully_shard; docs/distributed.md, section 4)")
+        self._known.update(id(p) for p in new)
 
     def _forget_deleted_state(self) -> None:
         """Entries the script deleted (``del opt.state[p]``, ``clear()``) since the last step: a
