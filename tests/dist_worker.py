@@ -466,6 +466,7 @@ def run_fsdp2_experts(rank: int, world: int, out: str) -> None:
             say(rank, f"OK fsdp2-experts {name} (peak expert gradient bytes {sst['peak_expert_grad_bytes']} of "
                       f"{shards} in shards)")
         fsdp2_refusals(mesh, node)
+        fsdp2_takeover(rank, mesh, node, corpus)
         fsdp2_checkpoint(rank, mesh, node, corpus, out)
 
 
@@ -513,6 +514,32 @@ def fsdp2_refusals(mesh: Any, node: NodeServer) -> None:
         else:
             raise Mismatch("fsdp2-experts: expert tensors swapped into the groups were not refused")
     say(dist.get_rank(), "OK fsdp2-experts refusals")
+
+
+def fsdp2_takeover(rank: int, mesh: Any, node: NodeServer, corpus: bytes) -> None:
+    """A second SonarAdamW on the same FSDP2 model (a notebook's rebuilt optimizer) takes its expert
+    shards over and trains on as a new torch.optim.AdamW does on the same model."""
+    cfg = tm.MoEConfig(num_layers=2, num_experts=2 * mesh.size(), hidden=32, intermediate=48, seq_len=32)
+    ref, mine = tm.build(cfg, 8), tm.build(cfg, 8)
+    shard_fully(ref, mesh, apart=True)
+    shard_fully(mine, mesh, apart=True)
+    data = tm.batches(corpus, 2, 32, torch.Generator().manual_seed(400 + rank))
+    first: sonar_moe.SonarAdamW | None = None
+    for lr in (2e-3, 1e-3):
+        opts = (torch.optim.AdamW(ref.parameters(), lr=lr),
+                sonar_moe.SonarAdamW(mine, lr=lr, **node.optimizer_kwargs()))
+        first = first or opts[1]
+        for _ in range(2):
+            x = next(data)
+            for model, opt in zip((ref, mine), opts):
+                model(x, labels=x)[0].backward()
+                opt.step()
+                opt.zero_grad()
+            compare(ref, mine, "fsdp2-experts takeover")
+    if first is None or not first.closed:
+        raise Mismatch("fsdp2-experts takeover: the first SonarAdamW was not closed")
+    opts[1].close()
+    say(rank, "OK fsdp2-experts takeover")
 
 
 def fsdp2_checkpoint(rank: int, mesh: Any, node: NodeServer, corpus: bytes, out: str) -> None:

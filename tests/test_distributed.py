@@ -121,12 +121,13 @@ def test_fsdp2_sharded_experts_are_torchs(tmp_path: Path) -> None:
     no module, uneven shards, per-tensor and expert clipping, split_experts; refused at step():
     sharded parameters swapped into the groups (accelerate's FSDP2 preparation). With the experts
     sharded with the layer's dense parameters, the warning that freeing their gradients saves
-    nothing comes once; with the experts apart, not at all. A torch.distributed.checkpoint save and
-    load into new models resumes as torch's does."""
+    nothing comes once; with the experts apart, not at all. A second SonarAdamW on the same model
+    takes it over. A torch.distributed.checkpoint save and load into new models resumes as torch's
+    does."""
     outs = launch("fsdp2-experts", 2, str(tmp_path))
     for r, out in enumerate(outs):
         for case in ("fp32-clip-apart", "bf16-noclip-late", "fp32-accum2-amsgrad-apart", "fp32-fused-late-apart",
-                     "fp32-mixed-bf16-clip", "refusals", "dcp"):
+                     "fp32-mixed-bf16-clip", "refusals", "takeover", "dcp"):
             assert f"[rank {r}] OK fsdp2-experts {case}" in out, out
 
 

@@ -8,12 +8,13 @@ What a script sees stays torch's: the parameter is the same DTensor object, ``op
 ``state_dict()`` hold DTensor moments with the parameter's mesh and placements (:func:`like`),
 and a loaded DTensor state gives its local tensor (:func:`local_state`).
 
-Moving a local shard into shared memory (:func:`adopt`) swaps the parameter's contents for a
-DTensor over the new memory with ``torch.utils.swap_tensors`` (the ``Parameter`` object a
-script and the optimizer hold stays the same one), and then runs the module's
-``load_state_dict`` post-hooks: FSDP2 re-reads each parameter's local tensor there, so that
-its all-gathers read the memory sonard updates (before its first forward, FSDP2's lazy
-initialization would also do it; after it, only these hooks do).
+Moving a local shard into shared memory (:func:`adopt`) points the tensor the DTensor wraps at
+the new memory (``.data``, as for a plain parameter; the wrapped tensor is found through the
+traceable-subclass protocol, ``__tensor_flatten__``), so the ``Parameter`` and its local tensor
+stay the same objects, and then runs the module's ``load_state_dict`` post-hooks: FSDP2
+re-reads each parameter's local tensor there, so that its all-gathers read the memory sonard
+updates (before its first forward, FSDP2's lazy initialization would also do it; after it, only
+these hooks do).
 """
 
 from __future__ import annotations
@@ -99,16 +100,9 @@ def adopt(module: nn.Module | None, name: str, p: nn.Parameter, view: torch.Tens
     """Make ``view`` (filled with p's local values) p's local tensor, in place of the old one."""
     if module is None:
         raise ValueError(f"expert tensor {name} is a DTensor: its model is needed to move it")
-    new = nn.Parameter(like(p, view), requires_grad=p.requires_grad)
-    kept = dict(p.__dict__)  # a script's attributes on the parameter (swap_tensors swaps __dict__ too)
-    try:
-        torch.utils.swap_tensors(p, new)
-        for k, v in kept.items():
-            p.__dict__.setdefault(k, v)
-    except RuntimeError as e:
-        raise RuntimeError(f"expert tensor {name} (a DTensor) could not be moved into shared memory ({e}): build "
-                           "SonarAdamW where nothing else holds the parameter, such as an autograd graph still "
-                           "alive (before a forward, or after its backward)") from e
+    wrapper: Any = p
+    inner, _ = wrapper.__tensor_flatten__()  # a DTensor wraps one tensor: its local one
+    getattr(p, inner[0]).data = view
     # FSDP2 registers a post-hook on each sharded module that re-reads its parameters' local tensors
     # (and pads them); loading nothing runs every module's post-hooks.
     module.load_state_dict({}, strict=False)
