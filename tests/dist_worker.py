@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import ep_moe  # noqa: E402
 import sonar_moe  # noqa: E402
 import tiny_moe as tm  # noqa: E402
+from moe_util import dcp_load, dcp_save  # noqa: E402
 from sonar_moe.distributed import NodeServer, ignore_experts_in_ddp, register_ddp_comm_hook  # noqa: E402
 
 
@@ -545,8 +546,6 @@ def fsdp2_takeover(rank: int, mesh: Any, node: NodeServer, corpus: bytes) -> Non
 def fsdp2_checkpoint(rank: int, mesh: Any, node: NodeServer, corpus: bytes, out: str) -> None:
     """torch.distributed.checkpoint of FSDP2-sharded experts (torchtitan's way): get_state_dict and
     dcp.save, then dcp.load and set_state_dict into new models, resume as torch's AdamW does."""
-    from torch.distributed import checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     cfg = tm.MoEConfig(num_layers=2, num_experts=2 * mesh.size(), hidden=32, intermediate=48, seq_len=32)
     hp: dict[str, Any] = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.99))
 
@@ -569,16 +568,11 @@ def fsdp2_checkpoint(rank: int, mesh: Any, node: NodeServer, corpus: bytes, out:
     train(model, opt, 1)
     train(ref, ropt, 1)
     compare(ref, model, "fsdp2-experts dcp: trained")
-    for name, (m, o) in {"sonar": (model, opt), "torch": (ref, ropt)}.items():
-        msd, osd = get_state_dict(m, o)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=Path(out) / name)
+    dcp_save({"sonar": (model, opt), "torch": (ref, ropt)}, Path(out))
     opt.close()
     model, opt, ref, ropt = build(7)  # other weights: everything comes from the checkpoints
     with opt:
-        for name, (m, o) in {"sonar": (model, opt), "torch": (ref, ropt)}.items():
-            msd, osd = get_state_dict(m, o)
-            dcp.load({"model": msd, "optim": osd}, checkpoint_id=Path(out) / name)  # in place
-            set_state_dict(m, o, model_state_dict=msd, optim_state_dict=osd)
+        dcp_load({"sonar": (model, opt), "torch": (ref, ropt)}, Path(out))
         compare(ref, model, "fsdp2-experts dcp: loaded")
         same_state(ropt.state_dict(), opt.state_dict(), "fsdp2-experts dcp: loaded state")
         train(model, opt, 2)

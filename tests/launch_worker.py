@@ -239,9 +239,9 @@ def run_node(a: argparse.Namespace, accum: int, clip: float) -> None:
 
 def run_dcp(a: argparse.Namespace, accum: int, clip: float) -> None:
     """DDP, SonarAdamW against torch's AdamW, through a torch.distributed.checkpoint save and load."""
-    from torch.distributed import checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from moe_util import dcp_load, dcp_save
 
     dist.init_process_group("gloo")
     cfg = tm.MoEConfig(num_layers=2, num_experts=4, hidden=32, intermediate=48)
@@ -270,15 +270,10 @@ def run_dcp(a: argparse.Namespace, accum: int, clip: float) -> None:
     train(model, opt, 1)
     train(ref, ropt, 1)
     same("trained")
-    for name, (m, o) in {"sonar": (model, opt), "torch": (ref, ropt)}.items():
-        msd, osd = get_state_dict(m, o)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=Path(a.out) / name)
+    dcp_save({"sonar": (model, opt), "torch": (ref, ropt)}, Path(a.out))
     opt.close()
     model, opt, ref, ropt = build(7)  # other weights: everything comes from the checkpoints
-    for name, (m, o) in {"sonar": (model, opt), "torch": (ref, ropt)}.items():
-        msd, osd = get_state_dict(m, o)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=Path(a.out) / name)  # in place
-        set_state_dict(m, o, model_state_dict=msd, optim_state_dict=osd)
+    dcp_load({"sonar": (model, opt), "torch": (ref, ropt)}, Path(a.out))
     same("loaded")
     train(model, opt, 2)
     train(ref, ropt, 2)

@@ -1,10 +1,12 @@
 """A small model with batched expert tensors (HF v5 names), shared by the tests that train it
 against ``torch.optim.AdamW`` (tests/test_zero_copy.py, tests/test_openmp_park.py), and the
-side-by-side training loop they run."""
+side-by-side training loop they run; and the torch.distributed.checkpoint save and load the
+distributed workers (tests/launch_worker.py, tests/dist_worker.py) run for each method."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,3 +64,25 @@ def assert_same_params(model: nn.Module, ref: nn.Module) -> None:
     """Every parameter of model has the bits of ref's."""
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
+
+
+Trained = Mapping[str, tuple[nn.Module, torch.optim.Optimizer]]
+
+
+def dcp_save(runs: Trained, out: Path) -> None:
+    """Each run's model and optimizer (``get_state_dict``) saved by ``dcp.save`` under out/name."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    for name, (model, opt) in runs.items():
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=out / name)
+
+
+def dcp_load(runs: Trained, out: Path) -> None:
+    """Each run's model and optimizer loaded from out/name (``dcp.load`` in place, then ``set_state_dict``)."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    for name, (model, opt) in runs.items():
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=out / name)
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)

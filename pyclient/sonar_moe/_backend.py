@@ -691,10 +691,11 @@ class Transfer(ABC):
         for e, (_, _, state) in zip(es, items):
             for k in STATE_KEYS[:self._n]:
                 src = state.get(k)
-                if src is not None and src.shape != e.param.shape:
+                if src is None:
+                    continue
+                if src.shape != e.param.shape:
                     raise ValueError(f"state {k} of {e.name} has shape {tuple(src.shape)}, want {tuple(e.param.shape)}")
-                if src is not None:
-                    local_state(e.name, k, e.param, src)  # a DTensor's spec is the parameter's
+                local_state(e.name, k, e.param, src)  # a DTensor's spec is the parameter's
         for batch in self._batches(es):
             for i, slot in batch:
                 self._write(es[i], slot, items[i][2])

@@ -48,7 +48,7 @@ class CudaBackend(ServerBackend):
         log.info("sonard updates the expert tensors on %s (%s)", dev, hello.get("cuda"))
 
     def _param_ref(self, e: Expert) -> MemRef:
-        return self._ipc.param_ref(e.param)
+        return self._ipc.param_ref(e.tensor)
 
     def _stage(self, e: Expert, grad: torch.Tensor, owned: bool) -> Staged:
         """Share the gradient by handle and record the event; keep it until the reply."""
@@ -93,7 +93,7 @@ class CudaTransfer(Transfer):
         nbytes = self._n * e.nbytes
         if self._held and self._batch_bytes + nbytes > self.BATCH_BYTES:
             return None
-        views = [torch.zeros_like(e.param, memory_format=torch.contiguous_format) for _ in range(self._n)]
+        views = [torch.zeros_like(e.tensor, memory_format=torch.contiguous_format) for _ in range(self._n)]
         refs = []
         for v in views:
             ref, holder = self._ipc.grad_ref(v)

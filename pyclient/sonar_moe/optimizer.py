@@ -846,10 +846,10 @@ class SonarAdamW(torch.optim.AdamW):
                 "error or an interrupt part-way through a backward, zero_grad() ends that step")
         self._grads_this_step[id(p)] = n
         self._kept_grads.add(id(p))
-        grad = local(p.grad) if p.grad is not None else None  # a DTensor's: the local shard's
-        assert grad is not None
+        assert p.grad is not None
+        grad = local(p.grad)  # a DTensor's: the local shard's
         if self._grad_buffers is not None:
-            self._note_grad_buffer(p, grad)
+            self._note_grad_buffer(self._grad_buffers, p, grad)
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             scale = torch.tensor(self.grad_scaler.get_scale(), dtype=torch.float64)
             if self._fused_unscales(self._group_of(p)):  # torch's fused kernel divides by the scale
@@ -866,11 +866,8 @@ class SonarAdamW(torch.optim.AdamW):
         if self._ends_step:
             self._completed.add(id(p))
 
-    def _note_grad_buffer(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+    def _note_grad_buffer(self, buffers: dict[int, list[Any]], p: torch.Tensor, grad: torch.Tensor) -> None:
         """At the first step: the memory each expert gradient is a view of (see _check_grad_buffers)."""
-        buffers = self._grad_buffers
-        if buffers is None:
-            return
         st = grad.untyped_storage()
         entry = buffers.setdefault(st.data_ptr(), [st.nbytes(), 0, []])
         entry[1] += grad.numel() * grad.element_size()
