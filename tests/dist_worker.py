@@ -4,6 +4,8 @@
     python tests/dist_worker.py ep    RANK WORLD PORT
     python tests/dist_worker.py nodes RANK WORLD PORT RANKS_PER_NODE
     python tests/dist_worker.py fsdp2 RANK WORLD PORT
+    python tests/dist_worker.py fsdp2-experts|hsdp-experts RANK WORLD PORT OUT_DIR
+    python tests/dist_worker.py fsdp2-hf|fsdp1 RANK WORLD PORT
 
 gloo over loopback TCP. Every rank trains SonarAdamW and, in the same process, the reference
 (the same model and DDP set-up with torch.optim.AdamW), compares every parameter bit for bit
@@ -388,6 +390,83 @@ def same_state(ref: dict[str, Any], mine: dict[str, Any], where: str) -> None:
                 raise Mismatch(f"{where}: param {i} {k} differs from torch's")
 
 
+def fsdp2_case(rank: int, mesh: Any, node: NodeServer, corpus: bytes, case: tuple, label: str = "fsdp2-experts") -> None:
+    """Train one of FSDP2_EXPERT_CASES on ``mesh`` (1-D: FSDP2; 2-D: HSDP, replicated over the first
+    dimension, sharded over the second) with SonarAdamW and with torch.optim.AdamW; bitwise after each step."""
+    name, dtype, clip, accum, fused, amsgrad, late = case
+    world = mesh.size(mesh.ndim - 1)  # the ranks a tensor is sharded over
+    cfg = tm.MoEConfig(num_layers=2, num_experts=2 * world, hidden=32, intermediate=48, seq_len=32,
+                       dtype=dtype)
+    ref, mine = tm.build(cfg, 5), tm.build(cfg, 5)
+    experts = set(tm.expert_param_names(ref))
+    shard_fully(ref, mesh, "mixed" in name, "apart" in name)
+    shard_fully(mine, mesh, "mixed" in name, "apart" in name)
+    if late:
+        x = next(tm.batches(corpus, 2, 32, torch.Generator().manual_seed(9)))
+        for model in (ref, mine):
+            model(x, labels=x)[0].backward()
+            model.zero_grad()
+    hp: dict[str, Any] = dict(lr=3e-3, weight_decay=0.05, fused=fused, amsgrad=amsgrad)
+    ropt = torch.optim.AdamW(ref.parameters(), **hp)
+    dense = [p for n, p in ref.named_parameters() if n not in experts]
+    data = tm.batches(corpus, 2 * accum, 32, torch.Generator().manual_seed(300 + rank))
+    held = {n: p for n, p in mine.named_parameters()}
+    for n in experts:
+        setattr(held[n], "tag", n)  # a script's attribute on the parameter stays through the move
+    with warnings.catch_warnings(record=True) as warned, \
+            sonar_moe.SonarAdamW(mine, max_grad_norm=clip, grad_accumulation_steps=accum,
+                                 **node.optimizer_kwargs(), **hp) as opt:
+        warnings.simplefilter("always")
+        got = {n for n, _ in opt.named_expert_parameters()}
+        if got != experts:
+            raise Mismatch(f"{label} {name}: SonarAdamW experts {sorted(got)}, want {sorted(experts)}")
+        moved = [n for n, p in mine.named_parameters() if p is not held[n] or getattr(p, "tag", n) != n]
+        if moved:
+            raise Mismatch(f"{label} {name}: parameters replaced by new objects, or their attributes "
+                           f"lost: {moved}")
+        for step in range(FSDP2_STEPS):
+            micro = next(data).chunk(accum)
+            for m in micro:
+                loss, _ = ref(m, labels=m)
+                loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(dense, clip)
+            ropt.step()
+            ropt.zero_grad()
+            for m in micro:
+                loss, _ = mine(m, labels=m)
+                loss.backward()
+                kept = [n for n, p in mine.named_parameters() if n in experts and p.grad is not None]
+                if kept:
+                    raise Mismatch(f"{label} {name} step {step + 1}: expert gradients kept after "
+                                   f"backward: {kept}")
+            opt.step()
+            opt.zero_grad()
+            compare(ref, mine, f"{label} {name} step {step + 1}")
+            if step == 1:
+                # torch's state, DTensor moments included; loading it again changes nothing (a
+                # copy: torch's load keeps the tensors it is given, which ropt goes on updating)
+                rsd = ropt.state_dict()
+                same_state(rsd, opt.state_dict(), f"{label} {name} state_dict")
+                opt.load_state_dict(copy.deepcopy(rsd))
+                one = next(iter(p for n, p in mine.named_parameters() if n in experts))
+                if type(opt.state[one]["exp_avg"]) is not type(one):
+                    raise Mismatch(f"{label} {name}: opt.state exp_avg is "
+                                   f"{type(opt.state[one]['exp_avg']).__name__}")
+        same_state(ropt.state_dict(), opt.state_dict(), f"{label} {name} final state_dict")
+        sst = opt.stats()
+        if sst["server"]["errors"] or sst["grads_sent"] != FSDP2_STEPS * accum * len(experts):
+            raise Mismatch(f"{label} {name}: stats {sst}")
+        shards = sum(local(p).numel() * p.element_size() for n, p in mine.named_parameters() if n in experts)
+    shared = [w for w in warned if "views of a" in str(w.message)]
+    if len(shared) != ("apart" not in name):
+        raise Mismatch(f"{label} {name}: warnings of gradients in a shared buffer: "
+                       f"{[str(w.message) for w in shared]}")
+    # with torch's AdamW every expert gradient shard would wait for step(); here at most a layer's
+    say(rank, f"OK {label} {name} (peak expert gradient bytes {sst['peak_expert_grad_bytes']} of "
+              f"{shards} in shards)")
+
+
 def run_fsdp2_experts(rank: int, world: int, out: str) -> None:
     """Experts sharded by FSDP2 with everything else (DTensor expert tensors): each rank's sonard
     session updates its local shards, bit for bit as torch.optim.AdamW updates the DTensors."""
@@ -395,80 +474,111 @@ def run_fsdp2_experts(rank: int, world: int, out: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     corpus = tm.load_corpus(100_000)
     with NodeServer() as node:
-        for name, dtype, clip, accum, fused, amsgrad, late in FSDP2_EXPERT_CASES:
-            cfg = tm.MoEConfig(num_layers=2, num_experts=2 * world, hidden=32, intermediate=48, seq_len=32,
-                               dtype=dtype)
-            ref, mine = tm.build(cfg, 5), tm.build(cfg, 5)
-            experts = set(tm.expert_param_names(ref))
-            shard_fully(ref, mesh, "mixed" in name, "apart" in name)
-            shard_fully(mine, mesh, "mixed" in name, "apart" in name)
-            if late:
-                x = next(tm.batches(corpus, 2, 32, torch.Generator().manual_seed(9)))
-                for model in (ref, mine):
-                    model(x, labels=x)[0].backward()
-                    model.zero_grad()
-            hp: dict[str, Any] = dict(lr=3e-3, weight_decay=0.05, fused=fused, amsgrad=amsgrad)
-            ropt = torch.optim.AdamW(ref.parameters(), **hp)
-            dense = [p for n, p in ref.named_parameters() if n not in experts]
-            data = tm.batches(corpus, 2 * accum, 32, torch.Generator().manual_seed(300 + rank))
-            held = {n: p for n, p in mine.named_parameters()}
-            for n in experts:
-                setattr(held[n], "tag", n)  # a script's attribute on the parameter stays through the move
-            with warnings.catch_warnings(record=True) as warned, \
-                    sonar_moe.SonarAdamW(mine, max_grad_norm=clip, grad_accumulation_steps=accum,
-                                         **node.optimizer_kwargs(), **hp) as opt:
-                warnings.simplefilter("always")
-                got = {n for n, _ in opt.named_expert_parameters()}
-                if got != experts:
-                    raise Mismatch(f"fsdp2-experts {name}: SonarAdamW experts {sorted(got)}, want {sorted(experts)}")
-                moved = [n for n, p in mine.named_parameters() if p is not held[n] or getattr(p, "tag", n) != n]
-                if moved:
-                    raise Mismatch(f"fsdp2-experts {name}: parameters replaced by new objects, or their attributes "
-                                   f"lost: {moved}")
-                for step in range(FSDP2_STEPS):
-                    micro = next(data).chunk(accum)
-                    for m in micro:
-                        loss, _ = ref(m, labels=m)
-                        loss.backward()
-                    if clip is not None:
-                        torch.nn.utils.clip_grad_norm_(dense, clip)
-                    ropt.step()
-                    ropt.zero_grad()
-                    for m in micro:
-                        loss, _ = mine(m, labels=m)
-                        loss.backward()
-                        kept = [n for n, p in mine.named_parameters() if n in experts and p.grad is not None]
-                        if kept:
-                            raise Mismatch(f"fsdp2-experts {name} step {step + 1}: expert gradients kept after "
-                                           f"backward: {kept}")
-                    opt.step()
-                    opt.zero_grad()
-                    compare(ref, mine, f"fsdp2-experts {name} step {step + 1}")
-                    if step == 1:
-                        # torch's state, DTensor moments included; loading it again changes nothing (a
-                        # copy: torch's load keeps the tensors it is given, which ropt goes on updating)
-                        rsd = ropt.state_dict()
-                        same_state(rsd, opt.state_dict(), f"fsdp2-experts {name} state_dict")
-                        opt.load_state_dict(copy.deepcopy(rsd))
-                        one = next(iter(p for n, p in mine.named_parameters() if n in experts))
-                        if type(opt.state[one]["exp_avg"]) is not type(one):
-                            raise Mismatch(f"fsdp2-experts {name}: opt.state exp_avg is "
-                                           f"{type(opt.state[one]['exp_avg']).__name__}")
-                same_state(ropt.state_dict(), opt.state_dict(), f"fsdp2-experts {name} final state_dict")
-                sst = opt.stats()
-                if sst["server"]["errors"] or sst["grads_sent"] != FSDP2_STEPS * accum * len(experts):
-                    raise Mismatch(f"fsdp2-experts {name}: stats {sst}")
-                shards = sum(local(p).numel() * p.element_size() for n, p in mine.named_parameters() if n in experts)
-            shared = [w for w in warned if "views of a" in str(w.message)]
-            if len(shared) != ("apart" not in name):
-                raise Mismatch(f"fsdp2-experts {name}: warnings of gradients in a shared buffer: "
-                               f"{[str(w.message) for w in shared]}")
-            # with torch's AdamW every expert gradient shard would wait for step(); here at most a layer's
-            say(rank, f"OK fsdp2-experts {name} (peak expert gradient bytes {sst['peak_expert_grad_bytes']} of "
-                      f"{shards} in shards)")
+        for case in FSDP2_EXPERT_CASES:
+            fsdp2_case(rank, mesh, node, corpus, case)
         fsdp2_refusals(mesh, node)
         fsdp2_takeover(rank, mesh, node, corpus)
         fsdp2_checkpoint(rank, mesh, node, corpus, out)
+
+
+def run_hsdp_experts(rank: int, world: int, out: str) -> None:
+    """HSDP: a 2-D mesh, the experts sharded over its second dimension and replicated over its
+    first (FSDP2 reduce-scatters each gradient, then all-reduces it over the replicas before its
+    hooks run). Each rank's sonard session updates its local shards, bit for bit as torch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    corpus = tm.load_corpus(100_000)
+    with NodeServer() as node:
+        for case in FSDP2_EXPERT_CASES:
+            if case[0] in HSDP_CASES:
+                fsdp2_case(rank, mesh, node, corpus, case, label="hsdp-experts")
+        fsdp2_checkpoint(rank, mesh, node, corpus, out)
+
+
+HSDP_CASES = ("fp32-clip-apart", "bf16-noclip-late", "fp32-mixed-bf16-clip")
+
+
+def run_fsdp1(rank: int, world: int) -> None:
+    """FSDP1 (FullyShardedDataParallel) flattens the expert tensors into its flat parameters
+    (use_orig_params True and False): SonarAdamW warns that it cannot update them and trains
+    them as torch's AdamW does, bit for bit; told they are experts (expert_params=) it refuses,
+    as it refuses max_grad_norm (a rank's own shards' norm), changing nothing."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    corpus = tm.load_corpus(100_000)
+    cfg = tm.MoEConfig(num_layers=2, num_experts=4, hidden=32, intermediate=48, seq_len=32)
+
+    def wrapped(orig: bool) -> FSDP:
+        model = tm.build(cfg, 5)
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(model.layers[0])}), use_orig_params=orig,
+                    device_id=torch.device("cpu"))
+
+    with NodeServer() as node:
+        for orig in (True, False):
+            case = f"use_orig_params={orig}"
+            ref, mine = wrapped(orig), wrapped(orig)
+            hp: dict[str, Any] = dict(lr=3e-3, weight_decay=0.05)
+            ropt = torch.optim.AdamW(ref.parameters(), **hp)
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
+                opt = sonar_moe.SonarAdamW(mine, **node.optimizer_kwargs(), **hp)
+            said = [str(w.message) for w in warned if issubclass(w.category, sonar_moe.NoExpertsWarning)]
+            if len(said) != 1 or "FSDP1" not in said[0] or "experts" not in said[0]:
+                raise Mismatch(f"fsdp1 {case}: warnings {said}")
+            data = tm.batches(corpus, 2, 32, torch.Generator().manual_seed(300 + rank))
+            with opt:
+                for step in range(3):
+                    x = next(data)
+                    ref(x, labels=x)[0].backward()
+                    ref.clip_grad_norm_(0.5)  # FSDP1's own, which SonarAdamW's max_grad_norm is not
+                    ropt.step()
+                    ropt.zero_grad()
+                    mine(x, labels=x)[0].backward()
+                    mine.clip_grad_norm_(0.5)
+                    opt.step()
+                    opt.zero_grad()
+                    compare(ref, mine, f"fsdp1 {case} step {step + 1}")
+            before = [p.detach().clone() for p in mine.parameters()]
+            for what, kwargs, says in (
+                    ("expert_params", dict(expert_params=lambda n, p: ".experts." in n or n.endswith("_flat_param")),
+                     "part of a flat parameter of FSDP1"),
+                    ("max_grad_norm", dict(max_grad_norm=1.0), "FSDP1's own model.clip_grad_norm_")):
+                try:
+                    sonar_moe.SonarAdamW(mine, **kwargs, **node.optimizer_kwargs()).close()
+                except ValueError as e:
+                    if says not in str(e):
+                        raise Mismatch(f"fsdp1 {case} refusal of {what}: {e}") from e
+                else:
+                    raise Mismatch(f"fsdp1 {case}: {what} was not refused")
+            if not all(torch.equal(a, b) for a, b in zip(before, mine.parameters())):
+                raise Mismatch(f"fsdp1 {case}: a refusal changed the parameters")
+            say(rank, f"OK fsdp1 {case}")
+        fsdp1_trainer(wrapped(True), node)
+
+
+def fsdp1_trainer(model: torch.nn.Module, node: NodeServer) -> None:
+    """SonarTrainer on an FSDP1 model (Trainer builds its optimizer after FSDP1 wraps the model):
+    SonarAdamW is built without max_grad_norm, and Trainer's own clipping runs: accelerate's, which
+    under its FSDP plugin (accelerators only) calls the model's clip_grad_norm_ over every rank's
+    shards, and here, without the plugin, torch's over this rank's gradients, the norm compared."""
+    import tempfile
+    from transformers import TrainingArguments
+    from sonar_moe.hf import SonarTrainer
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = TrainingArguments(output_dir=out, max_grad_norm=0.5, report_to=[], use_cpu=True)
+        trainer = SonarTrainer(model=model, args=args, sonar_kwargs=dict(node.optimizer_kwargs()))
+        opt = trainer.create_optimizer(model)
+        if not isinstance(opt, sonar_moe.SonarAdamW) or opt.max_grad_norm is not None or opt.named_expert_parameters():
+            raise Mismatch(f"fsdp1 SonarTrainer built {opt!r} (max_grad_norm {getattr(opt, 'max_grad_norm', '?')})")
+        x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
+        model(x, labels=x)[0].backward()
+        want = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        got = trainer._clip_grad_norm(model)
+        if got is None or not torch.equal(torch.as_tensor(got), want):
+            raise Mismatch(f"fsdp1 SonarTrainer: Trainer's clipping returned {got}, want the norm {want}")
+        opt.close()
+    say(dist.get_rank(), "OK fsdp1 SonarTrainer clips as Trainer")
 
 
 def fsdp2_refusals(mesh: Any, node: NodeServer) -> None:
@@ -631,6 +741,10 @@ def main() -> None:
             run_fsdp2(rank, world)
         elif cmd == "fsdp2-experts":
             run_fsdp2_experts(rank, world, sys.argv[5])
+        elif cmd == "hsdp-experts":
+            run_hsdp_experts(rank, world, sys.argv[5])
+        elif cmd == "fsdp1":
+            run_fsdp1(rank, world)
         elif cmd == "fsdp2-hf":
             run_fsdp2_hf(rank, world)
         elif cmd == "nodes":

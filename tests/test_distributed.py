@@ -142,6 +142,32 @@ def test_fsdp2_sharded_experts_of_transformers_models() -> None:
             assert f"[rank {r}] OK fsdp2-hf {case}" in out, out
 
 
+def test_hsdp_sharded_experts_are_torchs(tmp_path: Path) -> None:
+    """HSDP: 4 ranks on a 2 x 2 mesh, each tensor sharded over 2 ranks and replicated over the
+    other 2, every rank fed its own batches (FSDP2 all-reduces each reduce-scattered gradient over
+    the replicas before SonarAdamW's hook gets it): float32 with clipping, bfloat16 built after
+    the first forward, FSDP2 mixed precision, 4 steps each bit for bit as torch.optim.AdamW, its
+    DTensor state included; a torch.distributed.checkpoint save and load resumes as torch's."""
+    outs = launch("hsdp-experts", 4, str(tmp_path))
+    for r, out in enumerate(outs):
+        for case in ("fp32-clip-apart", "bf16-noclip-late", "fp32-mixed-bf16-clip"):
+            assert f"[rank {r}] OK hsdp-experts {case}" in out, out
+        assert f"[rank {r}] OK fsdp2-experts dcp" in out, out
+
+
+def test_fsdp1_flattened_experts_are_refused_or_stepped_as_torch() -> None:
+    """FSDP1 (FullyShardedDataParallel, use_orig_params True and False) flattens the expert
+    tensors into its flat parameters: SonarAdamW warns that it cannot update them (naming FSDP1 and
+    what to use) and steps everything as torch's AdamW does, bit for bit over 3 steps with FSDP1's
+    own clip_grad_norm_; expert_params= naming them, and max_grad_norm (it would measure a rank's
+    own shards), are refused, leaving the parameters as they were. SonarTrainer builds it without
+    max_grad_norm there and lets Trainer clip."""
+    outs = launch("fsdp1", 2)
+    for r, out in enumerate(outs):
+        for case in ("use_orig_params=True", "use_orig_params=False", "SonarTrainer clips as Trainer"):
+            assert f"[rank {r}] OK fsdp1 {case}" in out, out
+
+
 def test_hand_over_grad_is_the_hook_update() -> None:
     """SonarAdamW.hand_over_grad (the path the DDP hook uses) makes exactly the hook's update:
     with its hooks removed and every expert gradient handed over by the caller, training stays

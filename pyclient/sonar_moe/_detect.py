@@ -95,6 +95,16 @@ def find_experts(module: nn.Module) -> dict[str, ExpertTensor]:
     return found
 
 
+def expert_containers(module: nn.Module) -> list[str]:
+    """The paths of the expert containers in ``module`` (outermost ones only), whatever
+    their parameters look like."""
+    found: list[str] = []
+    for path, m in module.named_modules():
+        if not any(path.startswith(c + ".") for c in found) and _is_container(path, m):
+            found.append(path)
+    return found
+
+
 def _join(path: str, rel: str) -> str:
     return f"{path}.{rel}" if path else rel
 

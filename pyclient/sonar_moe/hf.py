@@ -33,7 +33,9 @@ the all-reduced expert gradients from a DDP communication hook, bitwise equal to
 with stock Trainer (gradient accumulation runs under ``no_sync`` as Trainer does). DDP's buckets
 hold every expert gradient, so under DDP the memory saving is the expert optimizer state only;
 expert parallel keeps the one-layer bound (docs/distributed.md). The ranks of a host share one
-sonard.
+sonard. Under FSDP1 (Trainer's ``fsdp`` without ``fsdp_version: 2``) SonarAdamW warns that it
+cannot update the expert tensors FSDP1 flattened, and steps them as torch does; Trainer then
+clips as it does (FSDP1's own clipping, over every rank's shards), and logs its ``grad_norm``.
 
 Checkpoints: resuming and ``load_best_model_at_end`` load the model's weights in place with the
 checkpoint's layout converted back (``load_weights_in_place``): Trainer 5.23 loads them with
@@ -58,6 +60,7 @@ from transformers import PreTrainedModel, Trainer
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
+from ._fsdp1 import units as fsdp1_units
 from .optimizer import SonarAdamW
 
 log = logging.getLogger("sonar_moe")
@@ -92,6 +95,9 @@ class SonarTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.sonar_kwargs = dict(sonar_kwargs or {})
         self._unclipped_dense_norm: float | None = None
+        # Under FSDP1 SonarAdamW updates no expert tensor in backward (FSDP1 flattened them),
+        # so Trainer's own clipping after backward is right, and FSDP1's (every rank's shards)
+        self._trainer_clips = False
 
     @contextlib.contextmanager
     def _compiled_per_layer(self) -> Iterator[None]:
@@ -141,13 +147,20 @@ class SonarTrainer(Trainer):
                         "the expert gradients summed on the server. Use bf16=True (no loss scaling), or "
                         "gradient_accumulation_steps=1")
                 extra["grad_scaler"] = scaler  # accelerate steps SonarAdamW through it (scaler.step)
+            clip = float(a.max_grad_norm) if a.max_grad_norm and a.max_grad_norm > 0 else None
+            self._trainer_clips = bool(fsdp1_units(target))
             self.optimizer = self._built = SonarAdamW(
                 groups,
-                max_grad_norm=float(a.max_grad_norm) if a.max_grad_norm and a.max_grad_norm > 0 else None,
+                max_grad_norm=None if self._trainer_clips else clip,
                 grad_accumulation_steps=a.gradient_accumulation_steps,
                 model=target,
                 **{**adamw, **extra, **self.sonar_kwargs},
             )
+            if self._trainer_clips and clip is not None and self._built.named_expert_parameters():
+                self._built.close()
+                raise ValueError("SonarTrainer under FSDP1 with expert tensors FSDP1 left unflattened "
+                                 "(ignored_modules): Trainer's clipping after backward would miss their gradients, "
+                                 "already applied. Set max_grad_norm=0, or shard with FSDP2")
         return self.optimizer
 
     def _requested_adamw(self, model: torch.nn.Module | None) -> dict[str, Any]:
@@ -206,7 +219,7 @@ class SonarTrainer(Trainer):
         """Trainer's clipping, which runs after backward: with SonarAdamW nothing is clipped
         here (the expert gradients are already applied; SonarAdamW clips the dense ones in
         step()), and no norm is returned."""
-        if unwrap_sonar(self.optimizer) is None:
+        if unwrap_sonar(self.optimizer) is None or self._trainer_clips:
             return super()._clip_grad_norm(model)
         return None
 
@@ -216,7 +229,7 @@ class SonarTrainer(Trainer):
         dense norm Trainer would measure is measured here the same way, for ``dense_grad_norm``
         (only dense parameters have a gradient at this point)."""
         opt = unwrap_sonar(self.optimizer)
-        if opt is None:
+        if opt is None or self._trainer_clips:
             return super()._get_grad_norm(model, grad_norm)
         if opt.max_grad_norm is None:
             norm = super()._get_grad_norm(model, None)

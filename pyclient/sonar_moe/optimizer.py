@@ -40,6 +40,11 @@ from ._interrupts import HELD
 from ._cuda_backend import CudaBackend
 from ._dtensor import is_dtensor, local, local_state
 from ._dtensor import check as check_dtensor
+from ._fsdp1 import ADVICE as FSDP1_ADVICE
+from ._fsdp1 import CLIPPING as FSDP1_CLIPPING
+from ._fsdp1 import flat_part as fsdp1_flat_part
+from ._fsdp1 import flattened as fsdp1_flattened
+from ._fsdp1 import units as fsdp1_units
 from ._requires import torch_release
 from ._params import ExpertPredicate, expert_slices, group_names, is_expert, module_experts, torch_params
 from ._shm_backend import ShmBackend
@@ -533,13 +538,22 @@ class SonarAdamW(torch.optim.AdamW):
                                        namespace=namespace, zero_copy=zero_copy, clipper=self._clipper,
                                        module=self._module)
         self._server = server
+        if max_grad_norm is not None and fsdp1_units(self._module):
+            raise ValueError(FSDP1_CLIPPING)
+        self._flattened = fsdp1_flattened(self._module)  # expert containers FSDP1 flattened: refused
         self._started = True
         self._adopt(self.param_groups)
         try:
             if self._clipper is not None and any(p.device.type != "cpu" for _, p in self._experts.values()):
                 raise NotImplementedError("expert_clipping scales expert gradients on the server's CPU path only; "
                                           "these expert tensors are on CUDA")
-            if not self._experts:
+            if self._flattened:
+                more = f" and {len(self._flattened) - 1} more" if len(self._flattened) > 1 else ""
+                warnings.warn(NoExpertsWarning(
+                    f"SonarAdamW cannot update the expert tensors of {self._flattened[0]}{more}: it steps them "
+                    f"as plain torch.optim.AdamW does, at step(), with no memory saved. {FSDP1_ADVICE}"),
+                    stacklevel=2)
+            elif not self._experts:
                 warnings.warn(NoExpertsWarning(
                     "SonarAdamW found no expert tensors, so it is plain torch.optim.AdamW here: no sonard, no update "
                     "during backward, no memory saved. Name them with expert_params=lambda name, param: ... (see "
@@ -574,6 +588,9 @@ class SonarAdamW(torch.optim.AdamW):
                 new.append((label, p))
         if not new:
             return
+        flat = [name for name, _ in new if fsdp1_flat_part(name, self._flattened)]
+        if flat:
+            raise ValueError(f"expert tensor {flat[0]} is part of a flat parameter of FSDP1: {FSDP1_ADVICE}")
         self._check_sharded(new)
         _check_unaliased(new, self._tensors_beside(new))
         for _, p in new:
