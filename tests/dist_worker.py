@@ -728,6 +728,93 @@ def run_fsdp2_hf(rank: int, world: int) -> None:
                 say(rank, f"OK fsdp2-hf {case}")
 
 
+# transformers' own distributed loading: from_pretrained(..., distributed_config=DistributedConfig(...)).
+# name, builder, experts_implementation, dtype, DistributedConfig fields, max_grad_norm, accumulation
+HF_DIST_CASES: list[tuple[str, str, str, torch.dtype, dict[str, Any], float | None, int]] = [
+    # tensor parallel: experts sharded on their hidden dims (a strided shard for the packed gate_up_proj),
+    # norms and router plain tensors beside DTensors (clipping over both, as Trainer clips them)
+    ("olmoe-tp-fp32-clip", "tiny_olmoe", "eager", torch.float32, {"tp_size": 2}, 0.5, 1),
+    ("granite-tp-bf16-grouped_mm-accum2", "tiny_granite", "grouped_mm", torch.bfloat16, {"tp_size": 2}, None, 2),
+    # FSDP2 at load with the model's own plan (the experts sharded with their layer: the warning names the plan
+    # entry that gives them a group of their own), then with that entry
+    ("olmoe-fsdp-fp32-clip", "tiny_olmoe", "eager", torch.float32, {"fsdp_size": 2}, 0.5, 1),
+    ("olmoe-fsdp-experts-apart-fp32", "tiny_olmoe", "eager", torch.float32,
+     {"fsdp_size": 2, "fsdp_plan": {"model.layers.*.mlp.experts": "free_full_weight"}}, None, 1),
+    # expert parallel (the experts dispatched over the ranks, sharded on their own mesh), FSDP2 for the rest
+    ("granite-ep-fsdp-fp32-clip", "tiny_granite", "eager", torch.float32, {"ep_size": 2, "fsdp_size": 2}, 1.0, 1),
+]
+
+
+def reference_clip(params: list[torch.Tensor], max_norm: float) -> None:
+    """What transformers' Trainer clips a model it loaded sharded with: torch's clip_grad_norm_,
+    or, where the gradients are DTensors of several meshes or beside plain tensors (which
+    clip_grad_norm_ refuses), Trainer's own per-mesh clipping."""
+    from types import SimpleNamespace
+    from transformers import Trainer
+    from transformers.trainer_optimizer import has_mixed_dtensor
+    if has_mixed_dtensor(p.grad for p in params if p.grad is not None):
+        Trainer._mixed_mesh_grad_norm(cast(Any, None), SimpleNamespace(parameters=lambda: params), max_norm)
+    else:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def run_hf_dist(rank: int, world: int, out: str) -> None:
+    """transformers' OLMoE and GraniteMoe saved, then loaded sharded by transformers itself
+    (DistributedConfig: tensor parallel, FSDP2, expert parallel): SonarAdamW bit for bit as
+    torch.optim.AdamW on the same loaded model, its state_dict included."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+    sys.path.insert(0, str(ROOT / "tests"))
+    import hf_util
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # transformers binds its device by it
+    with NodeServer() as node:
+        for name, builder, impl, dtype, dcfg, clip, accum in HF_DIST_CASES:
+            path = os.path.join(out, name)
+            if rank == 0:
+                getattr(hf_util, builder)(experts_implementation=impl, dtype=dtype, seed=3).save_pretrained(path)
+            dist.barrier()
+            ref, mine = (AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, experts_implementation=impl,
+                distributed_config=DistributedConfig(**dcfg)).train() for _ in range(2))
+            experts = sorted(hf_util.expected_expert_names(ref))
+            hp: dict[str, Any] = dict(lr=2e-3, weight_decay=0.1)
+            ropt = torch.optim.AdamW(ref.parameters(), **hp)
+            dense = [p for n, p in ref.named_parameters() if n not in experts]
+            with warnings.catch_warnings(record=True) as warned, \
+                    sonar_moe.SonarAdamW(mine, max_grad_norm=clip, grad_accumulation_steps=accum,
+                                         **node.optimizer_kwargs(), **hp) as opt:
+                warnings.simplefilter("always")
+                got = sorted(n for n, _ in opt.named_expert_parameters())
+                if got != experts:
+                    raise Mismatch(f"hf-dist {name}: SonarAdamW experts {got}, want {experts}")
+                data = hf_util.text_batches(10)  # the same batches on every rank (tensor parallel needs them)
+                for step in range(3):
+                    micro = [next(data) for _ in range(accum)]
+                    for batch in micro:
+                        ref(**batch).loss.backward()
+                    if clip is not None:
+                        reference_clip(dense, clip)
+                    ropt.step()
+                    ropt.zero_grad()
+                    for batch in micro:
+                        mine(**batch).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    compare(ref, mine, f"hf-dist {name} step {step + 1}")
+                same_state(ropt.state_dict(), opt.state_dict(), f"hf-dist {name} state_dict")
+                sst = opt.stats()
+                layer = max(sum(local(p).numel() * p.element_size() for n, p in mine.named_parameters()
+                                if n in experts and f".layers.{i}." in n) for i in range(hf_util.LAYERS))
+                if sst["server"]["errors"] or sst["peak_expert_grad_bytes"] > layer:
+                    raise Mismatch(f"hf-dist {name}: stats {sst}, one layer's expert shards {layer} bytes")
+            shared = [str(w.message) for w in warned if "views of a" in str(w.message)]
+            want_warning = name == "olmoe-fsdp-fp32-clip"
+            if len(shared) != want_warning or (shared and "fsdp_plan={'model.layers.*.mlp.experts'" not in shared[0]):
+                raise Mismatch(f"hf-dist {name}: warnings of gradients in a shared buffer: {shared}")
+            say(rank, f"OK hf-dist {name} (peak expert gradient bytes {sst['peak_expert_grad_bytes']}, "
+                      f"one layer's shards {layer})")
+
+
 def main() -> None:
     cmd, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     torch.set_num_threads(1)
@@ -743,6 +830,8 @@ def main() -> None:
             run_fsdp2_experts(rank, world, sys.argv[5])
         elif cmd == "hsdp-experts":
             run_hsdp_experts(rank, world, sys.argv[5])
+        elif cmd == "hf-dist":
+            run_hf_dist(rank, world, sys.argv[5])
         elif cmd == "fsdp1":
             run_fsdp1(rank, world)
         elif cmd == "fsdp2-hf":

@@ -155,6 +155,21 @@ def test_hsdp_sharded_experts_are_torchs(tmp_path: Path) -> None:
         assert f"[rank {r}] OK fsdp2-experts dcp" in out, out
 
 
+def test_transformers_distributed_loading_is_torchs(tmp_path: Path) -> None:
+    """transformers' OLMoE and GraniteMoe saved and loaded sharded by transformers itself
+    (``from_pretrained(distributed_config=DistributedConfig(...))``): tensor parallel (float32 with
+    clipping over DTensors and plain tensors as Trainer clips them; bfloat16 grouped_mm with
+    accumulation), FSDP2 with the model's plan (the shared-buffer warning names the fsdp_plan entry)
+    and with the experts in a group of their own, expert parallel with FSDP2: 3 steps each bit for
+    bit as torch.optim.AdamW on the same loaded model, state_dict included, at most one layer of
+    expert gradient shards alive."""
+    outs = launch("hf-dist", 2, str(tmp_path))
+    for r, out in enumerate(outs):
+        for case in ("olmoe-tp-fp32-clip", "granite-tp-bf16-grouped_mm-accum2", "olmoe-fsdp-fp32-clip",
+                     "olmoe-fsdp-experts-apart-fp32", "granite-ep-fsdp-fp32-clip"):
+            assert f"[rank {r}] OK hf-dist {case}" in out, out
+
+
 def test_fsdp1_flattened_experts_are_refused_or_stepped_as_torch() -> None:
     """FSDP1 (FullyShardedDataParallel, use_orig_params True and False) flattens the expert
     tensors into its flat parameters: SonarAdamW warns that it cannot update them (naming FSDP1 and

@@ -1,5 +1,7 @@
-"""Expert tensors that are DTensors: sharded by FSDP2 (``fully_shard``), or any DTensor whose
-placements are ``Shard`` or ``Replicate``.
+"""Expert tensors that are DTensors: sharded by FSDP2 (``fully_shard``), by transformers'
+tensor or expert parallel loading (``tp_plan``, ``distributed_config``), or any DTensor
+whose placements hold the parameter's values (``Shard``, its strided form, ``Replicate``;
+not ``Partial``).
 
 AdamW is element-wise, and on a DTensor torch's AdamW runs its arithmetic on each rank's local
 tensor. So sonard updates each rank's local shard as an expert tensor of its own, and the
@@ -19,13 +21,14 @@ these hooks do).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Shard
 except ImportError:  # a torch built without torch.distributed has no DTensor
     DTensor = None  # type: ignore[assignment,misc]
 
@@ -82,10 +85,9 @@ def check(name: str, p: torch.Tensor) -> None:
         raise NotImplementedError(f"expert tensor {name} is a DTensor on {p.device}: DTensor (FSDP2) expert tensors "
                                   "are supported on CPU; on CUDA this path has not run on a GPU yet")
     mesh, placements = _spec(p)
-    odd = [pl for pl in placements if not isinstance(pl, (Shard, Replicate))]
-    if odd:
-        raise ValueError(f"expert tensor {name} is a DTensor placed as {placements}: only Shard and Replicate "
-                         "placements hold the parameter's own values on each rank")
+    if any(isinstance(pl, Partial) for pl in placements):
+        raise ValueError(f"expert tensor {name} is a DTensor placed as {placements}: a Partial placement holds "
+                         "a term of a sum on each rank, not the parameter's values, which AdamW updates")
     for dim, pl in enumerate(placements):
         if isinstance(pl, Shard) and p.shape[pl.dim] % mesh.size(dim):
             raise ValueError(f"expert tensor {name} is a DTensor of {tuple(p.shape)} sharded as {placements} on "
@@ -111,3 +113,29 @@ def adopt(module: nn.Module | None, name: str, p: nn.Parameter, view: torch.Tens
         raise ValueError(f"expert tensor {name} (a DTensor of {tuple(p.shape)} placed as {_spec(p)[1]}): its "
                          "local shard did not stay in the shared memory sonard updates: FSDP2 moved it into memory "
                          "of its own (it does so for padded shards, and for pinned memory with CPUOffloadPolicy)")
+
+
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_(params, max_norm)``, also where the gradients are
+    DTensors of several meshes or DTensors beside plain tensors, which it refuses (transformers'
+    tensor-parallel loading leaves sharded weights beside replicated norms): the norm of each
+    mesh's gradients (a DTensor norm reduced over its mesh), the norm of those, and each group
+    clipped by it, as transformers' Trainer clips such a model (its ``_mixed_mesh_grad_norm``).
+    Returns the total norm."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    grads: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            mesh = _spec(p.grad)[0] if is_dtensor(p.grad) else None
+            groups.setdefault(mesh, []).append(p)
+            grads.setdefault(mesh, []).append(p.grad)
+    if len(groups) < 2:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = []
+    for mesh in groups:
+        norm: Any = torch.nn.utils.get_total_norm(grads[mesh])
+        norms.append(norm.full_tensor() if is_dtensor(norm) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total

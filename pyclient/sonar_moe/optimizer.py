@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import re
 import statistics
 import subprocess
 import time
@@ -38,7 +39,7 @@ from ._clipping import ExpertClipper
 from ._connection import RequestTrace, SonarError, SonarServerDied
 from ._interrupts import HELD
 from ._cuda_backend import CudaBackend
-from ._dtensor import is_dtensor, local, local_state
+from ._dtensor import clip_grad_norm, is_dtensor, local, local_state
 from ._dtensor import check as check_dtensor
 from ._fsdp1 import ADVICE as FSDP1_ADVICE
 from ._fsdp1 import CLIPPING as FSDP1_CLIPPING
@@ -123,15 +124,17 @@ def dense_foreach(group: Mapping[str, Any], params: list[torch.Tensor], steps: l
     less overhead per tensor (GraniteMoe's 58 dense tensors: 1.35 against 1.83 ms a step,
     docs/results-history.md). Taken there only, with plain float hyper-parameters and neither
     fused, capturable nor differentiable, and float32 ``step`` tensors (a loaded state may hold
-    int64 ones, which the single-tensor path takes and foreach refuses); anything else keeps
-    the group's own flag."""
+    int64 ones, which the single-tensor path takes and foreach refuses), and plain tensors (a
+    ``_foreach_`` operator refuses DTensors mixed with tensors, as transformers' tensor parallel
+    loading leaves them: sharded weights beside replicated norms); anything else keeps the
+    group's own flag."""
     foreach = group["foreach"]
     if foreach is not None or group["fused"] or group["capturable"] or group["differentiable"] or not params:
         return foreach
     if any(isinstance(x, torch.Tensor) for x in (group["lr"], *group["betas"], group["weight_decay"], group["eps"])):
         return foreach
-    if (all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
-            and all(t.dtype == torch.float32 for t in steps)):
+    if (all(type(p) in (torch.Tensor, nn.Parameter) and p.device.type == "cpu" and p.dtype == torch.float32
+            for p in params) and all(t.dtype == torch.float32 for t in steps)):
         return True
     return foreach
 
@@ -904,6 +907,13 @@ class SonarAdamW(torch.optim.AdamW):
                        "freeing them during backward frees no memory until the others go at zero_grad(). FSDP2 "
                        "reduces a group's gradients into one buffer: give the experts a group of their own, "
                        "fully_shard(layer's experts module) before fully_shard(layer)")
+                config = getattr(self._module, "config", None)
+                if getattr(config, "distributed_config", None) is not None:  # sharded by transformers' loading
+                    head = (names[0].split(".experts.")[0] + ".experts" if ".experts." in names[0]
+                            else names[0].rsplit(".", 1)[0])
+                    key = re.sub(r"\.\d+(?=\.|$)", ".*", head)
+                    msg += (f"; transformers shards the model it loads with DistributedConfig(fsdp_size=...): add "
+                            f"fsdp_plan={{{key!r}: 'free_full_weight'}} to it")
                 log.warning("%s", msg)
                 warnings.warn(msg, stacklevel=4)
                 return
@@ -1360,7 +1370,7 @@ class SonarAdamW(torch.optim.AdamW):
         if self._clipper is not None:
             self._clip_globally(dense, dense_grads)
         elif self.max_grad_norm is not None and dense_grads:
-            self.last_dense_grad_norm = torch.nn.utils.clip_grad_norm_(dense, self.max_grad_norm)
+            self.last_dense_grad_norm = clip_grad_norm(dense, self.max_grad_norm)
         for group in self.param_groups:
             sub = dict(group, params=[p for p in group["params"] if id(p) not in self._experts])
             params: list[torch.Tensor] = []
