@@ -1,6 +1,12 @@
 """FSDP2 with the experts sharded too: SonarAdamW against torch.optim.AdamW, per rank.
 
     python bench/fsdp2.py [--model olmoe] [--layers 8] [--hidden 128] [--world 2] [--rounds 3]
+                          [--sharding fsdp2|tp]
+
+``--sharding tp``: instead of ``fully_shard``, the model is saved once and each rank loads it
+tensor-parallel with transformers' own loading (``DistributedConfig(tp_size=world)``: the
+experts sharded on their hidden dimensions, every rank fed the same batches, as tensor
+parallel needs).
 
 Starts one sonard (the node's, as ``NodeServer`` would) and ``--world`` ranks (gloo over
 loopback, one torch thread each). Every rank builds the benchmark's small byte-level config
@@ -84,13 +90,29 @@ def rank_main(a: argparse.Namespace) -> None:
     mesh = init_device_mesh("cpu", (a.world,))
     shape, _, _ = models.small_shape(a.model, a.hidden, a.layers)
     data = tiny_moe.load_corpus(400_000)
-    gen = torch.Generator().manual_seed(1000 + a.rank)
+    tp = a.sharding == "tp"
+    gen = torch.Generator().manual_seed(1000 + (0 if tp else a.rank))  # tensor parallel: the same batches
     batches = [{"input_ids": x, "labels": x} for x in tiny_moe.batches(data, a.batch, a.seq, gen, count=8)]
+    if tp:
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed import DistributedConfig
+        os.environ.setdefault("LOCAL_RANK", str(a.rank))
+        saved = os.path.join(a.model_dir, "model")
+        if a.rank == 0:
+            shape.build(a.impl, torch.float32, seed=7).save_pretrained(saved)
+        dist.barrier()
 
     def build() -> tuple[Any, Any, list[str]]:
-        model = shape.build(a.impl, torch.float32, seed=7)
+        if tp:
+            model = AutoModelForCausalLM.from_pretrained(saved, experts_implementation=a.impl, dtype=torch.float32,
+                                                         distributed_config=DistributedConfig(tp_size=a.world)).train()
+        else:
+            model = shape.build(a.impl, torch.float32, seed=7)
         if a.checkpointing:  # activation checkpointing per layer, as FSDP2 training usually runs
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if tp:
+            experts = [n for n, p in model.named_parameters() if models.is_expert(n, p)]
+            return model, experts, [n for n, _ in model.named_parameters()]
         for layer in model.model.layers:
             if a.experts_group:  # the experts' gradients in a reduce-scatter buffer of their own
                 for name, sub in layer.named_modules():
@@ -199,6 +221,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--methods", default="bd")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing of each layer")
+    ap.add_argument("--sharding", choices=("fsdp2", "tp"), default="fsdp2",
+                    help="fsdp2: fully_shard by hand; tp: transformers' tensor-parallel loading")
     ap.add_argument("--experts-group", action="store_true",
                     help="fully_shard each layer's experts module on its own before the layer")
     ap.add_argument("--sonard", default=os.environ.get("SONARD", str(ROOT / "bin" / "sonard")))
@@ -206,6 +230,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--server", help=argparse.SUPPRESS)
     ap.add_argument("--sonard-pid", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.rank is not None:
         rank_main(a)
@@ -221,7 +246,8 @@ def main() -> None:
             port = free_port()
             argv = [sys.executable, __file__, *sys.argv[1:]]
             ranks = [subprocess.Popen([*argv, "--rank", str(r), "--port", str(port), "--server", address,
-                                       "--sonard-pid", str(server.pid)], stdout=subprocess.PIPE, text=True)
+                                       "--sonard-pid", str(server.pid), "--model-dir", tmp],
+                                      stdout=subprocess.PIPE, text=True)
                      for r in range(a.world)]
             outs = [p.communicate()[0] for p in ranks]
             if any(p.returncode for p in ranks):
@@ -238,10 +264,13 @@ def main() -> None:
 def report(a: argparse.Namespace, got: dict[str, Any]) -> None:
     res = got["results"]
     mib = 1 / 2**20
-    print(f"# FSDP2, experts sharded: {a.model} ({a.impl}), {a.layers} layers, hidden {a.hidden}, "
+    how = "tensor parallel (transformers' loading)" if a.sharding == "tp" else "FSDP2, experts sharded"
+    print(f"# {how}: {a.model} ({a.impl}), {a.layers} layers, hidden {a.hidden}, "
           f"{a.world} ranks, batch {a.batch}x{a.seq} per rank, {a.rounds} rounds x {a.steps} steps")
     print(f"# {common.cpu_model()}, {os.cpu_count()} CPUs, load {common.load_avg()}")
-    print(f"# {'experts sharded as a group of their own' if a.experts_group else 'experts sharded with the layer'}"
+    grouping = ("experts split on their hidden dimensions" if a.sharding == "tp" else
+                "experts sharded as a group of their own" if a.experts_group else "experts sharded with the layer")
+    print(f"# {grouping}"
           f"{', activation checkpointing' if a.checkpointing else ''}; memory: rank 0's heap in use (MiB), plus "
           "for Sonar its shared memory and its share of sonard's state")
     print("| method | step (median) | vs (b) | CPU s/step, all ranks + sonard | vs (b) | peak | when backward returns | "
