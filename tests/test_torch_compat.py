@@ -1678,6 +1678,43 @@ def test_ctrl_c_storm_every_step_after_an_interrupt_is_torchs(ring_layers: int, 
                                                  signal.pthread_sigmask(signal.SIG_BLOCK, []))
 
 
+def test_ctrl_c_inside_step_no_grad_entry_leaves_grad_mode_on() -> None:
+    """A Ctrl-C that lands inside the ``__enter__`` of step()'s ``torch.no_grad()``, after grad
+    mode went off and before the with block starts, left grad mode off for good (its __exit__
+    never runs): the script's next forward built no graph ("element 0 of tensors does not require
+    grad", seen once in the storm above). step() holds SIGINT around it now: the KeyboardInterrupt
+    comes when step() returns, with grad mode on. The SIGINT is sent from a profile hook at the
+    return of torch.set_grad_enabled's __init__ inside no_grad's __enter__, the worst place."""
+    sonar_only()
+    import os
+    import signal
+    model = make_model()
+    fired: list[str] = []
+
+    def on_return(frame: Any, event: str, arg: Any) -> None:
+        back = frame.f_back
+        if (event == "return" and not fired and frame.f_code.co_name == "__init__" and back is not None
+                and back.f_code.co_name == "__enter__" and back.f_code.co_filename.endswith("grad_mode.py")
+                and not torch.is_grad_enabled()):
+            fired.append(back.f_code.co_qualname)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with SonarAdamW(model, **HP) as opt:
+        fwd_bwd(model, *batch(61, 0))
+        assert torch.is_grad_enabled()
+        sys.setprofile(on_return)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                opt.step()
+        finally:
+            sys.setprofile(None)
+        assert fired == ["no_grad.__enter__"], fired
+        assert torch.is_grad_enabled(), "grad mode left off by an interrupted step()"
+        opt.zero_grad()
+        fwd_bwd(model, *batch(61, 1))  # builds a graph again
+        opt.step()
+
+
 def test_options_changed_between_backward_and_step_warn() -> None:
     """An lr (or maximize, ...) set between the last backward and step() is used by torch at
     that step; the expert updates were made during backward with the old one, so SonarAdamW

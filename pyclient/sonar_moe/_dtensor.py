@@ -115,6 +115,13 @@ def adopt(module: nn.Module | None, name: str, p: nn.Parameter, view: torch.Tens
                          "of its own (it does so for padded shards, and for pinned memory with CPUOffloadPolicy)")
 
 
+def one_kind(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are all plain tensors, or all DTensors of one mesh: what one
+    ``_foreach_`` operator takes (it refuses DTensors beside tensors, and meshes apart)."""
+    meshes = {_spec(t)[0] if is_dtensor(t) else None for t in tensors}
+    return len(meshes) <= 1
+
+
 def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_(params, max_norm)``, also where the gradients are
     DTensors of several meshes or DTensors beside plain tensors, which it refuses (transformers'

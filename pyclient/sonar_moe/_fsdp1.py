@@ -35,17 +35,17 @@ ADVICE = ("FSDP1 (FullyShardedDataParallel) flattens each wrapped unit's paramet
           "Shard with FSDP2 instead (torch.distributed.fsdp.fully_shard; each layer's experts module "
           "first, docs/distributed.md, section 4), or use DDP")
 
+CLIPPING = ("max_grad_norm under FSDP1 (FullyShardedDataParallel) would clip each rank's gradients by the norm "
+            "of its own shards (FSDP1's gradients are plain tensors, torch.nn.utils.clip_grad_norm_ cannot see "
+            "the other ranks'). Call FSDP1's own model.clip_grad_norm_(max_norm) before step() instead, which "
+            "measures every rank's shards")
+
 
 def units(module: nn.Module | None) -> list[str]:
     """The paths of the FSDP1 units in ``module``."""
     if module is None or FullyShardedDataParallel is None:
         return []
     return [path for path, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
-
-CLIPPING = ("max_grad_norm under FSDP1 (FullyShardedDataParallel) would clip each rank's gradients by the norm "
-            "of its own shards (FSDP1's gradients are plain tensors, torch.nn.utils.clip_grad_norm_ cannot see "
-            "the other ranks'). Call FSDP1's own model.clip_grad_norm_(max_norm) before step() instead, which "
-            "measures every rank's shards")
 
 
 def flattened(module: nn.Module | None) -> list[str]:

@@ -149,18 +149,19 @@ class SonarTrainer(Trainer):
                 extra["grad_scaler"] = scaler  # accelerate steps SonarAdamW through it (scaler.step)
             clip = float(a.max_grad_norm) if a.max_grad_norm and a.max_grad_norm > 0 else None
             self._trainer_clips = bool(fsdp1_units(target))
-            self.optimizer = self._built = SonarAdamW(
+            opt = SonarAdamW(
                 groups,
                 max_grad_norm=None if self._trainer_clips else clip,
                 grad_accumulation_steps=a.gradient_accumulation_steps,
                 model=target,
                 **{**adamw, **extra, **self.sonar_kwargs},
             )
-            if self._trainer_clips and clip is not None and self._built.named_expert_parameters():
-                self._built.close()
+            if self._trainer_clips and clip is not None and opt.named_expert_parameters():
+                opt.close()
                 raise ValueError("SonarTrainer under FSDP1 with expert tensors FSDP1 left unflattened "
                                  "(ignored_modules): Trainer's clipping after backward would miss their gradients, "
                                  "already applied. Set max_grad_norm=0, or shard with FSDP2")
+            self.optimizer = self._built = opt
         return self.optimizer
 
     def _requested_adamw(self, model: torch.nn.Module | None) -> dict[str, Any]:

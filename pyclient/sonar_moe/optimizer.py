@@ -39,7 +39,7 @@ from ._clipping import ExpertClipper
 from ._connection import RequestTrace, SonarError, SonarServerDied
 from ._interrupts import HELD
 from ._cuda_backend import CudaBackend
-from ._dtensor import clip_grad_norm, is_dtensor, local, local_state
+from ._dtensor import clip_grad_norm, is_dtensor, local, local_state, one_kind
 from ._dtensor import check as check_dtensor
 from ._fsdp1 import ADVICE as FSDP1_ADVICE
 from ._fsdp1 import CLIPPING as FSDP1_CLIPPING
@@ -124,17 +124,17 @@ def dense_foreach(group: Mapping[str, Any], params: list[torch.Tensor], steps: l
     less overhead per tensor (GraniteMoe's 58 dense tensors: 1.35 against 1.83 ms a step,
     docs/results-history.md). Taken there only, with plain float hyper-parameters and neither
     fused, capturable nor differentiable, and float32 ``step`` tensors (a loaded state may hold
-    int64 ones, which the single-tensor path takes and foreach refuses), and plain tensors (a
-    ``_foreach_`` operator refuses DTensors mixed with tensors, as transformers' tensor parallel
-    loading leaves them: sharded weights beside replicated norms); anything else keeps the
-    group's own flag."""
+    int64 ones, which the single-tensor path takes and foreach refuses), and tensors of one kind
+    (all plain, or DTensors of one mesh: a ``_foreach_`` operator refuses DTensors beside
+    tensors, as transformers' tensor-parallel loading leaves them, sharded weights beside
+    replicated norms); anything else keeps the group's own flag."""
     foreach = group["foreach"]
     if foreach is not None or group["fused"] or group["capturable"] or group["differentiable"] or not params:
         return foreach
     if any(isinstance(x, torch.Tensor) for x in (group["lr"], *group["betas"], group["weight_decay"], group["eps"])):
         return foreach
-    if (all(type(p) in (torch.Tensor, nn.Parameter) and p.device.type == "cpu" and p.dtype == torch.float32
-            for p in params) and all(t.dtype == torch.float32 for t in steps)):
+    if (all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params) and one_kind(params)
+            and all(t.dtype == torch.float32 for t in steps)):
         return True
     return foreach
 
@@ -1253,12 +1253,20 @@ class SonarAdamW(torch.optim.AdamW):
     # under a disabled method through the bound method's attributes and called it without self
     # ("step() missing 1 required positional argument: 'self'"); 2.15 does not.
     @torch.compiler.disable
-    @torch.no_grad()
     def _step_as_written(self, closure: Callable[[], float] | None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # SIGINT held from before torch.no_grad() is entered until after it is left: a Ctrl-C
+        # inside its __enter__, after grad mode went off, would leave it off for good (its
+        # __exit__ never runs), and the script's next forward would build no graph
+        with HELD:
+            self._step_held()
+        return loss
+
+    @torch.no_grad()
+    def _step_held(self) -> None:
         self._check_usable()
         self._check_swapped()
         self._forget_deleted_state()
@@ -1287,7 +1295,6 @@ class SonarAdamW(torch.optim.AdamW):
                 self._order_state()
             finally:
                 self._end_step()
-        return loss
 
     def _check_swapped(self) -> None:
         """Refuse expert tensors that a script put into the groups in place of others (accelerate's
