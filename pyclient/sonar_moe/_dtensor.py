@@ -115,11 +115,15 @@ def adopt(module: nn.Module | None, name: str, p: nn.Parameter, view: torch.Tens
                          "of its own (it does so for padded shards, and for pinned memory with CPUOffloadPolicy)")
 
 
+def _mesh(t: torch.Tensor) -> Any:
+    """A DTensor's mesh; None for a plain tensor."""
+    return _spec(t)[0] if is_dtensor(t) else None
+
+
 def one_kind(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether ``tensors`` are all plain tensors, or all DTensors of one mesh: what one
     ``_foreach_`` operator takes (it refuses DTensors beside tensors, and meshes apart)."""
-    meshes = {_spec(t)[0] if is_dtensor(t) else None for t in tensors}
-    return len(meshes) <= 1
+    return len({_mesh(t) for t in tensors}) <= 1
 
 
 def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -130,17 +134,14 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Ten
     clipped by it, as transformers' Trainer clips such a model (its ``_mixed_mesh_grad_norm``).
     Returns the total norm."""
     groups: dict[Any, list[torch.Tensor]] = {}
-    grads: dict[Any, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            mesh = _spec(p.grad)[0] if is_dtensor(p.grad) else None
-            groups.setdefault(mesh, []).append(p)
-            grads.setdefault(mesh, []).append(p.grad)
+            groups.setdefault(_mesh(p.grad), []).append(p)
     if len(groups) < 2:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     norms = []
-    for mesh in groups:
-        norm: Any = torch.nn.utils.get_total_norm(grads[mesh])
+    for group in groups.values():
+        norm: Any = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None])
         norms.append(norm.full_tensor() if is_dtensor(norm) else norm)
     total = torch.linalg.vector_norm(torch.stack(norms))
     for group in groups.values():

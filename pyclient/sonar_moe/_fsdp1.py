@@ -56,8 +56,7 @@ def flattened(module: nn.Module | None) -> list[str]:
     modules = dict(module.named_modules())
     out = []
     for path in expert_containers(module):
-        inside = any(u == "" or path.startswith(u + ".") for u in wrapped)
-        if inside and all(p.dim() < 2 for p in modules[path].parameters()):
+        if _under(path, wrapped) and all(p.dim() < 2 for p in modules[path].parameters()):
             out.append(path)
     return out
 
@@ -67,4 +66,9 @@ def flat_part(name: str, containers: list[str]) -> bool:
     one: a parameter of one of the flattened ``containers``."""
     if containers and name.rsplit(".", 1)[-1] == "_flat_param":
         return True
-    return any(c == "" or name.startswith(c + ".") for c in containers)
+    return _under(name, containers)
+
+
+def _under(name: str, paths: list[str]) -> bool:
+    """Whether ``name`` lies inside one of the modules at ``paths`` ("" is the root)."""
+    return any(p == "" or name.startswith(p + ".") for p in paths)
