@@ -34,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from compat_util import (
     DTYPE_IDS,
     DTYPES,
+    IN,
     REFERENCE,
     SonarAdamW,
     TinyExpertModel,
@@ -292,6 +293,88 @@ def test_second_backward_before_step_raises(how: str) -> None:
                 fwd_bwd(model, *batch(5, 2))
         assert_snapshot_equal(snap, model, "after the refused second backward")
         assert_state_dicts_equal(opt.state_dict(), sd, "after the refused second backward")
+
+
+# torch keeps every .grad until the script zeroes it: a backward with no zero_grad() since the
+# last step() adds to those gradients, a second step() with no backward applies them again.
+# SonarAdamW consumed the expert gradients during the last backward, so both trained
+# differently, silently (red team, 2026-12-06). Now refused before anything changes; then
+# zero_grad() and the run goes on as torch's.
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("how", ["no_zero_grad", "step_twice", "no_zero_grad_by_model"])
+def test_gradients_not_zeroed_between_steps_are_refused(dtype: torch.dtype, how: str) -> None:
+    model = make_model(dtype, num_layers=3)
+    ref = clone_model(model)
+    ropt = torch.optim.AdamW(ref.parameters(), **HP)
+    with SonarAdamW(model, **HP) as opt:
+        run_both(ref, ropt, model, opt, 2, seed=31, where=how, dtype=dtype)
+        snap, sd = snapshot(model), copy.deepcopy(opt.state_dict())
+        if how == "step_twice":
+            with pytest.raises(RuntimeError, match="step\\(\\) called again with no backward"):
+                opt.step()
+        else:
+            if how == "no_zero_grad_by_model":  # zeroed, then a step: model.zero_grad() is seen as such
+                model.zero_grad()
+                fwd_bwd(model, *batch(31, 2, dtype))
+                opt.step()
+                ref.zero_grad()
+                fwd_bwd(ref, *batch(31, 2, dtype))
+                ropt.step()
+                assert_models_equal(ref, model, "after model.zero_grad()")
+                snap, sd = snapshot(model), copy.deepcopy(opt.state_dict())
+            with pytest.raises(RuntimeError, match="were not zeroed.*embed.weight still holds its .grad"):
+                fwd_bwd(model, *batch(31, 3, dtype))
+        assert_snapshot_equal(snap, model, f"{how}: after the refusal")
+        assert_state_dicts_equal(opt.state_dict(), sd, f"{how}: after the refusal")
+        run_both(ref, ropt, model, opt, 3, seed=31, where=f"{how}, after zero_grad()", dtype=dtype, first=4)
+        assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), how)
+
+
+class ScaledInput(torch.nn.Module):
+    """A learned scale of the input, outside the model: autograd reaches it last."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor([1.1, 0.9, 1.05, 0.95] * (IN // 4), dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+# Every way a script zeroes gradients is seen as zeroing (nothing is refused): the module's
+# zero_grad (Trainer's), with or without set_to_none, and .grad = None by hand. A tensor of
+# another module in the groups that the script never zeroes (model.zero_grad() only) is summed
+# over steps by torch and by SonarAdamW alike: not taken for an unzeroed model.
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("how", ["model", "model_keep_grads", "by_hand", "outside_module_never_zeroed"])
+def test_every_way_of_zeroing_trains_as_torch(dtype: torch.dtype, how: str) -> None:
+    model = make_model(dtype, num_layers=3)
+    ref = clone_model(model)
+    pre, rpre = ScaledInput(dtype), ScaledInput(dtype)
+    def groups(m: torch.nn.Module, p: torch.nn.Module) -> list[dict[str, Any]]:
+        return [{"params": list(m.parameters())}, {"params": list(p.parameters()), "weight_decay": 0.0}]
+
+    with SonarAdamW(groups(model, pre), model=model, **HP) as opt:
+        ropt = torch.optim.AdamW(groups(ref, rpre), **HP)
+        for s in range(5):
+            x, y = batch(33, s, dtype)
+            for m, p, o in ((ref, rpre, ropt), (model, pre, opt)):
+                if how == "model":
+                    m.zero_grad()
+                    p.zero_grad()
+                elif how == "model_keep_grads":
+                    m.zero_grad(set_to_none=False)
+                    p.zero_grad(set_to_none=False)
+                elif how == "by_hand":
+                    for q in [*m.parameters(), *p.parameters()]:
+                        q.grad = None
+                else:
+                    m.zero_grad()
+                loss_of(m, p(x), y).backward()
+                o.step()
+            assert_models_equal(ref, model, f"{how}, step {s + 1}")
+            assert torch.equal(rpre.scale, pre.scale), f"{how}, step {s + 1}: the input scale"
+        assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), how)
 
 
 # TestOptimRenewed has no accumulation test; this is torch's usual accumulation (loss / k per
@@ -1404,6 +1487,7 @@ def test_zero_grad_after_an_interrupted_backward_warns_and_trains_on() -> None:
     model.embed.weight.register_hook(boom)  # the last gradient of backward: every layer's experts were updated
     with SonarAdamW(model, **HP) as opt:
         train_step(model, opt, *batch(51, 0))
+        opt.zero_grad()
         fail["on"] = True
         with pytest.raises(MemoryError):
             fwd_bwd(model, *batch(51, 1))
@@ -1485,6 +1569,7 @@ def test_ctrl_c_while_sending_an_update_leaves_the_optimizer_usable(when: str) -
     model = make_model()
     with SonarAdamW(model, **HP, timeout=10.0) as opt:
         train_step(model, opt, *batch(53, 0))
+        opt.zero_grad()
         with InterruptSend(when) as hit, pytest.raises(KeyboardInterrupt):
             fwd_bwd(model, *batch(53, 1))
         assert not hit.armed
@@ -1569,6 +1654,7 @@ def test_amsgrad_changed_between_steps_is_refused_before_anything_changes() -> N
         p = named(model, "layers.0.mlp.experts.gate_up_proj")
         assert torch.equal(opt.state[p]["max_exp_avg_sq"], ropt.state[named(ref, "layers.0.mlp.experts.gate_up_proj")]["max_exp_avg_sq"])
         before = snapshot(model)
+        opt.zero_grad()
         with pytest.raises(ValueError, match="amsgrad=False.*registered, with amsgrad=True"):
             fwd_bwd(model, *batch(57, 2))
         assert_snapshot_equal(before, model, "after the refusal", expert_names(model))

@@ -118,6 +118,8 @@ class DDPExpertHook:
                .get_future().then(lambda f: f.value()[0]))
         self.counts["buckets"] += 1
         if not self._queued:
+            # before this step's first all-reduce: every rank refuses alike, none is left waiting
+            self.opt.check_new_step("DDP was handed the gradients")
             self._syncs_since_step += 1
             if self._syncs_since_step > 1:
                 raise RuntimeError(

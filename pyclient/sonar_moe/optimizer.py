@@ -49,6 +49,7 @@ from ._fsdp1 import units as fsdp1_units
 from ._requires import torch_release
 from ._params import ExpertPredicate, expert_slices, group_names, is_expert, module_experts, torch_params
 from ._shm_backend import ShmBackend
+from ._zeroing import AppliedGrads
 
 log = logging.getLogger("sonar_moe")
 
@@ -525,6 +526,9 @@ class SonarAdamW(torch.optim.AdamW):
         # whose .grad zero_grad(set_to_none=False) would have made a zero tensor: torch steps
         # those with it when a backward gives them no gradient, and adds a new one to it.
         self._kept_grads: set[int] = set()
+        # What the last step() applied, until its gradients are seen zeroed (_check_zeroed):
+        # None after zero_grad() and once the next step's first expert gradient was let through
+        self._applied: AppliedGrads | None = None
         # The first step's expert gradients by the memory they are views of (None once looked at):
         # address -> [that memory's bytes, the expert gradients' bytes in it, their names]
         self._grad_buffers: dict[int, list[Any]] | None = {}
@@ -839,6 +843,8 @@ class SonarAdamW(torch.optim.AdamW):
         with HELD:  # as _updating(), written out: this runs once per expert gradient
             self._busy += 1
             try:
+                if self._applied is not None:
+                    self.check_new_step(f"expert tensor {self._experts[id(p)][0]} received a gradient")
                 self._take(p)
             finally:
                 self._busy -= 1
@@ -989,8 +995,28 @@ class SonarAdamW(torch.optim.AdamW):
                              f"match {entry[0]} {tuple(param.shape)} {param.dtype} {param.device}")
         self._check_usable()
         self._backend.check(param)  # type: ignore[arg-type]
+        if self._applied is not None:
+            self.check_new_step(f"expert tensor {entry[0]} received a gradient")
         with self._updating():
             self._hand_over(param, grad, owned=False)
+
+    def check_new_step(self, what: str) -> None:
+        """At a step's first expert gradient (``what`` says where it came): refuse it, before
+        anything changes, where the last step()'s gradients were not zeroed (see _zeroing): torch
+        would add this backward's gradients to the ones it keeps, SonarAdamW consumed the expert
+        ones during the last backward. Once a step: a no-op until the next step().
+        ``sonar_moe.distributed`` calls it before DDP all-reduces the step's first bucket."""
+        if self._applied is None:
+            return
+        held = self._applied.still_held() if self._applied.experts else None
+        if held is not None:
+            raise RuntimeError(
+                f"{what} of a new step, but the gradients the last step() applied were not zeroed ({self._names.get(id(held)) or self._label(held)} still holds its .grad): torch would "
+                "add this backward's gradients to them and apply the sums, while SonarAdamW applied the expert "
+                "gradients during the last backward and no longer has them. Call opt.zero_grad() (or "
+                "model.zero_grad()) after each step(); to sum k backward passes into one step pass "
+                "grad_accumulation_steps=k. Nothing of this backward was applied")
+        self._applied = None
 
     def _hand_over(self, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
         """Hand one expert gradient to the backend. owned: grad is p.grad, freed there."""
@@ -1055,6 +1081,7 @@ class SonarAdamW(torch.optim.AdamW):
             with HELD:
                 self._abandon_step()
         super().zero_grad(set_to_none)
+        self._applied = None
         if set_to_none:
             self._kept_grads.clear()
             self._zeroed_grads.clear()
@@ -1269,6 +1296,7 @@ class SonarAdamW(torch.optim.AdamW):
     def _step_held(self) -> None:
         self._check_usable()
         self._check_swapped()
+        self._check_stepped_again()
         self._forget_deleted_state()
         # Set by GradScaler.step around this call (this class supports AMP scaling itself): the
         # scale the dense gradients still carry (None: already unscaled), whether any overflowed.
@@ -1293,8 +1321,30 @@ class SonarAdamW(torch.optim.AdamW):
                 self._warn_late_changes()
                 self._dense_step(grad_scale, found_inf)
                 self._order_state()
+                self._applied = AppliedGrads(self._zeroing_witnesses(), self._advanced)
             finally:
                 self._end_step()
+
+    def _check_stepped_again(self) -> None:
+        """step() with no backward and no zero_grad() since the last one: torch would apply the
+        gradients it keeps again, the expert ones included, which SonarAdamW no longer has."""
+        if (self._applied is None or not self._applied.experts or self._handed_over_since_step
+                or self._grads_this_step or any(p.grad is not None for _, p in self._experts.values())):
+            return
+        held = self._applied.still_held()
+        if held is not None:
+            raise RuntimeError(
+                f"step() called again with no backward and no zero_grad() since the last step() "
+                f"({self._names.get(id(held)) or self._label(held)} still holds the .grad it applied): torch would apply the gradients it "
+                "keeps once more, the expert tensors' too, which SonarAdamW applied during the backward and no "
+                "longer has. Nothing was stepped. Call zero_grad() and backward() between steps")
+
+    def _zeroing_witnesses(self) -> list[nn.Parameter]:
+        """The dense tensors whose gradients show whether the script zeroes the experts' (see
+        _zeroing): the module's, where a module is known (model.zero_grad() zeroes those, not a
+        tensor of another module a script put in the groups), else every dense tensor."""
+        dense = self.dense_parameters()
+        return dense if self._module is None else [p for p in dense if id(p) in self._names]
 
     def _check_swapped(self) -> None:
         """Refuse expert tensors that a script put into the groups in place of others (accelerate's

@@ -1,0 +1,40 @@
+"""Whether the gradients a ``step()`` applied were zeroed before the next step.
+
+torch's AdamW keeps every ``.grad`` until the script zeroes it: a backward with no
+``zero_grad()`` since the last ``step()`` adds its gradients to those, and a second ``step()``
+with no backward applies them again. SonarAdamW consumes each expert gradient during backward,
+so in both cases it would train differently, silently (red team, 2026-12-06). It cannot see
+``model.zero_grad()`` (the module's, which Trainer calls), only its own ``zero_grad()``; what it
+can see is the dense gradients the step applied. A dense gradient still in its ``.grad``
+afterwards, the same tensor at the same version, was not zeroed: ``zero_grad()`` sets it to
+``None`` or zeroes it in place (a new version), and a backward that reaches that tensor adds to
+it in place (a new version) or replaces it. Where the script never zeroes, the dense tensors
+autograd reaches after the first expert gradient (the embeddings, the layers below) still hold
+theirs then.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+
+class AppliedGrads:
+    """The dense gradients one ``step()`` applied, and the expert tensors it updated (torch would
+    still hold a ``.grad`` for each of those)."""
+
+    def __init__(self, dense: Iterable[torch.Tensor], experts: Iterable[int]) -> None:
+        # the tensor held weakly: zero_grad() frees it; its version counter (Tensor._version,
+        # which torch's own tests read) changes with every in-place write
+        self._grads = [(p, weakref.ref(p.grad), p.grad._version) for p in dense if p.grad is not None]
+        self.experts = frozenset(experts)
+
+    def still_held(self) -> torch.Tensor | None:
+        """A dense tensor whose ``.grad`` is still the one the step applied, unchanged (None: none)."""
+        for p, ref, version in self._grads:
+            g = p.grad
+            if g is not None and g is ref() and g._version == version:
+                return p
+        return None
