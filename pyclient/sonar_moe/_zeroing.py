@@ -11,6 +11,10 @@ afterwards, the same tensor at the same version, was not zeroed: ``zero_grad()``
 it in place (a new version) or replaces it. Where the script never zeroes, the dense tensors
 autograd reaches after the first expert gradient (the embeddings, the layers below) still hold
 theirs then.
+
+The same gradients tell how ``model.zero_grad()`` zeroed: in place (``set_to_none=False``: the
+same tensors, zeroed) or to None. After the first, torch steps an expert tensor the next backward
+gives no gradient with the zero it keeps, as after ``opt.zero_grad(set_to_none=False)``.
 """
 
 from __future__ import annotations
@@ -28,8 +32,18 @@ class AppliedGrads:
     def __init__(self, dense: Iterable[torch.Tensor], experts: Iterable[int]) -> None:
         # the tensor held weakly: zero_grad() frees it; its version counter (Tensor._version,
         # which torch's own tests read) changes with every in-place write
-        self._grads = [(p, weakref.ref(p.grad), p.grad._version) for p in dense if p.grad is not None]
+        grads = ((p, p.grad) for p in dense)
+        self._grads = [(p, weakref.ref(g), g._version) for p, g in grads if g is not None]
         self.experts = frozenset(experts)
+
+    def zeroed_in_place(self) -> bool | None:
+        """How the script zeroed the gradients since that step (by ``model.zero_grad()`` or by
+        hand; None: no dense gradient to tell by). True: in place (``set_to_none=False``): a dense
+        tensor holds the same gradient tensor (zeroed, maybe added to since). False: set to None:
+        each holds None or another tensor."""
+        if not self._grads:
+            return None
+        return any(g is not None and g is ref() for g, ref in ((p.grad, ref) for p, ref, _ in self._grads))
 
     def still_held(self) -> torch.Tensor | None:
         """A dense tensor whose ``.grad`` is still the one the step applied, unchanged (None: none)."""

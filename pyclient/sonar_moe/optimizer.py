@@ -526,9 +526,10 @@ class SonarAdamW(torch.optim.AdamW):
         # whose .grad zero_grad(set_to_none=False) would have made a zero tensor: torch steps
         # those with it when a backward gives them no gradient, and adds a new one to it.
         self._kept_grads: set[int] = set()
-        # What the last step() applied, until its gradients are seen zeroed (_check_zeroed):
-        # None after zero_grad() and once the next step's first expert gradient was let through
+        # What the last step() applied (None after this optimizer's zero_grad(), which says how
+        # it zeroes); whether the step's first expert gradient found it zeroed (check_new_step)
         self._applied: AppliedGrads | None = None
+        self._zeroing_seen = False
         # The first step's expert gradients by the memory they are views of (None once looked at):
         # address -> [that memory's bytes, the expert gradients' bytes in it, their names]
         self._grad_buffers: dict[int, list[Any]] | None = {}
@@ -1006,17 +1007,20 @@ class SonarAdamW(torch.optim.AdamW):
         would add this backward's gradients to the ones it keeps, SonarAdamW consumed the expert
         ones during the last backward. Once a step: a no-op until the next step().
         ``sonar_moe.distributed`` calls it before DDP all-reduces the step's first bucket."""
-        if self._applied is None:
+        if self._applied is None or self._zeroing_seen:
             return
         held = self._applied.still_held() if self._applied.experts else None
         if held is not None:
             raise RuntimeError(
-                f"{what} of a new step, but the gradients the last step() applied were not zeroed ({self._names.get(id(held)) or self._label(held)} still holds its .grad): torch would "
-                "add this backward's gradients to them and apply the sums, while SonarAdamW applied the expert "
-                "gradients during the last backward and no longer has them. Call opt.zero_grad() (or "
-                "model.zero_grad()) after each step(); to sum k backward passes into one step pass "
-                "grad_accumulation_steps=k. Nothing of this backward was applied")
-        self._applied = None
+                f"{what} of a new step, but the gradients the last step() applied were not zeroed "
+                f"({self._name_of(held)} still holds its .grad): torch would add this backward's gradients to them "
+                "and apply the sums, while SonarAdamW applied the expert gradients during the last backward and no "
+                "longer has them. Call opt.zero_grad() (or model.zero_grad()) after each step(); to sum k backward "
+                "passes into one step pass grad_accumulation_steps=k. Nothing of this backward was applied")
+        self._zeroing_seen = True
+
+    def _name_of(self, p: torch.Tensor) -> str:
+        return self._names.get(id(p)) or self._label(p)
 
     def _hand_over(self, p: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
         """Hand one expert gradient to the backend. owned: grad is p.grad, freed there."""
@@ -1081,7 +1085,7 @@ class SonarAdamW(torch.optim.AdamW):
             with HELD:
                 self._abandon_step()
         super().zero_grad(set_to_none)
-        self._applied = None
+        self._applied = None  # how this zeroes is known: _kept_grads and _zeroed_grads below
         if set_to_none:
             self._kept_grads.clear()
             self._zeroed_grads.clear()
@@ -1315,6 +1319,8 @@ class SonarAdamW(torch.optim.AdamW):
                     if p.grad is not None and i not in self._overflowed:
                         self._take(p)
                 if not self._external_grads:
+                    if self._applied is not None:
+                        self._follow_zeroing(self._applied)
                     if self._zeroed_grads and not (found_inf is not None and bool(found_inf.item())):
                         self._step_zeroed_grads()
                 self._drain()
@@ -1322,22 +1328,35 @@ class SonarAdamW(torch.optim.AdamW):
                 self._dense_step(grad_scale, found_inf)
                 self._order_state()
                 self._applied = AppliedGrads(self._zeroing_witnesses(), self._advanced)
+                self._zeroing_seen = False
             finally:
                 self._end_step()
 
     def _check_stepped_again(self) -> None:
         """step() with no backward and no zero_grad() since the last one: torch would apply the
         gradients it keeps again, the expert ones included, which SonarAdamW no longer has."""
-        if (self._applied is None or not self._applied.experts or self._handed_over_since_step
+        if (self._applied is None or self._zeroing_seen or not self._applied.experts or self._handed_over_since_step
                 or self._grads_this_step or any(p.grad is not None for _, p in self._experts.values())):
             return
         held = self._applied.still_held()
         if held is not None:
             raise RuntimeError(
                 f"step() called again with no backward and no zero_grad() since the last step() "
-                f"({self._names.get(id(held)) or self._label(held)} still holds the .grad it applied): torch would apply the gradients it "
-                "keeps once more, the expert tensors' too, which SonarAdamW applied during the backward and no "
-                "longer has. Nothing was stepped. Call zero_grad() and backward() between steps")
+                f"({self._name_of(held)} still holds the .grad it applied): torch would apply the gradients it keeps "
+                "once more, the expert tensors' too, which SonarAdamW applied during the backward and no longer "
+                "has. Nothing was stepped. Call zero_grad() and backward() between steps")
+
+    def _follow_zeroing(self, applied: AppliedGrads) -> None:
+        """This optimizer's zero_grad() was not called since the last step(): the script zeroed
+        with model.zero_grad() (Trainer does) or by hand, which the dense gradients tell (see
+        _zeroing). Zeroed in place (set_to_none=False): torch keeps a zero .grad for every expert
+        tensor that had one and steps those the backward gave none, as after
+        opt.zero_grad(set_to_none=False). Set to None: torch holds only this step's."""
+        in_place = applied.zeroed_in_place()
+        if in_place:
+            self._zeroed_grads = {i for i in self._kept_grads if self._experts[i][1].grad is None}
+        elif in_place is False:
+            self._kept_grads &= set(self._grads_this_step)
 
     def _zeroing_witnesses(self) -> list[nn.Parameter]:
         """The dense tensors whose gradients show whether the script zeroes the experts' (see
