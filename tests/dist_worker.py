@@ -636,6 +636,24 @@ def fsdp2_refusals(mesh: Any, node: NodeServer) -> None:
                 raise Mismatch(f"fsdp2-experts refusal of swapped parameters: {e}") from e
         else:
             raise Mismatch("fsdp2-experts: expert tensors swapped into the groups were not refused")
+    # no zero_grad() between steps: refused at the step's first expert gradient (the reduce-scattered
+    # shard), with every parameter as it was; the embedding's gradient comes after it
+    model = tm.build(cfg, 6)
+    shard_fully(model, mesh)
+    with sonar_moe.SonarAdamW(model, **node.optimizer_kwargs()) as opt:
+        x = next(tm.batches(tm.load_corpus(10_000), 2, 32, torch.Generator().manual_seed(dist.get_rank())))
+        model(x, labels=x)[0].backward()
+        opt.step()
+        before = {n: local(p).clone() for n, p in model.named_parameters()}
+        expect_error("fsdp2-experts: no zero_grad() between steps", "were not zeroed",
+                     lambda: model(x, labels=x)[0].backward())
+        from torch.distributed.fsdp import FSDPModule
+        for m in model.modules():  # the backward that raised left the gathered parameters in place
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        changed = [n for n, p in model.named_parameters() if not torch.equal(local(p), before[n])]
+        if changed:
+            raise Mismatch(f"fsdp2-experts: a backward refused for gradients not zeroed changed {changed}")
     say(dist.get_rank(), "OK fsdp2-experts refusals")
 
 
