@@ -147,6 +147,14 @@ def test_detection_and_bitwise_training(family: Family, server: str) -> None:
                 assert torch.equal(a, b), f"step {step + 1}: {n} differs (max {(a - b).abs().max().item():.3e})"
         st = opt.stats()
         assert st["grads_sent"] > 0 and st["server"]["errors"] == 0
+        # a backward after step() with no zero_grad(): refused before anything changes, seen
+        # through the dense gradients the step applied (sonar_moe/_zeroing.py), in every family
+        loss_of(mine, inputs(ref, STEPS), STEPS).backward()
+        opt.step()
+        kept = {n: p.detach().clone() for n, p in mine.named_parameters()}
+        with pytest.raises(RuntimeError, match="were not zeroed"):
+            loss_of(mine, inputs(ref, STEPS + 1), STEPS + 1).backward()
+        assert all(torch.equal(kept[n], p) for n, p in mine.named_parameters()), "the refused backward changed a tensor"
     moved = [n for n in want if not torch.equal(before[n], mine.get_parameter(n))]
     assert moved, "no expert tensor was updated"
 
