@@ -1,12 +1,15 @@
 """What seeing whether gradients were zeroed between steps costs (sonar_moe/_zeroing.py).
 
 SonarAdamW notes the dense gradients each step() applied (the tensor, held weakly, and its
-version) and looks at them again at the next step's first expert gradient and at step(). This
+version) and looks at them again when the next step's backward starts and at step(). This
 times that work on the real models' numbers of dense tensors (OLMoE-1B-7B: 16 layers,
 Granite-3.1-3B-A800M: 32; the tensors are small, as the work is per tensor, not per byte)
-against the dense step torch's AdamW makes over the same tensors in the same run.
+against the dense step torch's AdamW makes over the same tensors in the same run; and the
+forward hook that hooks the output's gradient (once per forward) of a real SonarAdamW
+(sonard from $SONARD or PATH), after a step (a loop that zeroes with model.zero_grad(), as
+Trainer does: a hook is registered) and after opt.zero_grad() (nothing to look at).
 
-    python bench/zeroing.py [--repeats 300]
+    cd bench && PYTHONPATH=../pyclient python zeroing.py [--repeats 300]
 """
 
 from __future__ import annotations
@@ -16,10 +19,15 @@ import statistics
 import time
 from collections.abc import Callable
 
+import warnings
+import weakref
+
 import torch
 
+import sonar_moe
 from models import is_expert, small_shape
 from sonar_moe._zeroing import AppliedGrads
+from sonar_moe.optimizer import _output_hook
 
 
 def median_us(fn: Callable[[], object], repeats: int) -> float:
@@ -37,8 +45,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print("| model | dense tensors | note the step's gradients, us | look at them (zeroed), us | "
-          "torch AdamW dense step (foreach), us | ratio |")
-    print("|---|---|---|---|---|---|")
+          "torch AdamW dense step (foreach), us | ratio | forward hook after a step / after opt.zero_grad(), us |")
+    print("|---|---|---|---|---|---|---|")
     for kind, layers in (("olmoe", 16), ("granite", 32)):
         shape, _, _ = small_shape(kind, 64, layers)
         model = shape.build("grouped_mm", torch.float32, 0)
@@ -57,8 +65,27 @@ def main() -> None:
             applied.zeroed_in_place()
 
         look_us = median_us(look, args.repeats)
+        hook_us = forward_hook_us(model, args.repeats)
         print(f"| {kind} ({layers} layers) | {len(dense)} | {note_us:.1f} | {look_us:.1f} | {step_us:.0f} | "
-              f"{(note_us + look_us) / step_us:.4f} |")
+              f"{(note_us + look_us) / step_us:.4f} | {hook_us[0]:.1f} / {hook_us[1]:.1f} |")
+
+
+def forward_hook_us(model: torch.nn.Module, repeats: int) -> tuple[float, float]:
+    """The output hook of a SonarAdamW on ``model``: after a step, then after opt.zero_grad()."""
+    x = torch.randint(0, 256, (1, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = sonar_moe.SonarAdamW(model)
+    with opt:
+        model.zero_grad()
+        model(x, labels=x).loss.backward()
+        opt.step()
+        out = model(x, labels=x)
+        hook = _output_hook(weakref.ref(opt))
+        after_step = median_us(lambda: hook(model, (x,), out), repeats)
+        opt.zero_grad()
+        after_zero_grad = median_us(lambda: hook(model, (x,), out), repeats)
+    return after_step, after_zero_grad
 
 
 if __name__ == "__main__":

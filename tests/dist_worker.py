@@ -220,16 +220,19 @@ def refusals(rank: int, server: str) -> None:
         m = DDP(model)
         expect_error("accumulation without no_sync", "no_sync", lambda: train(m, opt, 2))
     # no zero_grad() between steps: torch would sum the kept gradients with the next ones. Refused
-    # before the step's first all-reduce, on every rank alike, with nothing changed; DDP's
-    # buckets are several here (one a tensor), so the embedding's gradient comes after the first
-    model = tm.build(cfg, 0)
-    with sonar_moe.SonarAdamW(model, server=server) as opt:
-        m = DDP(model, bucket_cap_mb=0.0001)
-        train(m, opt, 1)
-        before = [p.detach().clone() for p in model.parameters()]
-        expect_error("no zero_grad() between steps", "were not zeroed", lambda: train(m, opt, 1))
-        if not all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
-            raise Mismatch("a backward refused for gradients not zeroed changed a parameter")
+    # at the start of backward (the model's output), before any all-reduce, on every rank alike,
+    # with nothing changed; with one bucket (the default size: DDP all-reduces once every gradient
+    # is in) and with a bucket a tensor, where the all-reduce starts before the first expert gradient
+    for cap in (25.0, 0.0001):
+        model = tm.build(cfg, 0)
+        with sonar_moe.SonarAdamW(model, server=server) as opt:
+            m = DDP(model, bucket_cap_mb=cap)
+            train(m, opt, 1)
+            before = [p.detach().clone() for p in model.parameters()]
+            expect_error(f"no zero_grad() between steps ({cap} MiB buckets)", "were not zeroed",
+                         lambda: train(m, opt, 1))
+            if not all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
+                raise Mismatch("a backward refused for gradients not zeroed changed a parameter")
         # (DDP itself cannot go on after a backward that raised: "Expected to have finished reduction")
     say(rank, "OK refuses what the DDP path cannot do exactly")
 

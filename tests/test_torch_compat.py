@@ -330,6 +330,24 @@ def test_gradients_not_zeroed_between_steps_are_refused(dtype: torch.dtype, how:
         assert_state_dicts_equal(opt.state_dict(), ropt.state_dict(), how)
 
 
+# Seen at the start of backward (a hook on the model's output), before autograd adds to any
+# dense gradient: also where every trained dense tensor gets its gradient before the experts'
+# (here the final norm and head only), which the expert hooks' check alone could not tell.
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gradients_not_zeroed_are_refused_with_only_late_dense_tensors_trained(dtype: torch.dtype) -> None:
+    model = make_model(dtype, num_layers=2)
+    for name, p in model.named_parameters():
+        if p.dim() < 3 and not name.startswith(("norm.", "head.")):
+            p.requires_grad_(False)
+    with SonarAdamW(model, **HP) as opt:
+        train_step(model, opt, *batch(35, 0, dtype))
+        snap, sd = snapshot(model), copy.deepcopy(opt.state_dict())
+        with pytest.raises(RuntimeError, match="backward reached the model's output, but .* were not zeroed"):
+            fwd_bwd(model, *batch(35, 1, dtype))
+        assert_snapshot_equal(snap, model, "after the refusal")
+        assert_state_dicts_equal(opt.state_dict(), sd, "after the refusal")
+
+
 class ScaledInput(torch.nn.Module):
     """A learned scale of the input, outside the model: autograd reaches it last."""
 

@@ -8,9 +8,9 @@ so in both cases it would train differently, silently (red team, 2026-12-06). It
 can see is the dense gradients the step applied. A dense gradient still in its ``.grad``
 afterwards, the same tensor at the same version, was not zeroed: ``zero_grad()`` sets it to
 ``None`` or zeroes it in place (a new version), and a backward that reaches that tensor adds to
-it in place (a new version) or replaces it. Where the script never zeroes, the dense tensors
-autograd reaches after the first expert gradient (the embeddings, the layers below) still hold
-theirs then.
+it in place (a new version) or replaces it. SonarAdamW looks when backward reaches the
+model's output (before autograd adds to any), else at the first expert gradient, where the dense
+tensors autograd reaches later (the embeddings, the layers below) still hold theirs.
 
 The same gradients tell how ``model.zero_grad()`` zeroed: in place (``set_to_none=False``: the
 same tensors, zeroed) or to None. After the first, torch steps an expert tensor the next backward

@@ -119,7 +119,7 @@ class DDPExpertHook:
         self.counts["buckets"] += 1
         if not self._queued:
             # before this step's first all-reduce: every rank refuses alike, none is left waiting
-            self.opt.check_new_step("DDP was handed the gradients")
+            self.opt.check_new_step("DDP was handed a new step's gradients")
             self._syncs_since_step += 1
             if self._syncs_since_step > 1:
                 raise RuntimeError(

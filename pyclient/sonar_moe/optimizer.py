@@ -351,6 +351,38 @@ def _grad_hook(opt: weakref.ref[SonarAdamW]) -> Callable[[torch.Tensor], None]:
     return hook
 
 
+def _output_hook(opt: weakref.ref[SonarAdamW]) -> Callable[[nn.Module, Any, Any], None]:
+    """A forward hook of the module SonarAdamW was built on: it hooks the gradient of the
+    forward's output tensors, which backward computes before any parameter's, so the zeroing
+    check (check_new_step) runs there, with every dense gradient as the script left it (the
+    expert hooks' check comes after autograd added to some). Inside torch.compile's tracing it
+    does nothing: the expert hooks' check remains."""
+    def forward_hook(module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        o = opt()
+        if o is None or not o._zeroing_unchecked():
+            return
+        values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) \
+            else (output,)
+        for t in values:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(_output_grad_hook(opt))
+
+    return forward_hook
+
+
+def _output_grad_hook(opt: weakref.ref[SonarAdamW]) -> Callable[[torch.Tensor], None]:
+    """The gradient hook of a forward's output (see _output_hook); run as written, as the
+    expert hooks are, under compiled autograd too."""
+    @torch.compiler.disable
+    def hook(grad: torch.Tensor) -> None:
+        o = opt()
+        if o is not None and not o.closed:
+            o.check_new_step("a new step's backward reached the model's output")
+    return hook
+
+
 class ExpertState(dict):
     """``opt.state[p]`` of an expert tensor: its ``step`` lives here, its moments on the
     server. It lists torch's keys; reading ``exp_avg`` (``exp_avg_sq``, ``max_exp_avg_sq``
@@ -478,6 +510,7 @@ class SonarAdamW(torch.optim.AdamW):
         self._backend: ExpertBackend = NoExperts()
         self._experts: dict[int, tuple[str, nn.Parameter]] = {}
         self._hooks: dict[int, Any] = {}
+        self._forward_hook: torch.utils.hooks.RemovableHandle | None = None  # see _output_hook
         self._registered: dict[int, dict[str, Any]] = {}  # amsgrad as registered (the server's state layout), device type
         self._external_grads = False  # remove_grad_hooks(): the caller hands gradients over
         # At the first expert gradient of each step, sonar_moe.distributed checks that no
@@ -551,6 +584,9 @@ class SonarAdamW(torch.optim.AdamW):
         self._flattened = fsdp1_flattened(self._module)  # expert containers FSDP1 flattened: refused
         self._started = True
         self._adopt(self.param_groups)
+        # the zeroing check at the start of each backward (see _output_hook)
+        if self._module is not None and self._experts:
+            self._forward_hook = self._module.register_forward_hook(_output_hook(weakref.ref(self)))
         try:
             if self._clipper is not None and any(p.device.type != "cpu" for _, p in self._experts.values()):
                 raise NotImplementedError("expert_clipping scales expert gradients on the server's CPU path only; "
@@ -845,7 +881,7 @@ class SonarAdamW(torch.optim.AdamW):
             self._busy += 1
             try:
                 if self._applied is not None:
-                    self.check_new_step(f"expert tensor {self._experts[id(p)][0]} received a gradient")
+                    self.check_new_step(f"expert tensor {self._experts[id(p)][0]} received a new step's gradient")
                 self._take(p)
             finally:
                 self._busy -= 1
@@ -997,7 +1033,7 @@ class SonarAdamW(torch.optim.AdamW):
         self._check_usable()
         self._backend.check(param)  # type: ignore[arg-type]
         if self._applied is not None:
-            self.check_new_step(f"expert tensor {entry[0]} received a gradient")
+            self.check_new_step(f"expert tensor {entry[0]} received a new step's gradient")
         with self._updating():
             self._hand_over(param, grad, owned=False)
 
@@ -1012,12 +1048,16 @@ class SonarAdamW(torch.optim.AdamW):
         held = self._applied.still_held() if self._applied.experts else None
         if held is not None:
             raise RuntimeError(
-                f"{what} of a new step, but the gradients the last step() applied were not zeroed "
+                f"{what}, but the gradients the last step() applied were not zeroed "
                 f"({self._name_of(held)} still holds its .grad): torch would add this backward's gradients to them "
                 "and apply the sums, while SonarAdamW applied the expert gradients during the last backward and no "
                 "longer has them. Call opt.zero_grad() (or model.zero_grad()) after each step(); to sum k backward "
                 "passes into one step pass grad_accumulation_steps=k. Nothing of this backward was applied")
         self._zeroing_seen = True
+
+    def _zeroing_unchecked(self) -> bool:
+        """Whether the next backward's check_new_step still has something to look at."""
+        return not self._closed and self._applied is not None and not self._zeroing_seen
 
     def _name_of(self, p: torch.Tensor) -> str:
         return self._names.get(id(p)) or self._label(p)
@@ -1662,6 +1702,8 @@ class SonarAdamW(torch.optim.AdamW):
             for h in self._hooks.values():
                 h.remove()
             self._hooks.clear()
+            if self._forward_hook is not None:
+                self._forward_hook.remove()
             for _, p in self._experts.values():
                 if _owner(p) is self:
                     del _OWNERS[id(p)]
