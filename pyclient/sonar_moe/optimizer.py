@@ -366,7 +366,8 @@ def _output_hook(opt: weakref.ref[SonarAdamW]) -> Callable[[nn.Module, Any, Any]
         values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) \
             else (output,)
         for t in values:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+            # not a leaf (a parameter returned as it is): its hooks would stay for good
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
                 t.register_hook(_output_grad_hook(opt))
 
     return forward_hook
