@@ -639,8 +639,8 @@ def fsdp2_refusals(mesh: Any, node: NodeServer) -> None:
                 raise Mismatch(f"fsdp2-experts refusal of swapped parameters: {e}") from e
         else:
             raise Mismatch("fsdp2-experts: expert tensors swapped into the groups were not refused")
-    # no zero_grad() between steps: refused at the step's first expert gradient (the reduce-scattered
-    # shard), with every parameter as it was; the embedding's gradient comes after it
+    # no zero_grad() between steps: refused as backward reaches the model's output, before any
+    # reduce-scatter, with every parameter as it was
     model = tm.build(cfg, 6)
     shard_fully(model, mesh)
     with sonar_moe.SonarAdamW(model, **node.optimizer_kwargs()) as opt:

@@ -26,15 +26,15 @@ import torch
 
 
 class AppliedGrads:
-    """The dense gradients one ``step()`` applied, and the expert tensors it updated (torch would
-    still hold a ``.grad`` for each of those)."""
+    """The dense gradients one ``step()`` applied, and whether it updated expert tensors (torch
+    would still hold a ``.grad`` for each of those)."""
 
-    def __init__(self, dense: Iterable[torch.Tensor], experts: Iterable[int]) -> None:
+    def __init__(self, dense: Iterable[torch.Tensor], experts_updated: bool) -> None:
         # the tensor held weakly: zero_grad() frees it; its version counter (Tensor._version,
         # which torch's own tests read) changes with every in-place write
         grads = ((p, p.grad) for p in dense)
         self._grads = [(p, weakref.ref(g), g._version) for p, g in grads if g is not None]
-        self.experts = frozenset(experts)
+        self._experts_updated = experts_updated
 
     def zeroed_in_place(self) -> bool | None:
         """How the script zeroed the gradients since that step (by ``model.zero_grad()`` or by
@@ -43,10 +43,17 @@ class AppliedGrads:
         each holds None or another tensor."""
         if not self._grads:
             return None
-        return any(g is not None and g is ref() for g, ref in ((p.grad, ref) for p, ref, _ in self._grads))
+        for p, ref, _ in self._grads:
+            g = p.grad
+            if g is not None and g is ref():
+                return True
+        return False
 
     def still_held(self) -> torch.Tensor | None:
-        """A dense tensor whose ``.grad`` is still the one the step applied, unchanged (None: none)."""
+        """A dense tensor whose ``.grad`` is still the one the step applied, unchanged (None:
+        none, or the step updated no expert tensor, so torch keeps no gradient SonarAdamW lacks)."""
+        if not self._experts_updated:
+            return None
         for p, ref, version in self._grads:
             g = p.grad
             if g is not None and g is ref() and g._version == version:

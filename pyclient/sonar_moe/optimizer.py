@@ -881,7 +881,7 @@ class SonarAdamW(torch.optim.AdamW):
         with HELD:  # as _updating(), written out: this runs once per expert gradient
             self._busy += 1
             try:
-                if self._applied is not None:
+                if self._zeroing_unchecked():  # (the message is not built for every gradient of the step)
                     self.check_new_step(f"expert tensor {self._experts[id(p)][0]} received a new step's gradient")
                 self._take(p)
             finally:
@@ -1033,7 +1033,7 @@ class SonarAdamW(torch.optim.AdamW):
                              f"match {entry[0]} {tuple(param.shape)} {param.dtype} {param.device}")
         self._check_usable()
         self._backend.check(param)  # type: ignore[arg-type]
-        if self._applied is not None:
+        if self._zeroing_unchecked():
             self.check_new_step(f"expert tensor {entry[0]} received a new step's gradient")
         with self._updating():
             self._hand_over(param, grad, owned=False)
@@ -1044,9 +1044,10 @@ class SonarAdamW(torch.optim.AdamW):
         would add this backward's gradients to the ones it keeps, SonarAdamW consumed the expert
         ones during the last backward. Once a step: a no-op until the next step().
         ``sonar_moe.distributed`` calls it before DDP all-reduces the step's first bucket."""
-        if self._applied is None or self._zeroing_seen:
+        if not self._zeroing_unchecked():
             return
-        held = self._applied.still_held() if self._applied.experts else None
+        assert self._applied is not None
+        held = self._applied.still_held()
         if held is not None:
             raise RuntimeError(
                 f"{what}, but the gradients the last step() applied were not zeroed "
@@ -1057,8 +1058,8 @@ class SonarAdamW(torch.optim.AdamW):
         self._zeroing_seen = True
 
     def _zeroing_unchecked(self) -> bool:
-        """Whether the next backward's check_new_step still has something to look at."""
-        return not self._closed and self._applied is not None and not self._zeroing_seen
+        """Whether check_new_step still has something to look at this step."""
+        return self._applied is not None and not self._zeroing_seen
 
     def _name_of(self, p: torch.Tensor) -> str:
         return self._names.get(id(p)) or self._label(p)
@@ -1360,15 +1361,14 @@ class SonarAdamW(torch.optim.AdamW):
                     if p.grad is not None and i not in self._overflowed:
                         self._take(p)
                 if not self._external_grads:
-                    if self._applied is not None:
-                        self._follow_zeroing(self._applied)
+                    self._follow_zeroing()
                     if self._zeroed_grads and not (found_inf is not None and bool(found_inf.item())):
                         self._step_zeroed_grads()
                 self._drain()
                 self._warn_late_changes()
                 self._dense_step(grad_scale, found_inf)
                 self._order_state()
-                self._applied = AppliedGrads(self._zeroing_witnesses(), self._advanced)
+                self._applied = AppliedGrads(self._zeroing_witnesses(), bool(self._advanced))
                 self._zeroing_seen = False
             finally:
                 self._end_step()
@@ -1376,9 +1376,10 @@ class SonarAdamW(torch.optim.AdamW):
     def _check_stepped_again(self) -> None:
         """step() with no backward and no zero_grad() since the last one: torch would apply the
         gradients it keeps again, the expert ones included, which SonarAdamW no longer has."""
-        if (self._applied is None or self._zeroing_seen or not self._applied.experts or self._handed_over_since_step
-                or self._grads_this_step or any(p.grad is not None for _, p in self._experts.values())):
+        if (not self._zeroing_unchecked() or self._handed_over_since_step or self._grads_this_step
+                or any(p.grad is not None for _, p in self._experts.values())):
             return
+        assert self._applied is not None
         held = self._applied.still_held()
         if held is not None:
             raise RuntimeError(
@@ -1387,13 +1388,15 @@ class SonarAdamW(torch.optim.AdamW):
                 "once more, the expert tensors' too, which SonarAdamW applied during the backward and no longer "
                 "has. Nothing was stepped. Call zero_grad() and backward() between steps")
 
-    def _follow_zeroing(self, applied: AppliedGrads) -> None:
+    def _follow_zeroing(self) -> None:
         """This optimizer's zero_grad() was not called since the last step(): the script zeroed
         with model.zero_grad() (Trainer does) or by hand, which the dense gradients tell (see
         _zeroing). Zeroed in place (set_to_none=False): torch keeps a zero .grad for every expert
         tensor that had one and steps those the backward gave none, as after
         opt.zero_grad(set_to_none=False). Set to None: torch holds only this step's."""
-        in_place = applied.zeroed_in_place()
+        if self._applied is None:
+            return
+        in_place = self._applied.zeroed_in_place()
         if in_place:
             self._zeroed_grads = {i for i in self._kept_grads if self._experts[i][1].grad is None}
         elif in_place is False:
