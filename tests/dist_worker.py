@@ -76,7 +76,9 @@ def same_on_all_ranks(tensors: list[torch.Tensor], what: str, group: Any = None)
 DDP_CASES = [
     # name, layout, dtype, max_grad_norm, gradient_as_bucket_view, find_unused_parameters, accum, experts, batch,
     # how SonarAdamW meets DDP: "after" (built on the plain model, wrapped afterwards, as Trainer and accelerate
-    # do: found at DDP's first forward), "ddp" (built on the DDP model), "by-hand" (register_ddp_comm_hook too)
+    # do: found at DDP's first forward), "ddp" (built on the DDP model), "by-hand" (register_ddp_comm_hook too),
+    # "params" (built on the model's parameters, no module: wrapped afterwards); and how the script zeroes
+    # between steps (ZEROINGS; "opt" unless a last field says)
     ("batched-fp32-noclip", "batched", torch.float32, None, False, False, 1, 4, (2, 32), "after"),
     ("batched-fp32-clip-bucketview", "batched", torch.float32, 0.5, True, False, 1, 4, (2, 32), "ddp"),
     ("batched-bf16-clip", "batched", torch.bfloat16, 0.5, False, False, 1, 4, (2, 32), "after"),
@@ -87,12 +89,29 @@ DDP_CASES = [
     # every second step's backward under no_sync, then step(): torch steps with the rank-local
     # .grad, and so must SonarAdamW (it skipped the experts; red team, 2026-12-06)
     ("batched-fp32-local-steps", "batched", torch.float32, None, False, False, 1, 4, (2, 32), "local-steps"),
+    # zero_grad(set_to_none=False): torch keeps a zero .grad for an expert tensor no rank uses in a later
+    # step (DDP leaves it alone) and steps it with that zero; so must SonarAdamW (red team, 2026-12-06).
+    # Zeroed by the optimizer or by the model (seen through the dense gradients), with and without bucket
+    # views (where DDP puts the same view back in .grad), seen at the model's output or, without a module,
+    # at DDP's first bucket; and the model's set_to_none=True, which must not be taken for in place
+    ("modulelist-find_unused-keep-opt", "modulelist", torch.float32, 1.0, False, True, 1, 8, (1, 6), "after",
+     "opt-keep"),
+    ("modulelist-find_unused-keep-model-bucketview", "modulelist", torch.bfloat16, None, True, True, 1, 8, (1, 6),
+     "ddp", "model-keep"),
+    ("modulelist-find_unused-keep-model-params", "modulelist", torch.float32, 0.5, False, True, 1, 8, (1, 6),
+     "params", "model-keep"),
+    ("modulelist-find_unused-model-bucketview", "modulelist", torch.float32, None, True, True, 1, 8, (1, 6),
+     "after", "model"),
+    ("modulelist-find_unused-model-bucketview-params", "modulelist", torch.float32, None, True, True, 1, 8, (1, 6),
+     "params", "model"),
 ]
+ZEROINGS = {"opt": (True, True), "opt-keep": (True, False), "model": (False, True), "model-keep": (False, False)}
 DDP_STEPS = 4
 
 
 def ddp_case(rank: int, world: int, server: str, case: tuple) -> None:
-    name, layout, dtype, clip, view, find_unused, accum, experts, (batch, seq), how = case
+    name, layout, dtype, clip, view, find_unused, accum, experts, (batch, seq), how = case[:10]
+    by_opt, to_none = ZEROINGS[case[10] if len(case) > 10 else "opt"]
     cfg = tm.MoEConfig(num_layers=2, num_experts=experts, hidden=32, intermediate=48, seq_len=32,
                        layout=layout, dtype=dtype)
     ref, mine = tm.build(cfg, 1), tm.build(cfg, 1)
@@ -107,9 +126,22 @@ def ddp_case(rank: int, world: int, server: str, case: tuple) -> None:
     rdata = tm.batches(corpus, batch, seq, torch.Generator().manual_seed(100 + rank))
     mdata = tm.batches(corpus, batch, seq, torch.Generator().manual_seed(100 + rank))
     unused_everywhere = 0
-    mddp = None if how == "after" else DDP(mine, **kw)
-    with sonar_moe.SonarAdamW(mddp or mine, max_grad_norm=clip, server=server, namespace=f"rank{rank}",
-                              grad_accumulation_steps=accum, **hp) as opt:
+    stepped_with_kept_zero = 0  # by torch: an expert tensor no rank used this step, zero .grad kept
+    ref_experts = [p for n, p in ref.named_parameters() if n in expert_names]
+    used_here: set[int] = set()  # the reference's expert tensors this rank's backward reached
+    for p in ref_experts:
+        p.register_post_accumulate_grad_hook(lambda q: used_here.add(id(q)))
+    mddp = None if how in ("after", "params") else DDP(mine, **kw)
+    if how == "params":  # no module: the dense tensors in the groups' order, as clip_grad_norm_ takes `dense`
+        built_on: Any = [p for n, p in mine.named_parameters() if n not in expert_names] + \
+            [p for n, p in mine.named_parameters() if n in expert_names]
+    else:
+        built_on = mddp or mine
+    expert_ids = {id(p) for n, p in mine.named_parameters() if n in expert_names}
+    with sonar_moe.SonarAdamW(built_on, max_grad_norm=clip, server=server, namespace=f"rank{rank}",
+                              grad_accumulation_steps=accum,
+                              expert_params=(lambda _, p: id(p) in expert_ids) if how == "params" else None,
+                              **hp) as opt:
         if mddp is None:
             mddp = DDP(mine, **kw)  # wrapped after the optimizer exists: found at the first forward
         elif opt.ddp_hook is None:
@@ -122,16 +154,23 @@ def ddp_case(rank: int, world: int, server: str, case: tuple) -> None:
             local = how == "local-steps" and step % 2 == 1  # no all-reduce at all in this step
             local_steps += local
             # reference: DDP's built-in averaging all-reduce, dense-only clipping, AdamW over all
+            had_grad = [p.grad is not None for p in ref_experts]  # zeroed in place
+            used_here.clear()
             micro = next(rdata).chunk(accum)
             for i, m in enumerate(micro):
                 with rddp.no_sync() if i < accum - 1 or local else contextlib.nullcontext():
                     loss, _ = rddp(m, labels=m)
                     loss.backward()
-            unused_everywhere += sum(p.grad is None for n, p in ref.named_parameters() if n in expert_names)
+            # the expert tensors no rank used: DDP leaves their .grad alone (None, or a kept zero)
+            used = torch.tensor([id(p) in used_here for p in ref_experts], dtype=torch.int32)
+            if not local:
+                dist.all_reduce(used, op=dist.ReduceOp.MAX)
+            unused_everywhere += int((used == 0).sum())
+            stepped_with_kept_zero += sum(h and not u for h, u in zip(had_grad, used.tolist()))
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(dense, clip)
             ropt.step()
-            ropt.zero_grad()
+            (ropt if by_opt else rddp).zero_grad(set_to_none=to_none)
             # Sonar: experts applied during backward from the all-reduced buckets
             micro = next(mdata).chunk(accum)
             for i, m in enumerate(micro):
@@ -142,7 +181,7 @@ def ddp_case(rank: int, world: int, server: str, case: tuple) -> None:
             if kept and not local:
                 raise Mismatch(f"{name} step {step + 1}: expert gradients kept after backward: {kept[:3]}")
             opt.step()
-            opt.zero_grad()
+            (opt if by_opt else mddp).zero_grad(set_to_none=to_none)
             compare(ref, mine, f"{name} step {step + 1}")
         hook = opt.ddp_hook
         if hook is None or hook.ddp is not mddp:
@@ -156,6 +195,8 @@ def ddp_case(rank: int, world: int, server: str, case: tuple) -> None:
     if find_unused:
         if unused_everywhere == 0:
             raise Mismatch(f"{name}: no expert went unused on every rank: the case does not test what it should")
+        if (stepped_with_kept_zero == 0) != to_none:
+            raise Mismatch(f"{name}: torch stepped {stepped_with_kept_zero} expert tensors with a kept zero .grad")
         if handed != DDP_STEPS * len(expert_names) - unused_everywhere:
             raise Mismatch(f"{name}: {handed} expert gradients handed over, counts {hook.counts}")
     elif handed != (DDP_STEPS - local_steps) * len(expert_names) or hook.counts["handed_after_reduce"]:
@@ -234,6 +275,22 @@ def refusals(rank: int, server: str) -> None:
             if not all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
                 raise Mismatch("a backward refused for gradients not zeroed changed a parameter")
         # (DDP itself cannot go on after a backward that raised: "Expected to have finished reduction")
+    # zero_grad() after a backward that no step() followed drops that step, as torch drops the
+    # gradients (and warns that the expert updates made during it stay, as on one process): the
+    # next backward's all-reduce is a new step's, not a second one of the same (it was refused)
+    model = tm.build(cfg, 0)
+    with sonar_moe.SonarAdamW(model, server=server) as opt:
+        m = DDP(model)
+        loss, _ = m(x, labels=x)
+        loss.backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.zero_grad()
+        if not any("stay applied" in str(w.message) for w in caught):
+            raise Mismatch(f"zero_grad() dropping a DDP step did not warn: {[str(w.message) for w in caught]}")
+        train(m, opt, 1)
+        if opt.stats()["server"]["errors"]:
+            raise Mismatch("the step after a dropped one failed on the server")
     say(rank, "OK refuses what the DDP path cannot do exactly")
 
 

@@ -64,7 +64,9 @@ class DDPExpertHook:
     With ``find_unused_parameters=True`` a bucket slot of a parameter that no rank used holds
     zeros, while DDP leaves that parameter's ``.grad`` untouched and AdamW skips it; only DDP
     knows which slots those are. In that mode the experts are handed over at the end of
-    backward from ``.grad`` itself, as ``torch.optim.AdamW`` would read it (``None``: no step).
+    backward from ``.grad`` itself, as ``torch.optim.AdamW`` would read it (``None``: no step,
+    unless the script zeroes with ``set_to_none=False``, where torch's ``.grad`` would be the
+    zero it keeps: ``SonarAdamW.step()`` steps such a tensor with that zero, as torch does).
     """
 
     def __init__(self, ddp: DistributedDataParallel, opt: SonarAdamW) -> None:
@@ -97,7 +99,14 @@ class DDPExpertHook:
         self._pending: list[tuple[torch.futures.Future[Any], list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self._queued = False
         self.counts = {"buckets": 0, "handed_in_hooks": 0, "handed_at_end": 0, "handed_after_reduce": 0}
-        self._syncs_since_step = 0  # backward passes that all-reduced since the last opt.step()
+        # backward passes that all-reduced since the optimizer's step ended (opt.ended_steps was
+        # _step_at then: step(), or a zero_grad() that dropped a backward no step() followed)
+        self._syncs_since_step = 0
+        self._step_at = opt.ended_steps
+        # DDP puts each gradient's bucket view back in .grad (the same tensor every step) once
+        # the gradient is in: the .grad at the first bucket's hook no longer tell how the script
+        # zeroed them (SonarAdamW.check_new_step)
+        self._views_in_grads = bool(getattr(ddp, "gradient_as_bucket_view", False))
 
     def on_forward(self, module: nn.Module, args: Any) -> None:
         """DDP forward pre-hook: a backward that raised never ran our end-of-backward callback,
@@ -105,10 +114,6 @@ class DDPExpertHook:
         _refuse_join(self.ddp)
         self._queued = False
         self._pending = []
-
-    def on_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Optimizer step post-hook: the next all-reduce belongs to a new step."""
-        self._syncs_since_step = 0
 
     # Runs in the autograd engine (the training thread on CPU), once per bucket.
     def _hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -119,7 +124,10 @@ class DDPExpertHook:
         self.counts["buckets"] += 1
         if not self._queued:
             # before this step's first all-reduce: every rank refuses alike, none is left waiting
-            self.opt.check_new_step("DDP was handed a new step's gradients")
+            self.opt.check_new_step("DDP was handed a new step's gradients", tells_zeroing=not self._views_in_grads)
+            if self.opt.ended_steps != self._step_at:
+                self._step_at = self.opt.ended_steps
+                self._syncs_since_step = 0
             self._syncs_since_step += 1
             if self._syncs_since_step > 1:
                 raise RuntimeError(
@@ -210,7 +218,6 @@ def register_ddp_comm_hook(ddp: DistributedDataParallel, opt: SonarAdamW) -> DDP
     opt.remove_grad_hooks()
     opt.accumulate_before_hand_over()
     opt.ddp_hook = state
-    opt.register_step_post_hook(state.on_step)
     _WATCH.forget(opt)
     log.info("SonarAdamW applies the expert gradients all-reduced by DDP (%d expert tensors, world size %d)",
              len(state.experts), state.world_size)

@@ -564,6 +564,10 @@ class SonarAdamW(torch.optim.AdamW):
         # it zeroes); whether the step's first expert gradient found it zeroed (check_new_step)
         self._applied: AppliedGrads | None = None
         self._zeroing_seen = False
+        # How the script zeroed them, as that check saw it (AppliedGrads.zeroed_in_place; None:
+        # not to be told there, see check_new_step)
+        self._zeroed_in_place: bool | None = None
+        self._ended_steps = 0  # steps ended (step() or an abandoning zero_grad()): see ended_steps
         # The first step's expert gradients by the memory they are views of (None once looked at):
         # address -> [that memory's bytes, the expert gradients' bytes in it, their names]
         self._grad_buffers: dict[int, list[Any]] | None = {}
@@ -841,6 +845,13 @@ class SonarAdamW(torch.optim.AdamW):
         return sorted(dense, key=lambda p: self._order.get(id(p), len(self._order)))
 
     @property
+    def ended_steps(self) -> int:
+        """How many steps have ended: by ``step()``, or by a ``zero_grad()`` that dropped the
+        backward passes no ``step()`` followed (torch drops their gradients). A gradient after
+        this number changed belongs to a new step."""
+        return self._ended_steps
+
+    @property
     def closed(self) -> bool:
         """Whether close() was called (or a newer SonarAdamW took the expert tensors over)."""
         return self._closed
@@ -1036,14 +1047,22 @@ class SonarAdamW(torch.optim.AdamW):
         if self._zeroing_unchecked():
             self.check_new_step(f"expert tensor {entry[0]} received a new step's gradient")
         with self._updating():
+            # as _take notes them: step() then knows which expert tensors had no gradient this step
+            self._grads_this_step[id(param)] = self._grads_this_step.get(id(param), 0) + 1
+            self._kept_grads.add(id(param))
             self._hand_over(param, grad, owned=False)
 
-    def check_new_step(self, what: str) -> None:
+    def check_new_step(self, what: str, tells_zeroing: bool = True) -> None:
         """At a step's first expert gradient (``what`` says where it came): refuse it, before
         anything changes, where the last step()'s gradients were not zeroed (see _zeroing): torch
         would add this backward's gradients to the ones it keeps, SonarAdamW consumed the expert
         ones during the last backward. Once a step: a no-op until the next step().
-        ``sonar_moe.distributed`` calls it before DDP all-reduces the step's first bucket."""
+        ``sonar_moe.distributed`` calls it before DDP all-reduces the step's first bucket.
+
+        It also notes how they were zeroed (in place or to None, which step() follows), unless
+        ``tells_zeroing`` is False: where the dense ``.grad`` may already hold a tensor that
+        was theirs before zeroing (DDP with ``gradient_as_bucket_view=True`` sets each one to the
+        same view of its bucket again once its gradient is in)."""
         if not self._zeroing_unchecked():
             return
         assert self._applied is not None
@@ -1055,6 +1074,7 @@ class SonarAdamW(torch.optim.AdamW):
                 "and apply the sums, while SonarAdamW applied the expert gradients during the last backward and no "
                 "longer has them. Call opt.zero_grad() (or model.zero_grad()) after each step(); to sum k backward "
                 "passes into one step pass grad_accumulation_steps=k. Nothing of this backward was applied")
+        self._zeroed_in_place = self._applied.zeroed_in_place() if tells_zeroing else None
         self._zeroing_seen = True
 
     def _zeroing_unchecked(self) -> bool:
@@ -1160,6 +1180,7 @@ class SonarAdamW(torch.optim.AdamW):
         self._handed_over_since_step = False
         self._applied_since_step = False
         self._data_parallel_check_due = True
+        self._ended_steps += 1
         if not self._closed:
             self._hook_experts()
 
@@ -1360,16 +1381,16 @@ class SonarAdamW(torch.optim.AdamW):
                 for i, (_, p) in self._grouped():
                     if p.grad is not None and i not in self._overflowed:
                         self._take(p)
-                if not self._external_grads:
-                    self._follow_zeroing()
-                    if self._zeroed_grads and not (found_inf is not None and bool(found_inf.item())):
-                        self._step_zeroed_grads()
+                self._follow_zeroing()
+                if self._zeroed_grads and not (found_inf is not None and bool(found_inf.item())):
+                    self._step_zeroed_grads()
                 self._drain()
                 self._warn_late_changes()
                 self._dense_step(grad_scale, found_inf)
                 self._order_state()
                 self._applied = AppliedGrads(self._zeroing_witnesses(), bool(self._advanced))
                 self._zeroing_seen = False
+                self._zeroed_in_place = None
             finally:
                 self._end_step()
 
@@ -1396,7 +1417,9 @@ class SonarAdamW(torch.optim.AdamW):
         opt.zero_grad(set_to_none=False). Set to None: torch holds only this step's."""
         if self._applied is None:
             return
-        in_place = self._applied.zeroed_in_place()
+        # as the step's first look saw it (before backward put gradients back); where nothing
+        # looked (no expert gradient this step), now
+        in_place = self._zeroed_in_place if self._zeroing_seen else self._applied.zeroed_in_place()
         if in_place:
             self._zeroed_grads = {i for i in self._kept_grads if self._experts[i][1].grad is None}
         elif in_place is False:
