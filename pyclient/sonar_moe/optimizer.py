@@ -1386,9 +1386,10 @@ class SonarAdamW(torch.optim.AdamW):
                     self._step_zeroed_grads()
                 self._drain()
                 self._warn_late_changes()
-                self._dense_step(grad_scale, found_inf)
+                dense = self.dense_parameters()  # (sorted once a step: 15-20 us for 150-250 tensors)
+                self._dense_step(dense, grad_scale, found_inf)
                 self._order_state()
-                self._applied = AppliedGrads(self._zeroing_witnesses(), bool(self._advanced))
+                self._applied = AppliedGrads(self._zeroing_witnesses(dense), bool(self._advanced))
                 self._zeroing_seen = False
                 self._zeroed_in_place = None
             finally:
@@ -1425,11 +1426,10 @@ class SonarAdamW(torch.optim.AdamW):
         elif in_place is False:
             self._kept_grads &= set(self._grads_this_step)
 
-    def _zeroing_witnesses(self) -> list[nn.Parameter]:
+    def _zeroing_witnesses(self, dense: list[nn.Parameter]) -> list[nn.Parameter]:
         """The dense tensors whose gradients show whether the script zeroes the experts' (see
         _zeroing): the module's, where a module is known (model.zero_grad() zeroes those, not a
         tensor of another module a script put in the groups), else every dense tensor."""
-        dense = self.dense_parameters()
         return dense if self._module is None else [p for p in dense if id(p) in self._names]
 
     def _check_swapped(self) -> None:
@@ -1486,9 +1486,9 @@ class SonarAdamW(torch.optim.AdamW):
         self.state.update(items)
         self._ordered = {id(k) for k in self.state}
 
-    def _dense_step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
-        """torch.optim.AdamW.step over the dense parameters (after clipping)."""
-        dense = self.dense_parameters()
+    def _dense_step(self, dense: list[nn.Parameter], grad_scale: torch.Tensor | None,
+                    found_inf: torch.Tensor | None) -> None:
+        """torch.optim.AdamW.step over the dense parameters (``dense_parameters()``, after clipping)."""
         if found_inf is not None and bool(found_inf.item()):
             log.warning("skipping the dense step: a gradient overflowed (GradScaler)")
             if self._clipper is not None:
