@@ -104,6 +104,8 @@ DDP_CASES = [
      "after", "model"),
     ("modulelist-find_unused-model-bucketview-params", "modulelist", torch.float32, None, True, True, 1, 8, (1, 6),
      "params", "model"),
+    ("modulelist-find_unused-keep-model-bucketview-params", "modulelist", torch.float32, None, True, True, 1, 8,
+     (1, 6), "params", "model-keep"),
 ]
 ZEROINGS = {"opt": (True, True), "opt-keep": (True, False), "model": (False, True), "model-keep": (False, False)}
 DDP_STEPS = 4
@@ -264,13 +266,16 @@ def refusals(rank: int, server: str) -> None:
     # at the start of backward (the model's output), before any all-reduce, on every rank alike,
     # with nothing changed; with one bucket (the default size: DDP all-reduces once every gradient
     # is in) and with a bucket a tensor, where the all-reduce starts before the first expert gradient
-    for cap in (25.0, 0.0001):
+    # SonarAdamW built on the model, or on its parameters alone (the DDP model that runs them is
+    # found at the first forward after a step)
+    for cap, built_on in ((25.0, "model"), (0.0001, "model"), (25.0, "parameters")):
         model = tm.build(cfg, 0)
-        with sonar_moe.SonarAdamW(model, server=server) as opt:
+        with sonar_moe.SonarAdamW(model if built_on == "model" else list(model.parameters()), server=server) as opt:
             m = DDP(model, bucket_cap_mb=cap)
             train(m, opt, 1)
             before = [p.detach().clone() for p in model.parameters()]
-            expect_error(f"no zero_grad() between steps ({cap} MiB buckets)", "were not zeroed",
+            expect_error(f"no zero_grad() between steps ({cap} MiB buckets, built on the {built_on})",
+                         "backward reached the model's output, but the gradients the last step() applied were not zeroed",
                          lambda: train(m, opt, 1))
             if not all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
                 raise Mismatch("a backward refused for gradients not zeroed changed a parameter")

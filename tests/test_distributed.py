@@ -62,14 +62,15 @@ def launch(cmd: str, world: int, *extra: str, timeout: float = 240) -> list[str]
 
 
 def test_ddp_comm_hook_is_bitwise_torch_adamw(shared_server: str) -> None:
-    """2 ranks, one sonard started by the test: eleven DDP configurations x 4 steps."""
+    """2 ranks, one sonard started by the test: twelve DDP configurations x 4 steps."""
     outs = launch("ddp", 2, shared_server)
     for r, out in enumerate(outs):
         for case in ("batched-fp32-noclip", "batched-fp32-clip-bucketview", "batched-bf16-clip",
                      "batched-fp32-no_sync-accum2", "modulelist-find_unused-clip", "batched-fp32-local-steps",
                      "modulelist-find_unused-keep-opt", "modulelist-find_unused-keep-model-bucketview",
                      "modulelist-find_unused-keep-model-params", "modulelist-find_unused-model-bucketview",
-                     "modulelist-find_unused-model-bucketview-params"):
+                     "modulelist-find_unused-model-bucketview-params",
+                     "modulelist-find_unused-keep-model-bucketview-params"):
             assert f"[rank {r}] OK {case}" in out, out
     st = server_stats(shared_server)
     assert st["errors"] == 0 and st["step_items"] > 0

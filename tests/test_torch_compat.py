@@ -35,6 +35,7 @@ from compat_util import (
     DTYPE_IDS,
     DTYPES,
     IN,
+    OUT,
     REFERENCE,
     SonarAdamW,
     TinyExpertModel,
@@ -333,17 +334,35 @@ def test_gradients_not_zeroed_between_steps_are_refused(dtype: torch.dtype, how:
 # Seen at the start of backward (a hook on the model's output), before autograd adds to any
 # dense gradient: also where every trained dense tensor gets its gradient before the experts'
 # (here the final norm and head only), which the expert hooks' check alone could not tell.
+# The model is the module SonarAdamW was built on, or (since 2026-12-07) the one found at the
+# first forward after a step: the model of parameters given without it, and the module
+# torch.compile returns, whose hooks run as written (the model's own are traced). An evaluation
+# forward under no_grad first, and another model's backward before the script zeroes this one,
+# change nothing (that backward is not this model's: no check runs there).
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_gradients_not_zeroed_are_refused_with_only_late_dense_tensors_trained(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("built_on", ["module", "parameters", "module-compiled", "parameters-compiled"])
+@pytest.mark.parametrize("before", ["nothing", "eval-forward", "other-backward"])
+def test_gradients_not_zeroed_are_refused_with_only_late_dense_tensors_trained(dtype: torch.dtype, built_on: str,
+                                                                               before: str) -> None:
+    if "compiled" in built_on and (dtype != torch.float32 or before != "nothing"):
+        pytest.skip("compiled: one case (each compiles the model)")
     model = make_model(dtype, num_layers=2)
     for name, p in model.named_parameters():
         if p.dim() < 3 and not name.startswith(("norm.", "head.")):
             p.requires_grad_(False)
-    with SonarAdamW(model, **HP) as opt:
-        train_step(model, opt, *batch(35, 0, dtype))
+    run = cast(torch.nn.Module, torch.compile(model, backend="aot_eager")) if "compiled" in built_on else model
+    other = torch.nn.Linear(IN, OUT).to(dtype)
+    with SonarAdamW(model if built_on.startswith("module") else list(model.parameters()), **HP) as opt:
+        train_step(run, opt, *batch(35, 0, dtype))
         snap, sd = snapshot(model), copy.deepcopy(opt.state_dict())
+        x, y = batch(35, 1, dtype)
+        if before == "eval-forward":
+            with torch.no_grad():
+                run(x)
+        elif before == "other-backward":
+            (other(x).float() - y.float()).pow(2).mean().backward()
         with pytest.raises(RuntimeError, match="backward reached the model's output, but .* were not zeroed"):
-            fwd_bwd(model, *batch(35, 1, dtype))
+            fwd_bwd(run, x, y)
         assert_snapshot_equal(snap, model, "after the refusal")
         assert_state_dicts_equal(opt.state_dict(), sd, "after the refusal")
 

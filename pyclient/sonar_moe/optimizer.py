@@ -49,7 +49,7 @@ from ._fsdp1 import units as fsdp1_units
 from ._requires import torch_release
 from ._params import ExpertPredicate, expert_slices, group_names, is_expert, module_experts, torch_params
 from ._shm_backend import ShmBackend
-from ._zeroing import AppliedGrads
+from ._zeroing import AppliedGrads, ModelOutputs
 
 log = logging.getLogger("sonar_moe")
 
@@ -352,11 +352,13 @@ def _grad_hook(opt: weakref.ref[SonarAdamW]) -> Callable[[torch.Tensor], None]:
 
 
 def _output_hook(opt: weakref.ref[SonarAdamW]) -> Callable[[nn.Module, Any, Any], None]:
-    """A forward hook of the module SonarAdamW was built on: it hooks the gradient of the
-    forward's output tensors, which backward computes before any parameter's, so the zeroing
-    check (check_new_step) runs there, with every dense gradient as the script left it (the
-    expert hooks' check comes after autograd added to some). Inside torch.compile's tracing it
-    does nothing: the expert hooks' check remains."""
+    """A forward hook of the modules that run the model (see _zeroing.ModelOutputs): it hooks
+    the gradient of the forward's output tensors, which backward computes before any
+    parameter's, so the zeroing check (check_new_step) runs there, with every dense gradient as
+    the script left it (the expert hooks' check comes after autograd added to some). A forward
+    with no output to hook (under torch.no_grad(): an evaluation) looks for the model again at
+    the next one. Inside torch.compile's tracing it does nothing: the module torch.compile
+    returns, found at the first forward, runs its hooks as written."""
     def forward_hook(module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
@@ -365,12 +367,28 @@ def _output_hook(opt: weakref.ref[SonarAdamW]) -> Callable[[nn.Module, Any, Any]
             return
         values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) \
             else (output,)
+        hooked = False
         for t in values:
             # not a leaf (a parameter returned as it is): its hooks would stay for good
             if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
                 t.register_hook(_output_grad_hook(opt))
+                hooked = True
+        if not hooked:
+            o._outputs.arm()
 
     return forward_hook
+
+
+def _runs_experts(opt: weakref.ref[SonarAdamW]) -> Callable[[nn.Module], bool | None]:
+    """Whether a module's parameters include the optimizer's expert tensors (None: the
+    optimizer is gone or closed); see _zeroing.ModelOutputs."""
+    def runs(module: nn.Module) -> bool | None:
+        o = opt()
+        if o is None or o.closed:
+            return None
+        experts = {id(p) for _, p in o.named_expert_parameters()}
+        return any(id(p) in experts for p in module.parameters())
+    return runs
 
 
 def _output_grad_hook(opt: weakref.ref[SonarAdamW]) -> Callable[[torch.Tensor], None]:
@@ -381,6 +399,7 @@ def _output_grad_hook(opt: weakref.ref[SonarAdamW]) -> Callable[[torch.Tensor], 
         o = opt()
         if o is not None and not o.closed:
             o.check_new_step("a new step's backward reached the model's output")
+            o._seen_at_output = True
     return hook
 
 
@@ -511,7 +530,8 @@ class SonarAdamW(torch.optim.AdamW):
         self._backend: ExpertBackend = NoExperts()
         self._experts: dict[int, tuple[str, nn.Parameter]] = {}
         self._hooks: dict[int, Any] = {}
-        self._forward_hook: torch.utils.hooks.RemovableHandle | None = None  # see _output_hook
+        # the zeroing check at the start of each backward (see _output_hook)
+        self._outputs = ModelOutputs(_output_hook(weakref.ref(self)), _runs_experts(weakref.ref(self)))
         self._registered: dict[int, dict[str, Any]] = {}  # amsgrad as registered (the server's state layout), device type
         self._external_grads = False  # remove_grad_hooks(): the caller hands gradients over
         # At the first expert gradient of each step, sonar_moe.distributed checks that no
@@ -567,6 +587,7 @@ class SonarAdamW(torch.optim.AdamW):
         # How the script zeroed them, as that check saw it (AppliedGrads.zeroed_in_place; None:
         # not to be told there, see check_new_step)
         self._zeroed_in_place: bool | None = None
+        self._seen_at_output = False  # this step's check ran at a model's output (_output_grad_hook)
         self._ended_steps = 0  # steps ended (step() or an abandoning zero_grad()): see ended_steps
         # The first step's expert gradients by the memory they are views of (None once looked at):
         # address -> [that memory's bytes, the expert gradients' bytes in it, their names]
@@ -589,9 +610,8 @@ class SonarAdamW(torch.optim.AdamW):
         self._flattened = fsdp1_flattened(self._module)  # expert containers FSDP1 flattened: refused
         self._started = True
         self._adopt(self.param_groups)
-        # the zeroing check at the start of each backward (see _output_hook)
         if self._module is not None and self._experts:
-            self._forward_hook = self._module.register_forward_hook(_output_hook(weakref.ref(self)))
+            self._outputs.hook(self._module)
         try:
             if self._clipper is not None and any(p.device.type != "cpu" for _, p in self._experts.values()):
                 raise NotImplementedError("expert_clipping scales expert gradients on the server's CPU path only; "
@@ -1076,6 +1096,7 @@ class SonarAdamW(torch.optim.AdamW):
                 "passes into one step pass grad_accumulation_steps=k. Nothing of this backward was applied")
         self._zeroed_in_place = self._applied.zeroed_in_place() if tells_zeroing else None
         self._zeroing_seen = True
+        self._outputs.disarm()
 
     def _zeroing_unchecked(self) -> bool:
         """Whether check_new_step still has something to look at this step."""
@@ -1148,6 +1169,7 @@ class SonarAdamW(torch.optim.AdamW):
                 self._abandon_step()
         super().zero_grad(set_to_none)
         self._applied = None  # how this zeroes is known: _kept_grads and _zeroed_grads below
+        self._outputs.disarm()
         if set_to_none:
             self._kept_grads.clear()
             self._zeroed_grads.clear()
@@ -1392,6 +1414,12 @@ class SonarAdamW(torch.optim.AdamW):
                 self._applied = AppliedGrads(self._zeroing_witnesses(dense), bool(self._advanced))
                 self._zeroing_seen = False
                 self._zeroed_in_place = None
+                if self._experts and not self._seen_at_output:
+                    # where the hooks did not see this backward start (the first step, no
+                    # module, or a wrapper: torch.compile's), look for the model at the next
+                    # forward (see _zeroing.ModelOutputs)
+                    self._outputs.arm()
+                self._seen_at_output = False
             finally:
                 self._end_step()
 
@@ -1729,8 +1757,7 @@ class SonarAdamW(torch.optim.AdamW):
             for h in self._hooks.values():
                 h.remove()
             self._hooks.clear()
-            if self._forward_hook is not None:
-                self._forward_hook.remove()
+            self._outputs.close()
             for _, p in self._experts.values():
                 if _owner(p) is self:
                     del _OWNERS[id(p)]
