@@ -19,7 +19,9 @@ forward after a step.
 
 The same gradients tell how ``model.zero_grad()`` zeroed: in place (``set_to_none=False``: the
 same tensors, zeroed) or to None. After the first, torch steps an expert tensor the next backward
-gives no gradient with the zero it keeps, as after ``opt.zero_grad(set_to_none=False)``.
+gives no gradient with the zero it keeps, as after ``opt.zero_grad(set_to_none=False)``. That is
+told where the step's check looks first: later, DDP with ``gradient_as_bucket_view=True`` has put
+the same view of its bucket back in each ``.grad`` it filled, zeroed or not.
 """
 
 from __future__ import annotations
