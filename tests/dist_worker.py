@@ -92,8 +92,9 @@ DDP_CASES = [
     # zero_grad(set_to_none=False): torch keeps a zero .grad for an expert tensor no rank uses in a later
     # step (DDP leaves it alone) and steps it with that zero; so must SonarAdamW (red team, 2026-12-06).
     # Zeroed by the optimizer or by the model (seen through the dense gradients), with and without bucket
-    # views (where DDP puts the same view back in .grad), seen at the model's output or, without a module,
-    # at DDP's first bucket; and the model's set_to_none=True, which must not be taken for in place
+    # views (where DDP puts the same view back in .grad), built on the model or on its parameters (the
+    # DDP model then found at the first forward after a step); and the model's set_to_none=True, which
+    # must not be taken for in place
     ("modulelist-find_unused-keep-opt", "modulelist", torch.float32, 1.0, False, True, 1, 8, (1, 6), "after",
      "opt-keep"),
     ("modulelist-find_unused-keep-model-bucketview", "modulelist", torch.bfloat16, None, True, True, 1, 8, (1, 6),

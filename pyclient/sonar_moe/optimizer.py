@@ -386,8 +386,7 @@ def _runs_experts(opt: weakref.ref[SonarAdamW]) -> Callable[[nn.Module], bool | 
         o = opt()
         if o is None or o.closed:
             return None
-        experts = {id(p) for _, p in o.named_expert_parameters()}
-        return any(id(p) in experts for p in module.parameters())
+        return any(id(p) in o._experts for p in module.parameters())
     return runs
 
 
@@ -939,8 +938,7 @@ class SonarAdamW(torch.optim.AdamW):
                 "between the backward passes. An expert tensor used in several segments of reentrant activation "
                 "checkpointing (use_reentrant=True) gets a gradient per segment: use use_reentrant=False. After an "
                 "error or an interrupt part-way through a backward, zero_grad() ends that step")
-        self._grads_this_step[id(p)] = n
-        self._kept_grads.add(id(p))
+        self._note_grad(p, n)
         assert p.grad is not None
         grad = local(p.grad)  # a DTensor's: the local shard's
         if self._grad_buffers is not None:
@@ -960,6 +958,12 @@ class SonarAdamW(torch.optim.AdamW):
         del grad
         if self._ends_step:
             self._completed.add(id(p))
+
+    def _note_grad(self, p: torch.Tensor, n: int) -> None:
+        """p's n-th gradient of this step is being handed over: step() then knows which expert
+        tensors had none this step, and torch would now keep a .grad for p."""
+        self._grads_this_step[id(p)] = n
+        self._kept_grads.add(id(p))
 
     def _note_grad_buffer(self, buffers: dict[int, list[Any]], p: torch.Tensor, grad: torch.Tensor) -> None:
         """At the first step: the memory each expert gradient is a view of (see _check_grad_buffers)."""
@@ -1067,9 +1071,7 @@ class SonarAdamW(torch.optim.AdamW):
         if self._zeroing_unchecked():
             self.check_new_step(f"expert tensor {entry[0]} received a new step's gradient")
         with self._updating():
-            # as _take notes them: step() then knows which expert tensors had no gradient this step
-            self._grads_this_step[id(param)] = self._grads_this_step.get(id(param), 0) + 1
-            self._kept_grads.add(id(param))
+            self._note_grad(param, self._grads_this_step.get(id(param), 0) + 1)
             self._hand_over(param, grad, owned=False)
 
     def check_new_step(self, what: str, tells_zeroing: bool = True) -> None:
@@ -1408,7 +1410,7 @@ class SonarAdamW(torch.optim.AdamW):
                     self._step_zeroed_grads()
                 self._drain()
                 self._warn_late_changes()
-                dense = self.dense_parameters()  # (sorted once a step: 15-20 us for 150-250 tensors)
+                dense = self.dense_parameters()  # (sorted once a step: 24-62 us for 147-226 tensors)
                 self._dense_step(dense, grad_scale, found_inf)
                 self._order_state()
                 self._applied = AppliedGrads(self._zeroing_witnesses(dense), bool(self._advanced))
