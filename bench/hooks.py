@@ -109,7 +109,9 @@ def run(method: str, client: str, sonard: str | None, args: argparse.Namespace) 
     out = subprocess.run([sys.executable, __file__, "--child", method, "--experts", str(args.experts),
                           "--numel", str(args.numel), "--steps", str(args.steps), "--threads", str(args.threads),
                           "--layers", str(args.layers)],
-                         env=env, check=True, capture_output=True, text=True, timeout=600)
+                         env=env, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise SystemExit(f"the {method} run (client {client}) failed with exit status {out.returncode}:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -35,7 +35,7 @@ from torch import nn
 from ._clipping import ExpertClipper
 from ._connection import MAX_ITEMS, Connection, RequestTrace, SonarError, SonarRefused, in_requests
 from ._detect import group_key
-from ._dtensor import like, local, local_state
+from ._dtensor import is_dtensor, like, local, local_state
 from ._launch import connect
 from ._steps import StepQueue
 
@@ -82,6 +82,16 @@ class Expert:
     # (share_memory(), .to()) is not the memory it updates.
     ptr: int = 0
     dtype: torch.dtype | None = None
+    # Read in every gradient hook, so worked out once: whether the parameter is a DTensor (its
+    # local shard is the memory) and the bytes of that memory (fixed: a parameter moved or
+    # cast since registration is refused by check()).
+    sharded: bool = field(init=False, default=False)
+    nbytes: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.sharded = is_dtensor(self.param)
+        t = self.tensor
+        self.nbytes = t.numel() * t.element_size()
 
     @classmethod
     def of(cls, name: str, param: nn.Parameter, slices: Mapping[int, int] | None) -> Expert:
@@ -95,15 +105,11 @@ class Expert:
     @property
     def tensor(self) -> torch.Tensor:
         """The memory sonard updates: the parameter, or a DTensor parameter's local shard."""
-        return local(self.param)
-
-    @property
-    def nbytes(self) -> int:
-        t = self.tensor
-        return t.numel() * t.element_size()
+        return local(self.param) if self.sharded else self.param
 
     @property
     def part_bytes(self) -> int:
+        """The bytes of one server tensor (an expert slice with split_experts)."""
         return self.nbytes // self.parts
 
 
@@ -457,7 +463,8 @@ class ServerBackend(ABC):
             # (a detached use recorded earlier in the forward) and has not run yet raises torch's
             # "modified by an inplace operation" instead of reading the updated values.
             torch.autograd.graph.increment_version(e.tensor)
-        items = [{"tensor": tid, "grad": {"seg": staged.seg, "off": staged.off + i * e.part_bytes, "nbytes": e.part_bytes},
+        size = e.part_bytes
+        items = [{"tensor": tid, "grad": {"seg": staged.seg, "off": staged.off + i * size, "nbytes": size},
                   "apply": apply, "step": step, "scalars": scalars} for i, tid in enumerate(e.tids)]
         if apply:
             self._scale(items)

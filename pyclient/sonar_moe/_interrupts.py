@@ -36,7 +36,8 @@ class HeldInterrupt:
         self._caught: tuple[int, FrameType | None] | None = None
 
     def __enter__(self) -> HeldInterrupt:
-        if self._depth == 0 and threading.current_thread() is threading.main_thread():
+        # get_ident() against the main thread's: threading.current_thread() is a lookup of its own
+        if self._depth == 0 and threading.get_ident() == threading.main_thread().ident:
             try:
                 old = _set_handler(signal.SIGINT, self._hold)
             except (ValueError, OSError):  # not the main interpreter: nothing to hold

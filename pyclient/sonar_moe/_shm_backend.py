@@ -207,8 +207,8 @@ class ShmBackend(ServerBackend):
     def _readable(grad: torch.Tensor, p: torch.Tensor) -> bool:
         """A gradient the server can read in place: dense, contiguous, the parameter's dtype
         and size, in this process's memory."""
-        return (grad.layout == torch.strided and grad.device.type == "cpu" and grad.dtype == p.dtype
-                and grad.numel() == p.numel() and grad.is_contiguous() and grad.data_ptr() != 0)
+        return (grad.is_cpu and grad.layout == torch.strided and grad.dtype == p.dtype  # is_cpu: device.type
+                and grad.numel() == p.numel() and grad.is_contiguous() and grad.data_ptr() != 0)  # builds an object
 
     def _alloc(self, nbytes: int) -> int:
         ring = self._ring_for(nbytes) if self._ring is None or not len(self._ring) else self._ring

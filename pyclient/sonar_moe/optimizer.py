@@ -522,6 +522,10 @@ class SonarAdamW(torch.optim.AdamW):
         # A step's scalars, computed once for the expert tensors of a group that share a step and
         # a dtype (a layer of per-expert tensors: hundreds of hooks alike); cleared every step.
         self._scalars_made: dict[tuple[Any, ...], dict[str, Any]] = {}
+        # The latest tensor's (_hyper's key, options, scalars), and the group of the tensor whose
+        # gradient hook is running (_on_grad: looked up once a hook).
+        self._hyper_last: tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]] | None = None
+        self._hook_group: tuple[torch.Tensor, dict[str, Any]] | None = None
         self._pred = expert_params
         self._started = False
         self._closed = False
@@ -753,12 +757,12 @@ class SonarAdamW(torch.optim.AdamW):
         ids = {id(q) for g in self.param_groups for q in g["params"]}
         return [(i, e) for i, e in self._experts.items() if i in ids]
 
-    def _in_a_group(self, p: torch.Tensor) -> bool:
+    def _group_or_none(self, p: torch.Tensor) -> dict[str, Any] | None:
         try:
-            self._group_of(p)
+            return self._group_of(p)
         except KeyError:
-            return False
-        return True
+            return None
+
 
     def _hyper_of(self, p: torch.Tensor) -> dict[str, Any]:
         """The hyper-parameters the server checks at registration (those of p's group)."""
@@ -774,13 +778,14 @@ class SonarAdamW(torch.optim.AdamW):
         if not self._applied_since_step:  # no expert update of this step yet: options checked first
             self._check_expert_groups()
             self._applied_since_step = True
-        if self._handed_over_since_step and self._state_edited(p):
+        st = self.state.get(p)
+        if self._handed_over_since_step and self._edited(p, st):
             # changed since the step's first hand-over (between micro-batches): written back
             # now, once the requests already sent are answered; the micro-batches accumulated
             # stay pending on the server, as torch's .grad stays through such an edit
             self._settle()
             self._write_back_state([p])
-        st = self.state.get(p)
+            st = self.state.get(p)
         if not isinstance(st, ExpertState):
             st = self.state[p] = ExpertState(self._fetcher(p), torch.tensor(0.0, dtype=torch.float32),
                                              self._registered[id(p)]["amsgrad"])
@@ -793,9 +798,33 @@ class SonarAdamW(torch.optim.AdamW):
         step_t.fill_(step)
         self._server_steps[id(p)] = int(step)
         self._advanced.add(id(p))
-        g = self._group_of(p)
-        options = self._used[id(p)] = _options_key(g)
-        return int(step), self._scalars(g, options, step, p)
+        hooked = self._hook_group
+        g = hooked[1] if hooked is not None and hooked[0] is p else self._group_of(p)
+        options, scalars = self._hyper(g, step, p)
+        self._used[id(p)] = options
+        return int(step), scalars
+
+    def _hyper(self, g: dict[str, Any], step: float, p: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The options (_options_key) and the scalars (_scalars) of p's step `step` in group g.
+        A layer's tensors share them: where the group's hyper-parameters are plain numbers, those
+        of the tensor before are used again while the group, its values, the step, the dtype and
+        the device are the same (every value read from the group each time, as torch reads it at
+        each step; a tensor hyper-parameter, which can change in place, is worked out anew)."""
+        lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+        device = self._registered[id(p)]["device"]
+        if not (type(lr) in _PLAIN and type(eps) in _PLAIN and type(wd) in _PLAIN and type(betas) is tuple
+                and len(betas) == 2 and type(betas[0]) in _PLAIN and type(betas[1]) in _PLAIN):
+            options = _options_key(g)
+            return options, self._scalars(g, options, step, p)
+        key = (id(g), lr, betas, eps, wd, bool(g["maximize"]), bool(g["amsgrad"]), bool(g["fused"]),
+               bool(g["foreach"]), step, p.dtype, device)
+        last = self._hyper_last
+        if last is not None and last[0] == key:
+            return last[1], last[2]
+        options = _options_key(g)
+        scalars = self._scalars(g, options, step, p)
+        self._hyper_last = (key, options, scalars)
+        return options, scalars
 
     def _scalars(self, g: dict[str, Any], options: tuple[Any, ...], step: float, p: torch.Tensor) -> dict[str, Any]:
         """The scalars of p's step `step` in group g (whose _options_key is `options`), as the
@@ -902,7 +931,10 @@ class SonarAdamW(torch.optim.AdamW):
     # --------------------------------------------------------------- backward
     def _on_grad(self, p: torch.Tensor) -> None:
         """post-accumulate-grad hook: hand the gradient over and free it."""
-        if p.grad is None or not self._in_a_group(p):  # out of every group: torch leaves it alone
+        if p.grad is None:
+            return
+        g = self._group_or_none(p)
+        if g is None:  # out of every group: torch leaves it alone
             return
         if self._data_parallel_check_due:
             self._data_parallel_check_due = False
@@ -913,8 +945,10 @@ class SonarAdamW(torch.optim.AdamW):
             try:
                 if self._zeroing_unchecked():  # (the message is not built for every gradient of the step)
                     self.check_new_step(f"expert tensor {self._experts[id(p)][0]} received a new step's gradient")
+                self._hook_group = (p, g)  # advance() reads it: nothing changes the groups in between
                 self._take(p)
             finally:
+                self._hook_group = None
                 self._busy -= 1
 
     def _take(self, p: torch.Tensor) -> None:
@@ -1201,6 +1235,7 @@ class SonarAdamW(torch.optim.AdamW):
         self._zeroed_grads.clear()
         self._completed.clear()
         self._scalars_made.clear()
+        self._hyper_last = None
         self._handed_over_since_step = False
         self._applied_since_step = False
         self._data_parallel_check_due = True
@@ -1288,7 +1323,10 @@ class SonarAdamW(torch.optim.AdamW):
 
     def _state_edited(self, p: nn.Parameter) -> bool:
         """Whether p's ``opt.state`` differs from what the server holds (see _write_back_state)."""
-        st = self.state.get(p)
+        return self._edited(p, self.state.get(p))
+
+    def _edited(self, p: nn.Parameter, st: Any) -> bool:
+        """_state_edited, given p's ``opt.state`` entry."""
         known = self._server_steps.get(id(p), 0)
         if isinstance(st, ExpertState):
             return not st.unchanged(known)
