@@ -209,3 +209,43 @@ def test_load_refused_mid_batch_says_how_far_it_went(monkeypatch: pytest.MonkeyP
         ropt.load_state_dict(sd)
         step(((ref, ropt), (model, opt)))
         assert_equal(ref, model, "a step after loading again")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_split_over_groups_steps_each_tensor_with_its_groups_options(dtype: torch.dtype) -> None:
+    """A layer's hooks come one after another, and SonarAdamW reuses the step scalars of the
+    tensor before while the group, its values, the step, dtype and device are the same. Here a
+    layer's per-expert tensors alternate between three groups (plain options that differ in one
+    value each, and a tensor lr a scheduler changes in place), a LambdaLR changes every lr at
+    every step, and one group's betas are changed by hand between steps: each tensor must be
+    stepped with its own group's values of that step, bit for bit torch's AdamW."""
+    torch.manual_seed(3)
+    experts = nn.ModuleList(Expert() for _ in range(12)).to(dtype)
+    ref = copy.deepcopy(experts)
+
+    def groups(m: nn.ModuleList) -> list[dict[str, Any]]:
+        tensors = [(f"experts.{i}.{n}", p) for i, e in enumerate(m) for n, p in e.named_parameters()]
+        return [{"params": tensors[0::3], "lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.1},
+                {"params": tensors[1::3], "lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1},
+                {"params": tensors[2::3], "lr": torch.tensor(1e-2), "betas": (0.9, 0.99), "weight_decay": 0.0}]
+
+    def plain(gs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**g, "params": [p for _, p in g["params"]]} for g in gs]
+
+    ropt = torch.optim.AdamW(plain(groups(ref)), eps=1e-8)
+    with SonarAdamW(groups(experts), eps=1e-8, expert_params=lambda name, p: True) as opt:
+        assert sum(1 for _ in opt.named_expert_parameters()) == 36
+        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (ropt, opt)]
+        g = torch.Generator().manual_seed(4)
+        for step in range(4):
+            x = torch.randn(5, HIDDEN, generator=g).to(dtype)
+            for m, o in ((ref, ropt), (experts, opt)):
+                o.zero_grad()
+                torch.stack([e(x) for e in m]).float().pow(2).mean().backward()
+                o.step()
+            for s in scheds:
+                s.step()
+            if step == 1:
+                for o in (ropt, opt):
+                    o.param_groups[0]["betas"] = (0.8, 0.99)
+            assert_equal(ref, experts, f"{dtype} step {step + 1}")
