@@ -763,7 +763,6 @@ class SonarAdamW(torch.optim.AdamW):
         except KeyError:
             return None
 
-
     def _hyper_of(self, p: torch.Tensor) -> dict[str, Any]:
         """The hyper-parameters the server checks at registration (those of p's group)."""
         g = self._group_of(p)
