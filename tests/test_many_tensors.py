@@ -213,8 +213,8 @@ def test_load_refused_mid_batch_says_how_far_it_went(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_layer_split_over_groups_steps_each_tensor_with_its_groups_options(dtype: torch.dtype) -> None:
-    """A layer's hooks come one after another, and SonarAdamW reuses the step scalars of the
-    tensor before while the group, its values, the step, dtype and device are the same. Here a
+    """A layer's hooks come one after another, and SonarAdamW makes a step's options and scalars
+    once for the tensors whose group, values, dtype and device are the same. Here a
     layer's per-expert tensors alternate between three groups (plain options that differ in one
     value each, and a tensor lr a scheduler changes in place), a LambdaLR changes every lr at
     every step, and one group's betas are changed by hand between steps: each tensor must be

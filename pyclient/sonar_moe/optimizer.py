@@ -519,12 +519,10 @@ class SonarAdamW(torch.optim.AdamW):
         self._known: set[int] = set()
         self._group_lists: tuple[int, ...] = ()
         self._group_by_param: dict[int, tuple[dict[str, Any], int]] = {}
-        # A step's scalars, computed once for the expert tensors of a group that share a step and
-        # a dtype (a layer of per-expert tensors: hundreds of hooks alike); cleared every step.
-        self._scalars_made: dict[tuple[Any, ...], dict[str, Any]] = {}
-        # The latest tensor's (_hyper's key, options, scalars), and the group of the tensor whose
-        # gradient hook is running (_on_grad: looked up once a hook).
-        self._hyper_last: tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]] | None = None
+        # A step's options and scalars (_hyper), made once for the expert tensors of a group that
+        # share a step, a dtype and a device; cleared every step.
+        self._scalars_made: dict[tuple[Any, ...], tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        # The group of the tensor whose gradient hook is running (_on_grad: looked up once a hook).
         self._hook_group: tuple[torch.Tensor, dict[str, Any]] | None = None
         self._pred = expert_params
         self._started = False
@@ -805,51 +803,36 @@ class SonarAdamW(torch.optim.AdamW):
 
     def _hyper(self, g: dict[str, Any], step: float, p: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The options (_options_key) and the scalars (_scalars) of p's step `step` in group g.
-        A layer's tensors share them: where the group's hyper-parameters are plain numbers, those
-        of the tensor before are used again while the group, its values, the step, the dtype and
-        the device are the same (every value read from the group each time, as torch reads it at
-        each step; a tensor hyper-parameter, which can change in place, is worked out anew)."""
+        Where the group's hyper-parameters are plain numbers, they are made once a step for the
+        tensors alike (a layer of per-expert tensors: hundreds of hooks), keyed by the group, its
+        values (read from it each time, as torch reads them at each step), the step, the dtype and
+        the device; any other kind (a tensor, which can change in place, a NumPy number) is
+        worked out anew each time, in its own arithmetic."""
         lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
         device = self._registered[id(p)]["device"]
-        if not (type(lr) in _PLAIN and type(eps) in _PLAIN and type(wd) in _PLAIN and type(betas) is tuple
-                and len(betas) == 2 and type(betas[0]) in _PLAIN and type(betas[1]) in _PLAIN):
+        if not (type(lr) in _PLAIN and type(eps) in _PLAIN and type(wd) in _PLAIN and len(betas) == 2
+                and type(betas[0]) in _PLAIN and type(betas[1]) in _PLAIN):
             options = _options_key(g)
-            return options, self._scalars(g, options, step, p)
-        key = (id(g), lr, betas, eps, wd, bool(g["maximize"]), bool(g["amsgrad"]), bool(g["fused"]),
+            return options, self._scalars(g, step, p.dtype, device)
+        key = (id(g), lr, betas[0], betas[1], eps, wd, bool(g["maximize"]), bool(g["amsgrad"]), bool(g["fused"]),
                bool(g["foreach"]), step, p.dtype, device)
-        last = self._hyper_last
-        if last is not None and last[0] == key:
-            return last[1], last[2]
-        options = _options_key(g)
-        scalars = self._scalars(g, options, step, p)
-        self._hyper_last = (key, options, scalars)
-        return options, scalars
-
-    def _scalars(self, g: dict[str, Any], options: tuple[Any, ...], step: float, p: torch.Tensor) -> dict[str, Any]:
-        """The scalars of p's step `step` in group g (whose _options_key is `options`), as the
-        torch path the group chooses computes them. Those of plain float hyper-parameters are
-        made once a step for every tensor alike; any other kind (a tensor, a NumPy number) is
-        computed in its own arithmetic, so each time."""
-        kind = "fused" if g["fused"] else "foreach" if g["foreach"] else "single"
-        lr, betas, wd = g["lr"], g["betas"], g["weight_decay"]
-        plain = (type(lr) in _PLAIN and type(betas[0]) in _PLAIN and type(betas[1]) in _PLAIN
-                 and type(wd) in _PLAIN and len(betas) == 2)
-        device = self._registered[id(p)]["device"]
-        key = (kind, step, p.dtype, device, options, bool(g["amsgrad"]))  # options hold eps
-        made = self._scalars_made.get(key) if plain else None
-        if made is not None:
-            return made
-        if kind == "fused":
-            made = torch_fused_cuda_scalars(g, step) if device == "cuda" else torch_fused_scalars(g, step, p.dtype)
-        elif kind == "foreach" and device == "cpu":
-            made = torch_foreach_cpu_scalars(g, step, p.dtype)
-        else:
-            made = torch_scalars(g, step, p.dtype)
-        if plain:
+        made = self._scalars_made.get(key)
+        if made is None:
             if len(self._scalars_made) > 64:
                 self._scalars_made.clear()
-            self._scalars_made[key] = made
+            options = _options_key(g)
+            made = self._scalars_made[key] = (options, self._scalars(g, step, p.dtype, device))
         return made
+
+    @staticmethod
+    def _scalars(g: dict[str, Any], step: float, dtype: torch.dtype, device: str) -> dict[str, Any]:
+        """The scalars of a step `step` of a tensor of that dtype and device in group g, as the
+        torch path the group chooses computes them."""
+        if g["fused"]:
+            return torch_fused_cuda_scalars(g, step) if device == "cuda" else torch_fused_scalars(g, step, dtype)
+        if g["foreach"] and device == "cpu":
+            return torch_foreach_cpu_scalars(g, step, dtype)
+        return torch_scalars(g, step, dtype)
 
     def retreat(self, p: nn.Parameter, step: int) -> None:
         """The server refused step `step` of p: the step was not taken."""
@@ -1234,7 +1217,6 @@ class SonarAdamW(torch.optim.AdamW):
         self._zeroed_grads.clear()
         self._completed.clear()
         self._scalars_made.clear()
-        self._hyper_last = None
         self._handed_over_since_step = False
         self._applied_since_step = False
         self._data_parallel_check_due = True
