@@ -20,6 +20,7 @@ import copy
 import warnings
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -911,69 +912,88 @@ def run_hf_dist(rank: int, world: int, out: str) -> None:
                       f"one layer's shards {layer})")
 
 
-def run_hf_dist_families(rank: int, world: int, out: str, sharding: str) -> None:
+def run_hf_dist_families(rank: int, world: int, out: str, sharding: str, part: str) -> None:
     """Every MoE family of the installed transformers whose config has a plan for ``sharding``
     (tp: tensor parallel; ep: expert parallel with FSDP2 for the rest), saved tiny and loaded sharded
     by transformers: SonarAdamW (dense clipping 0.5) bit for bit as torch.optim.AdamW on the same
     loaded model over 2 steps. A family whose reference model fails in transformers itself (loading
-    or forward, before any optimizer step) is reported as such and skipped."""
-    from transformers import logging as hf_logging
-    from transformers.distributed import DistributedConfig
+    or forward, before any optimizer step) is reported as such and skipped.
+
+    ``part`` "k/n" runs every n-th of those families from the k-th: transformers builds new device
+    meshes at every sharded ``from_pretrained`` and never frees them (six gloo groups a model, each
+    with threads that poll), so in one process each family's collectives got slower than the last
+    (1.5 s a family at first, 20-55 s at the end, 13 min for ep's ~70 families on 2 cores). Parts
+    in their own processes keep that small. SONAR_TEST_FAMILIES (model types, comma-separated) runs
+    only those, to look at one family."""
+    k, n = (int(x) for x in part.split("/"))
     sys.path.insert(0, str(ROOT / "tests"))
     import hf_families as hf
+    from transformers import logging as hf_logging
     hf_logging.set_verbosity_error()
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    dcfg: dict[str, Any] = {"tp": {"tp_size": world}, "ep": {"ep_size": world, "fsdp_size": world}}[sharding]
     plan_attr = {"tp": "base_model_tp_plan", "ep": "base_model_ep_plan"}[sharding]
+    only = set(filter(None, os.environ.get("SONAR_TEST_FAMILIES", "").split(",")))
     passed: list[str] = []
     skipped: list[str] = []
     with NodeServer() as node, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for fam in hf.moe_families():
-            cls = hf.model_class(fam)
-            if cls is None or not getattr(fam.config_class(), plan_attr, None):
-                continue
-            path = os.path.join(out, f"{sharding}-{fam.model_type}")
-            if rank == 0:
-                hf.build(fam, seed=3).save_pretrained(path)
-            dist.barrier()
-            where = f"hf-dist-families {sharding} {fam.model_type}"
-            try:  # the reference: transformers' own sharded model with torch's AdamW
-                ref = cls.from_pretrained(path, distributed_config=DistributedConfig(**dcfg)).train()
-                hf.loss_of(ref, hf.inputs(ref, 0), 0).backward()
-                ref.zero_grad()
-            except Exception as e:  # noqa: BLE001 - transformers' sharding of this tiny model fails alone
-                say(rank, f"SKIP {where}: transformers itself fails: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:160] if str(e) else ''}")
-                skipped.append(fam.model_type)
-                dist.barrier()
-                continue
-            mine = cls.from_pretrained(path, distributed_config=DistributedConfig(**dcfg)).train()
-            # the same forward and backward as the reference's trial above, gradients dropped
-            hf.loss_of(mine, hf.inputs(mine, 0), 0).backward()
-            mine.zero_grad()
-            ropt = torch.optim.AdamW(ref.parameters(), lr=2e-3, weight_decay=0.1)
-            with sonar_moe.SonarAdamW(mine, lr=2e-3, weight_decay=0.1, max_grad_norm=0.5,
-                                      **node.optimizer_kwargs()) as opt:
-                experts = {n for n, _ in opt.named_expert_parameters()}
-                if not experts:
-                    raise Mismatch(f"{where}: no expert tensors found")
-                dense = [p for n, p in ref.named_parameters() if n not in experts]
-                for step in range(2):
-                    batch = hf.inputs(ref, step + 1)
-                    hf.loss_of(ref, batch, step).backward()
-                    reference_clip(dense, 0.5)
-                    ropt.step()
-                    ropt.zero_grad()
-                    hf.loss_of(mine, batch, step).backward()
-                    opt.step()
-                    opt.zero_grad()
-                    compare(ref, mine, f"{where} step {step + 1}")
-                kinds = sorted({type(p).__name__ for n, p in opt.named_expert_parameters()})
-            say(rank, f"OK {where} ({len(experts)} expert tensors, {', '.join(kinds)})")
-            passed.append(fam.model_type)
-    say(rank, f"hf-dist-families {sharding}: {len(passed)} families bitwise, {len(skipped)} skipped "
+        planned = [(fam, cls) for fam in hf.moe_families() if (cls := hf.model_class(fam)) is not None
+                   and getattr(fam.config_class(), plan_attr, None) and (not only or fam.model_type in only)]
+        for fam, cls in planned[k::n]:
+            began = time.monotonic()
+            ok = one_sharded_family(rank, world, out, sharding, fam, cls, node)
+            (passed if ok else skipped).append(fam.model_type)
+            if ok:
+                say(rank, f"(hf-dist-families {sharding} {fam.model_type}: {time.monotonic() - began:.1f} s)")
+    say(rank, f"hf-dist-families {sharding} part {part}: {len(passed)} families bitwise, {len(skipped)} skipped "
               f"(transformers fails alone: {', '.join(skipped)})")
+
+
+def one_sharded_family(rank: int, world: int, out: str, sharding: str, fam: Any, cls: Any,
+                       node: NodeServer) -> bool:
+    """One family of :func:`run_hf_dist_families`: True when bitwise, False when transformers'
+    own sharded model fails before any optimizer is involved (reported as a SKIP)."""
+    import hf_families as hf
+    from transformers.distributed import DistributedConfig
+    dcfg: dict[str, Any] = {"tp": {"tp_size": world}, "ep": {"ep_size": world, "fsdp_size": world}}[sharding]
+    path = os.path.join(out, f"{sharding}-{fam.model_type}")
+    if rank == 0:
+        hf.build(fam, seed=3).save_pretrained(path)
+    dist.barrier()
+    where = f"hf-dist-families {sharding} {fam.model_type}"
+    try:  # the reference: transformers' own sharded model with torch's AdamW
+        ref = cls.from_pretrained(path, distributed_config=DistributedConfig(**dcfg)).train()
+        hf.loss_of(ref, hf.inputs(ref, 0), 0).backward()
+        ref.zero_grad()
+    except Exception as e:  # noqa: BLE001 - transformers' sharding of this tiny model fails alone
+        say(rank, f"SKIP {where}: transformers itself fails: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:160] if str(e) else ''}")
+        dist.barrier()
+        return False
+    mine = cls.from_pretrained(path, distributed_config=DistributedConfig(**dcfg)).train()
+    # the same forward and backward as the reference's trial above, gradients dropped
+    hf.loss_of(mine, hf.inputs(mine, 0), 0).backward()
+    mine.zero_grad()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=2e-3, weight_decay=0.1)
+    with sonar_moe.SonarAdamW(mine, lr=2e-3, weight_decay=0.1, max_grad_norm=0.5,
+                              **node.optimizer_kwargs()) as opt:
+        experts = {n for n, _ in opt.named_expert_parameters()}
+        if not experts:
+            raise Mismatch(f"{where}: no expert tensors found")
+        dense = [p for n, p in ref.named_parameters() if n not in experts]
+        for step in range(2):
+            batch = hf.inputs(ref, step + 1)
+            hf.loss_of(ref, batch, step).backward()
+            reference_clip(dense, 0.5)
+            ropt.step()
+            ropt.zero_grad()
+            hf.loss_of(mine, batch, step).backward()
+            opt.step()
+            opt.zero_grad()
+            compare(ref, mine, f"{where} step {step + 1}")
+        kinds = sorted({type(p).__name__ for n, p in opt.named_expert_parameters()})
+    say(rank, f"OK {where} ({len(experts)} expert tensors, {', '.join(kinds)})")
+    return True
 
 
 def main() -> None:
@@ -994,7 +1014,7 @@ def main() -> None:
         elif cmd == "hf-dist":
             run_hf_dist(rank, world, sys.argv[5])
         elif cmd == "hf-dist-families":
-            run_hf_dist_families(rank, world, sys.argv[5], sys.argv[6])
+            run_hf_dist_families(rank, world, sys.argv[5], sys.argv[6], sys.argv[7])
         elif cmd == "fsdp1":
             run_fsdp1(rank, world)
         elif cmd == "fsdp2-hf":

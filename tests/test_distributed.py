@@ -175,19 +175,29 @@ def test_transformers_distributed_loading_is_torchs(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(os.environ.get("SONAR_TRANSPORT") == "unix",
-                    reason="about transformers' sharding, not the transport: run once, in the ZeroMQ pass (4 min)")
+                    reason="about transformers' sharding, not the transport: run once, in the ZeroMQ pass (7 min)")
+@pytest.mark.timeout(1500)  # each part has its own timeout below; this is the whole on a loaded host
 @pytest.mark.parametrize("sharding", ["tp", "ep"])
 def test_every_family_transformers_shards_is_torchs(tmp_path: Path, sharding: str) -> None:
     """Every MoE family of the installed transformers whose config carries a tensor-parallel
     (tp) or expert-parallel (ep, with FSDP2 for the rest) plan, saved tiny and loaded sharded by
     transformers on 2 ranks: 2 steps with dense clipping, bit for bit as torch.optim.AdamW on the
     same loaded model. Families whose sharded model fails in transformers itself, with no
-    optimizer involved, are skipped; they must stay a small minority."""
-    outs = launch("hf-dist-families", 2, str(tmp_path), sharding, timeout=900)
-    for r, out in enumerate(outs):
-        ok = [line for line in out.splitlines() if line.startswith(f"[rank {r}] OK hf-dist-families")]
-        skipped = [line for line in out.splitlines() if line.startswith(f"[rank {r}] SKIP hf-dist-families")]
-        assert len(ok) >= 10 and len(ok) >= 4 * len(skipped), out
+    optimizer involved, are skipped; they must stay a small minority. The families run in
+    PARTS processes, each a share of them (transformers leaks a sharded model's process groups, and
+    one process for all ~70 got slower with each family: see run_hf_dist_families)."""
+    ok: list[str] = []
+    skipped: list[str] = []
+    for k in range(PARTS):
+        outs = launch("hf-dist-families", 2, str(tmp_path), sharding, f"{k}/{PARTS}", timeout=600)
+        for r, out in enumerate(outs):
+            lines = out.splitlines()
+            ok += [line for line in lines if line.startswith(f"[rank {r}] OK hf-dist-families")]
+            skipped += [line for line in lines if line.startswith(f"[rank {r}] SKIP hf-dist-families")]
+    assert len(ok) >= 2 * 10 and len(ok) >= 4 * len(skipped), "\n".join(ok + skipped)
+
+
+PARTS = 4
 
 
 def test_fsdp1_flattened_experts_are_refused_or_stepped_as_torch() -> None:
