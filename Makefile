@@ -41,13 +41,13 @@ test-go: system-deps
 	$(GO) test -count=1 ./...
 
 test-py: setup build
-	$(PY) -m pytest -q --timeout=600 tests
+	$(PY) -m pytest -q --timeout=600 --durations=25 tests
 
 # The Python suite again with every private sonard spoken to over its own Unix socket
 # (unix://, SONAR_TRANSPORT=unix) instead of ZeroMQ; tests that name an ipc:// or tcp://
 # address still use ZeroMQ.
 test-py-unix: setup build
-	SONAR_TRANSPORT=unix $(PY) -m pytest -q --timeout=600 tests
+	SONAR_TRANSPORT=unix $(PY) -m pytest -q --timeout=600 --durations=25 tests
 
 # The AVX-512 kernels lane for lane against the Go code, on an emulated AVX-512 CPU (Bochs, a
 # Linux guest; ~1 min, installs what it needs): this project's machines lack AVX-512. GOGC=off:
