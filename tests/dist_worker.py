@@ -940,11 +940,8 @@ def run_hf_dist_families(rank: int, world: int, out: str, sharding: str, part: s
         planned = [(fam, cls) for fam in hf.moe_families() if (cls := hf.model_class(fam)) is not None
                    and getattr(fam.config_class(), plan_attr, None) and (not only or fam.model_type in only)]
         for fam, cls in planned[k::n]:
-            began = time.monotonic()
             ok = one_sharded_family(rank, world, out, sharding, fam, cls, node)
             (passed if ok else skipped).append(fam.model_type)
-            if ok:
-                say(rank, f"(hf-dist-families {sharding} {fam.model_type}: {time.monotonic() - began:.1f} s)")
     say(rank, f"hf-dist-families {sharding} part {part}: {len(passed)} families bitwise, {len(skipped)} skipped "
               f"(transformers fails alone: {', '.join(skipped)})")
 
@@ -961,6 +958,7 @@ def one_sharded_family(rank: int, world: int, out: str, sharding: str, fam: Any,
         hf.build(fam, seed=3).save_pretrained(path)
     dist.barrier()
     where = f"hf-dist-families {sharding} {fam.model_type}"
+    began = time.monotonic()
     try:  # the reference: transformers' own sharded model with torch's AdamW
         ref = cls.from_pretrained(path, distributed_config=DistributedConfig(**dcfg)).train()
         hf.loss_of(ref, hf.inputs(ref, 0), 0).backward()
@@ -992,7 +990,8 @@ def one_sharded_family(rank: int, world: int, out: str, sharding: str, fam: Any,
             opt.zero_grad()
             compare(ref, mine, f"{where} step {step + 1}")
         kinds = sorted({type(p).__name__ for n, p in opt.named_expert_parameters()})
-    say(rank, f"OK {where} ({len(experts)} expert tensors, {', '.join(kinds)})")
+    say(rank, f"OK {where} ({len(experts)} expert tensors, {', '.join(kinds)}; "
+              f"{time.monotonic() - began:.1f} s)")
     return True
 
 

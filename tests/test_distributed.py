@@ -186,15 +186,19 @@ def test_every_family_transformers_shards_is_torchs(tmp_path: Path, sharding: st
     optimizer involved, are skipped; they must stay a small minority. The families run in
     PARTS processes, each a share of them (transformers leaks a sharded model's process groups, and
     one process for all ~70 got slower with each family: see run_hf_dist_families)."""
-    ok: list[str] = []
-    skipped: list[str] = []
+    ok: list[list[str]] = [[], []]
+    skipped: list[list[str]] = [[], []]
     for k in range(PARTS):
         outs = launch("hf-dist-families", 2, str(tmp_path), sharding, f"{k}/{PARTS}", timeout=600)
         for r, out in enumerate(outs):
             lines = out.splitlines()
-            ok += [line for line in lines if line.startswith(f"[rank {r}] OK hf-dist-families")]
-            skipped += [line for line in lines if line.startswith(f"[rank {r}] SKIP hf-dist-families")]
-    assert len(ok) >= 2 * 10 and len(ok) >= 4 * len(skipped), "\n".join(ok + skipped)
+            ok[r] += [line for line in lines if line.startswith(f"[rank {r}] OK hf-dist-families")]
+            skipped[r] += [line for line in lines if line.startswith(f"[rank {r}] SKIP hf-dist-families")]
+    for r in range(2):  # each rank on its own: one rank's passes must not carry the other's
+        report = "\n".join(ok[r] + skipped[r])
+        assert len(ok[r]) >= 10 and len(ok[r]) >= 4 * len(skipped[r]), report
+    families = [{line.split()[5] for line in ok[r]} for r in range(2)]
+    assert families[0] == families[1], families
 
 
 PARTS = 4
