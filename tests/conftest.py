@@ -27,8 +27,9 @@ def sonard_binary() -> str:
 
 
 def shm_names() -> set[str]:
-    """The sonar-* shared-memory segments that exist now."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith("sonar-")}
+    """The shared-memory segments of this process's SonarAdamW that exist now (each name starts
+    with its creator's pid: a test running beside this one in another worker makes its own)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"sonar-{os.getpid()}-")}
 
 
 def sonard_command(binary: str, addr: str, *extra: str) -> list[str]:
