@@ -177,11 +177,25 @@ def test_release_after_an_idle_gap(two_threads: None) -> None:
     for env in ({"SONAR_OPENMP_STEER": "1"}, {}):
         park = OpenMPPark.find(env)
         assert park is not None
-        times = [release_after(park, 0.04) for _ in range(12)]
+        times: list[float] = []
+        active: list[bool] = []  # whether the steering was on after each release
+        for _ in range(12):
+            times.append(release_after(park, 0.04))
+            active.append(park.steering.active)
         # How long a release takes is measured by bench/park.py, not asserted here: on a loaded
         # machine (CI beside other jobs) any bound is a coin toss (a 2.1 ms median failed one run).
         # On a machine where no release is slow, the default never needs to steer.
-        assert park.steering.steered == (12 if env else min(12, 12 - first_slow(times))), env
+        if env:
+            assert park.steering.steered == 12, env
+            continue
+        # The default steers every park after the first release the park itself timed as slow.
+        # Its timing (the posts and the close) lies inside this test's (from the end of the job to
+        # park()'s return), so a release it found slow the test did too, not always the reverse
+        # (a CI run: the test's first release over 1 ms, the park's second).
+        started = next((i + 1 for i, on in enumerate(active) if on), len(active))
+        assert park.steering.steered == 12 - started, (started, times)
+        assert started >= first_slow(times), (started, times)
+        assert (park.steering.slow_releases > 0) == any(active), (started, times)
 
 
 def first_slow(times: list[float]) -> int:
